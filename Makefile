@@ -1,0 +1,16 @@
+# The two commands of the README's quickstart. Each sets everything up (once) and runs its job.
+.PHONY: demo test lint bench setup
+
+setup:
+	@bash scripts/bootstrap.sh
+
+demo: setup
+	.venv/bin/padfree analyze
+
+test: setup
+	.venv/bin/python -m ruff check src tests benchmarks
+	.venv/bin/python -m pytest -q
+
+bench: setup
+	.venv/bin/python -m pip install --quiet -e '.[bench]'
+	.venv/bin/python benchmarks/bench_packing.py

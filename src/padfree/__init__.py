@@ -1,0 +1,22 @@
+"""padfree: exact padding-free (packed-sequence) training for causal language models."""
+
+from padfree.errors import (
+    InvalidArgumentError,
+    InvalidLengthsError,
+    OverlongSequenceError,
+    PadfreeError,
+)
+from padfree.packing import STRATEGIES, Packer, PackResult, pack_sequences
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "STRATEGIES",
+    "InvalidArgumentError",
+    "InvalidLengthsError",
+    "OverlongSequenceError",
+    "PackResult",
+    "Packer",
+    "PadfreeError",
+    "pack_sequences",
+]

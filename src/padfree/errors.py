@@ -1,0 +1,39 @@
+"""The exceptions padfree raises.
+
+Every error is a :class:`PadfreeError`, itself a :class:`ValueError`, so code that already catches
+``ValueError`` keeps working. Messages name the offending argument, the value received and what would
+have been accepted.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "PadfreeError",
+    "InvalidArgumentError",
+    "InvalidLengthsError",
+    "OverlongSequenceError",
+]
+
+
+class PadfreeError(ValueError):
+    """Base class of every error raised by padfree."""
+
+
+class InvalidArgumentError(PadfreeError):
+    """A scalar option (capacity, strategy, seed, ...) has a value padfree cannot use."""
+
+
+class InvalidLengthsError(PadfreeError):
+    """The sequence lengths are not a 1-D array of positive integers."""
+
+
+class OverlongSequenceError(PadfreeError):
+    """A sequence is longer than the bin capacity and the overlong policy is ``"error"``."""
+
+
+def describe(value: object, limit: int = 60) -> str:
+    """A short ``repr`` of ``value`` for error messages, with its type when that helps."""
+    text = repr(value)
+    if len(text) > limit:
+        text = text[: limit - 3] + "..."
+    return f"{text} (type {type(value).__name__})"

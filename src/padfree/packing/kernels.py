@@ -1,0 +1,292 @@
+"""numba kernels of the packing engine: flat int64 arrays in, flat int64 arrays out.
+
+Every placement kernel has the same contract, so that strategies differ only in the kernel they call:
+
+- ``ordered: (n,) int64`` — item lengths in the order the items are offered (the strategy decides the order,
+  e.g. decreasing), each in ``[1, capacity]`` (the caller has applied the overlong policy). Gathering the lengths
+  once, in order, keeps the placement loop free of random reads.
+- ``capacity`` — tokens per bin; ``max_items`` — items per bin (``n`` or more means unlimited).
+- returns ``bin_of: (n,) int64`` with ``bin_of[k]`` the bin that received the k-th offered item, and the number
+  of bins. Bins are numbered in the order they were opened.
+
+No Python objects cross into a kernel, and nothing here is O(tokens): the engine only sees lengths.
+Kernels are compiled lazily on first use and cached on disk (``cache=True``), so a second process loads
+machine code instead of recompiling.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+from numba.cpython.unsafe.numbers import trailing_zeros
+
+# --------------------------------------------------------------------------------------------------
+# Orders
+# --------------------------------------------------------------------------------------------------
+
+
+@njit(cache=True, nogil=True)
+def counting_sort_decreasing(lengths, capacity):  # pragma: no cover - compiled
+    """Stable permutation sorting ``lengths`` (values in [1, capacity]) in decreasing order, O(n + capacity).
+
+    Returns the permutation and the sorted lengths.
+    """
+    n = lengths.shape[0]
+    start = np.zeros(capacity + 2, np.int64)
+    for i in range(n):
+        # bucket index capacity - L makes the ascending bucket walk a descending length walk
+        start[capacity - lengths[i] + 1] += 1
+    for v in range(1, capacity + 2):
+        start[v] += start[v - 1]
+    perm = np.empty(n, np.int64)
+    for i in range(n):
+        slot = capacity - lengths[i]
+        perm[start[slot]] = i
+        start[slot] += 1
+    ordered = np.empty(n, np.int64)
+    pos = 0
+    for slot in range(capacity):
+        # the sorted lengths are runs of equal values: no gather needed
+        end = start[slot]
+        for j in range(pos, end):
+            ordered[j] = capacity - slot
+        pos = end
+    return perm, ordered
+
+
+@njit(cache=True, nogil=True)
+def group_by_bin(proc, bin_of, num_bins):  # pragma: no cover - compiled
+    """CSR layout of an assignment: items bin after bin, each bin in placement order. O(n + num_bins).
+
+    Returns ``order: (n,) int64`` (item ids) and ``offsets: (num_bins + 1,) int64``.
+    """
+    n = proc.shape[0]
+    offsets = np.zeros(num_bins + 1, np.int64)
+    for k in range(n):
+        offsets[bin_of[k] + 1] += 1
+    for b in range(num_bins):
+        offsets[b + 1] += offsets[b]
+    cursor = offsets[:-1].copy()
+    order = np.empty(n, np.int64)
+    for k in range(n):
+        b = bin_of[k]
+        order[cursor[b]] = proc[k]
+        cursor[b] += 1
+    return order, offsets
+
+
+# --------------------------------------------------------------------------------------------------
+# Next fit and harmonic-k: one open bin per class, O(n)
+# --------------------------------------------------------------------------------------------------
+
+
+@njit(cache=True, nogil=True)
+def next_fit_by_class(ordered, capacity, max_items, num_classes):  # pragma: no cover - compiled
+    """Next fit inside each size class; ``num_classes == 1`` is plain next fit.
+
+    With ``num_classes = k`` an item of length L belongs to class ``min(capacity // L, k)``: classes
+    ``j < k`` hold items in ``(C/(j+1), C/j]`` — exactly ``j`` of them fit in a bin — and class ``k``
+    holds every item of at most ``C/k`` (harmonic-k, Lee & Lee 1985).
+    """
+    n = ordered.shape[0]
+    bin_of = np.empty(n, np.int64)
+    open_bin = np.full(num_classes + 1, -1, np.int64)
+    room = np.zeros(num_classes + 1, np.int64)
+    count = np.zeros(num_classes + 1, np.int64)
+    num_bins = 0
+    for k in range(n):
+        length = ordered[k]
+        cls = 1
+        if num_classes > 1:
+            cls = min(capacity // length, num_classes)
+        if open_bin[cls] < 0 or room[cls] < length or count[cls] >= max_items:
+            open_bin[cls] = num_bins
+            num_bins += 1
+            room[cls] = capacity
+            count[cls] = 0
+        bin_of[k] = open_bin[cls]
+        room[cls] -= length
+        count[cls] += 1
+    return bin_of, num_bins
+
+
+# --------------------------------------------------------------------------------------------------
+# First fit and worst fit: a max segment tree over bins, O(n log n)
+# --------------------------------------------------------------------------------------------------
+
+
+@njit(cache=True, nogil=True)
+def tree_fit(ordered, capacity, max_items, worst):  # pragma: no cover - compiled
+    """First fit (``worst=False``) or worst fit (``worst=True``), ties to the lowest bin index.
+
+    Leaves hold each bin's remaining space (-1 once a bin is closed by ``max_items``); inner nodes hold the
+    maximum of their children. First fit descends to the leftmost leaf with room >= L. For first fit the
+    unopened leaves hold ``capacity``, so the leftmost fitting leaf is either an open bin or the next bin to
+    open; for worst fit they hold -1 and the root tells whether any open bin can take the item.
+    """
+    n = ordered.shape[0]
+    bin_of = np.empty(n, np.int64)
+    size = 1
+    while size < max(n, 1):
+        size *= 2
+    tree = np.full(2 * size, -1 if worst else capacity, np.int64)
+    count = np.zeros(size, np.int64)
+    num_bins = 0
+    for k in range(n):
+        length = ordered[k]
+        target = length
+        if worst:
+            if tree[1] >= length:
+                target = tree[1]  # the leftmost bin with the most room
+            else:
+                target = -2  # no open bin fits: open the next one
+        if target == -2:
+            node = size + num_bins
+            tree[node] = capacity
+        else:
+            node = 1
+            while node < size:
+                node *= 2
+                if tree[node] < target:
+                    node += 1
+        b = node - size
+        if b >= num_bins:
+            num_bins = b + 1
+        bin_of[k] = b
+        count[b] += 1
+        tree[node] -= length
+        if count[b] >= max_items:
+            tree[node] = -1
+        node //= 2
+        while node >= 1:
+            left = tree[2 * node]
+            right = tree[2 * node + 1]
+            tree[node] = left if left >= right else right
+            node //= 2
+    return bin_of, num_bins
+
+
+# --------------------------------------------------------------------------------------------------
+# Best fit: buckets of bins keyed by remaining space + a two-level bitmap over the buckets
+# --------------------------------------------------------------------------------------------------
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _next_set_bit(words, summary, x):  # pragma: no cover - compiled
+    """Smallest set bit >= x in the bitmap ``words`` (with ``summary`` marking non-zero words), or -1."""
+    w = x >> 6
+    if w >= words.shape[0]:
+        return -1
+    masked = words[w] & (np.uint64(0xFFFFFFFFFFFFFFFF) << np.uint64(x & 63))
+    if masked != 0:
+        return (w << 6) + np.int64(trailing_zeros(masked))
+    w += 1
+    s = w >> 6
+    if s >= summary.shape[0]:
+        return -1
+    masked = summary[s] & (np.uint64(0xFFFFFFFFFFFFFFFF) << np.uint64(w & 63))
+    while masked == 0:
+        s += 1
+        if s >= summary.shape[0]:
+            return -1
+        masked = summary[s]
+    w = (s << 6) + np.int64(trailing_zeros(masked))
+    return (w << 6) + np.int64(trailing_zeros(words[w]))
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _set_bit(words, summary, r):  # pragma: no cover - compiled
+    w = r >> 6
+    words[w] |= np.uint64(1) << np.uint64(r & 63)
+    summary[w >> 6] |= np.uint64(1) << np.uint64(w & 63)
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _clear_bit(words, summary, r):  # pragma: no cover - compiled
+    w = r >> 6
+    words[w] &= ~(np.uint64(1) << np.uint64(r & 63))
+    if words[w] == 0:
+        summary[w >> 6] &= ~(np.uint64(1) << np.uint64(w & 63))
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _skew_merge(a, b, left, right):  # pragma: no cover - compiled
+    """Top-down skew-heap merge of the heaps rooted at bins ``a`` and ``b`` (min-heap on bin index)."""
+    if a < 0:
+        return b
+    if b < 0:
+        return a
+    if b < a:
+        a, b = b, a
+    root = a
+    parent = a
+    while True:
+        # skew heaps merge into the right spine and then swap children: the merged result becomes the left child
+        x = right[parent]
+        right[parent] = left[parent]
+        if x < 0:
+            left[parent] = b
+            return root
+        if b < x:
+            x, b = b, x
+        left[parent] = x
+        parent = x
+
+
+@njit(cache=True, nogil=True)
+def best_fit(ordered, capacity, max_items, lowest_index):  # pragma: no cover - compiled
+    """Best fit: each item goes to the open bin with the least remaining space that still holds it.
+
+    Open bins live in buckets indexed by their remaining space ``r`` in ``[1, capacity]``; a two-level bitmap
+    over the buckets finds the smallest non-empty ``r >= L`` in O(log_64 capacity). Bins with the same ``r``
+    are interchangeable for every later decision, so the tie-break inside a bucket cannot change the number of
+    bins or their fills:
+
+    - ``lowest_index=True``: each bucket is a skew heap on bin index, so ties go to the lowest-numbered bin,
+      exactly as the textbook algorithm states it (O(log n) amortised per item).
+    - ``lowest_index=False``: each bucket is a stack (O(1) per item); same bins count, same multiset of fills.
+    """
+    n = ordered.shape[0]
+    bin_of = np.empty(n, np.int64)
+    limited = max_items <= n
+    # per-bin state is the hot random access: int32 halves its cache footprint, and a bin's room is never
+    # stored — it is the index of the bucket the bin sits in
+    head = np.full(capacity + 1, -1, np.int32)
+    link = np.full(max(n, 1), -1, np.int32)  # stack: next bin in the bucket; heap: left child
+    right = np.full(max(n, 1) if lowest_index else 1, -1, np.int32)  # heap: right child
+    count = np.zeros(max(n, 1) if limited else 1, np.int32)
+    num_words = (capacity + 1 + 63) // 64
+    words = np.zeros(num_words, np.uint64)
+    summary = np.zeros((num_words + 63) // 64, np.uint64)
+    num_bins = 0
+    for k in range(n):
+        length = ordered[k]
+        r = _next_set_bit(words, summary, length)
+        if r < 0:
+            b = num_bins
+            num_bins += 1
+            room = capacity - length
+        else:
+            b = head[r]
+            if lowest_index:
+                head[r] = _skew_merge(link[b], right[b], link, right)
+            else:
+                head[r] = link[b]
+            if head[r] < 0:
+                _clear_bit(words, summary, r)
+            room = r - length
+        bin_of[k] = b
+        if limited:
+            count[b] += 1
+            if count[b] >= max_items:
+                continue
+        if room > 0:
+            if lowest_index:
+                link[b] = -1
+                right[b] = -1
+                head[room] = _skew_merge(head[room], b, link, right)
+            else:
+                link[b] = head[room]
+                head[room] = b
+            _set_bit(words, summary, room)
+    return bin_of, num_bins

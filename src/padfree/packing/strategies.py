@@ -1,0 +1,222 @@
+"""Strategy registry, ``pack_sequences`` and ``Packer``.
+
+A strategy is a function ``(lengths, capacity, max_items, rng) -> (proc, bin_of, num_bins)`` over pieces that
+already fit (see :mod:`padfree.packing.kernels` for the contract). Its docstring states its cost; the
+registry maps the short names users type to these functions.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from padfree.packing import kernels
+from padfree.packing.inputs import apply_overlong, as_choice, as_lengths, as_positive_int, as_seed
+from padfree.packing.result import PackResult
+
+__all__ = ["STRATEGIES", "Packer", "Strategy", "pack_sequences"]
+
+HARMONIC_CLASSES = 8  # k of harmonic-k: asymptotic ratio ~1.69 already at k = 8, more classes buy little
+
+
+def _identity(n: int) -> np.ndarray:
+    return np.arange(n, dtype=np.int64)
+
+
+def _decreasing(lengths: np.ndarray) -> np.ndarray:
+    # numpy's stable argsort on the negated lengths: O(n log n), the textbook "sort, then place"
+    return np.argsort(-lengths, kind="stable")
+
+
+def _nf(lengths, capacity, max_items, rng):
+    """Next fit: keep one bin open, open a new one when the item does not fit. O(n), online, ratio 2."""
+    return (_identity(lengths.shape[0]), *kernels.next_fit_by_class(lengths, capacity, max_items, 1))
+
+
+def _ff(lengths, capacity, max_items, rng):
+    """First fit: the lowest-numbered open bin with room. O(n log n) with a max segment tree, online."""
+    return (_identity(lengths.shape[0]), *kernels.tree_fit(lengths, capacity, max_items, False))
+
+
+def _bf(lengths, capacity, max_items, rng):
+    """Best fit: the open bin with the least room that still fits (ties: lowest bin). O(n log n), online."""
+    return (_identity(lengths.shape[0]), *kernels.best_fit(lengths, capacity, max_items, True))
+
+
+def _wf(lengths, capacity, max_items, rng):
+    """Worst fit: the open bin with the most room (ties: lowest bin). O(n log n) with a max segment tree."""
+    return (_identity(lengths.shape[0]), *kernels.tree_fit(lengths, capacity, max_items, True))
+
+
+def _ffd(lengths, capacity, max_items, rng):
+    """First fit decreasing: stable sort by length, then first fit. O(n log n); at most 11/9 OPT + 6/9 bins."""
+    proc = _decreasing(lengths)
+    return (proc, *kernels.tree_fit(lengths[proc], capacity, max_items, False))
+
+
+def _bfd(lengths, capacity, max_items, rng):
+    """Best fit decreasing, textbook form: stable argsort, then best fit with ties to the lowest bin. O(n log n)."""
+    proc = _decreasing(lengths)
+    return (proc, *kernels.best_fit(lengths[proc], capacity, max_items, True))
+
+
+def _obfd(lengths, capacity, max_items, rng):
+    """Optimized best fit decreasing: same bins as ``bfd`` in O(n + C) sort + O(n log_64 C) placement.
+
+    Counting sort replaces the comparison sort (lengths are bounded by the capacity), and bins with equal room
+    share a stack instead of a heap. Bins with equal room are interchangeable for every later choice, so the
+    number of bins and the multiset of fills equal ``bfd``'s; only which of two equal bins gets an item differs.
+    """
+    proc, ordered = kernels.counting_sort_decreasing(lengths, capacity)
+    return (proc, *kernels.best_fit(ordered, capacity, max_items, False))
+
+
+def _ffs(lengths, capacity, max_items, rng):
+    """First fit over a seeded shuffle: O(n log n); a different seed gives different rows (reshuffle per epoch)."""
+    proc = rng.permutation(lengths.shape[0]).astype(np.int64)
+    return (proc, *kernels.tree_fit(lengths[proc], capacity, max_items, False))
+
+
+def _hk(lengths, capacity, max_items, rng):
+    """Harmonic-k (k = 8): items in (C/(j+1), C/j] are packed j per bin, small ones next-fit. O(n), online."""
+    return (_identity(lengths.shape[0]), *kernels.next_fit_by_class(lengths, capacity, max_items, HARMONIC_CLASSES))
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """A packing strategy: its short name, its function and what it is good for."""
+
+    name: str
+    fn: Callable[..., tuple[np.ndarray, np.ndarray, int]]
+    online: bool
+    randomized: bool = False
+
+    @property
+    def doc(self) -> str:
+        """The one-paragraph description, with the cost."""
+        return " ".join((self.fn.__doc__ or "").split())
+
+
+STRATEGIES: dict[str, Strategy] = {
+    s.name: s
+    for s in (
+        Strategy("nf", _nf, online=True),
+        Strategy("ff", _ff, online=True),
+        Strategy("bf", _bf, online=True),
+        Strategy("wf", _wf, online=True),
+        Strategy("ffd", _ffd, online=False),
+        Strategy("bfd", _bfd, online=False),
+        Strategy("obfd", _obfd, online=False),
+        Strategy("ffs", _ffs, online=False, randomized=True),
+        Strategy("hk", _hk, online=True),
+    )
+}
+
+
+def pack_sequences(
+    lengths: Any,
+    capacity: int,
+    strategy: str = "obfd",
+    seed: int | None = None,
+    *,
+    overlong: str = "error",
+    max_sequences_per_bin: int | None = None,
+) -> PackResult:
+    """Pack sequences of the given lengths into bins of ``capacity`` tokens.
+
+    Args:
+        lengths: ``(num_sequences,)`` positive integers — a list, numpy array, CPU tensor or pyarrow array.
+        capacity: tokens per bin (the packed row length), ``>= 1``.
+        strategy: one of ``nf ff bf wf ffd bfd obfd ffs hk`` (see ``STRATEGIES[name].doc``). The default
+            ``obfd`` gives best-fit-decreasing bins in milliseconds for millions of sequences.
+        seed: seeds the shuffle of randomized strategies (``ffs``); ``None`` draws fresh entropy. The other
+            strategies are deterministic and ignore it.
+        overlong: what to do with sequences longer than ``capacity``: ``"error"`` (raise, naming the first one),
+            ``"truncate"`` (keep the first ``capacity`` tokens), ``"split"`` (cut into pieces of at most
+            ``capacity`` tokens, each placed as its own sequence) or ``"drop"``. Truncated tokens and dropped
+            sequences are counted in the result.
+        max_sequences_per_bin: at most this many pieces per bin (``None``: no limit).
+
+    Returns:
+        A :class:`PackResult`.
+
+    >>> result = pack_sequences([900, 100, 500, 400, 600, 1500], capacity=1024, overlong="split")
+    >>> result.bins
+    [[0, 1], [5, 3], [4, 5], [2]]
+    >>> result.piece_starts.tolist(), result.piece_lengths.tolist()
+    ([0, 0, 0, 0, 0, 1024, 0], [900, 100, 1024, 400, 600, 476, 500])
+    >>> f"{result.efficiency:.3f}", result.lower_bound
+    ('0.977', 4)
+    """
+    return Packer(
+        capacity, strategy, seed, overlong=overlong, max_sequences_per_bin=max_sequences_per_bin
+    ).pack(lengths)
+
+
+class Packer:
+    """A reusable, validated packing configuration: ``Packer(capacity, ...).pack(lengths)``.
+
+    Arguments are those of :func:`pack_sequences` and are checked once, here.
+
+    >>> packer = Packer(4096, strategy="ffs", seed=0)
+    >>> epoch0 = packer.pack([1000, 3000, 2000, 2000, 96])
+    >>> epoch1 = packer.pack([1000, 3000, 2000, 2000, 96], seed=1)
+    >>> epoch0.num_bins, epoch1.num_bins
+    (2, 3)
+    """
+
+    def __init__(
+        self,
+        capacity: int,
+        strategy: str = "obfd",
+        seed: int | None = None,
+        *,
+        overlong: str = "error",
+        max_sequences_per_bin: int | None = None,
+    ) -> None:
+        self.capacity: int = as_positive_int(capacity, "capacity")  # type: ignore[assignment]
+        self.strategy: str = as_choice(strategy, "strategy", tuple(STRATEGIES))
+        self.seed = as_seed(seed)
+        self.overlong = as_choice(overlong, "overlong", ("error", "truncate", "split", "drop"))
+        self.max_sequences_per_bin = as_positive_int(max_sequences_per_bin, "max_sequences_per_bin", allow_none=True)
+
+    def pack(self, lengths: Any, *, seed: int | None = None) -> PackResult:
+        """Pack ``lengths``; ``seed`` (if given) overrides the packer's seed for this call."""
+        seed = self.seed if seed is None else as_seed(seed)
+        lengths = as_lengths(lengths)
+        pieces = apply_overlong(lengths, self.capacity, self.overlong)
+        num = pieces.length.shape[0]
+        max_items = num + 1 if self.max_sequences_per_bin is None else self.max_sequences_per_bin
+        spec = STRATEGIES[self.strategy]
+        rng = np.random.default_rng(seed) if spec.randomized else None
+        proc, bin_of, num_bins = spec.fn(pieces.length, self.capacity, max_items, rng)
+        piece_order, offsets = kernels.group_by_bin(proc, bin_of, num_bins)
+        changed = pieces.start is not None
+        return PackResult(
+            lengths=lengths,
+            capacity=self.capacity,
+            # without drops or splits, piece i is sequence i: skip the identity gather
+            order=pieces.seq[piece_order] if changed or pieces.dropped.size else piece_order,
+            bin_offsets=offsets,
+            piece_starts=pieces.start[piece_order] if changed else None,
+            piece_lengths=pieces.length[piece_order] if changed else None,
+            dropped=pieces.dropped,
+            truncated_tokens=pieces.truncated_tokens,
+            strategy=self.strategy,
+            seed=seed if spec.randomized else None,
+        )
+
+    def __repr__(self) -> str:
+        return (
+            f"Packer(capacity={self.capacity}, strategy={self.strategy!r}, seed={self.seed}, "
+            f"overlong={self.overlong!r}, max_sequences_per_bin={self.max_sequences_per_bin})"
+        )
+
+
+def strategy_names() -> tuple[str, ...]:
+    """The valid strategy names, in registry order."""
+    return tuple(STRATEGIES)
+
