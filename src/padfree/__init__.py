@@ -6,17 +6,30 @@ from padfree.errors import (
     OverlongSequenceError,
     PadfreeError,
 )
-from padfree.packing import STRATEGIES, Packer, PackResult, pack_sequences
+from padfree.packing import (
+    STRATEGIES,
+    BalancedSteps,
+    Packer,
+    PackResult,
+    StreamBin,
+    StreamPacker,
+    balance_bins,
+    pack_sequences,
+)
 
 __version__ = "0.1.0"
 
 __all__ = [
     "STRATEGIES",
+    "BalancedSteps",
     "InvalidArgumentError",
     "InvalidLengthsError",
     "OverlongSequenceError",
     "PackResult",
     "Packer",
     "PadfreeError",
+    "StreamBin",
+    "StreamPacker",
+    "balance_bins",
     "pack_sequences",
 ]

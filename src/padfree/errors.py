@@ -8,10 +8,12 @@ have been accepted.
 from __future__ import annotations
 
 __all__ = [
-    "PadfreeError",
+    "DataLoadError",
     "InvalidArgumentError",
     "InvalidLengthsError",
     "OverlongSequenceError",
+    "PadfreeError",
+    "TokenizerLoadError",
 ]
 
 
@@ -29,6 +31,14 @@ class InvalidLengthsError(PadfreeError):
 
 class OverlongSequenceError(PadfreeError):
     """A sequence is longer than the bin capacity and the overlong policy is ``"error"``."""
+
+
+class DataLoadError(PadfreeError):
+    """A data file or directory is missing, unreadable, or lacks the column that was asked for."""
+
+
+class TokenizerLoadError(PadfreeError):
+    """A tokenizer could not be loaded (missing or unreadable directory, missing optional dependency)."""
 
 
 def describe(value: object, limit: int = 60) -> str:

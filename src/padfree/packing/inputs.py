@@ -51,7 +51,9 @@ def as_lengths(lengths: Any, name: str = "lengths") -> np.ndarray:
         bad = ~np.isfinite(arr) | (arr != np.floor(arr))
         if bad.any():
             i = int(np.argmax(bad))
-            raise InvalidLengthsError(f"{name}[{i}] = {arr[i]!r} is not an integer; every length must be a whole number")
+            raise InvalidLengthsError(
+                f"{name}[{i}] = {arr[i].item()!r} is not an integer; every length must be a whole number"
+            )
         arr = arr.astype(np.int64)
     elif kind == "O":
         for i, value in enumerate(arr):

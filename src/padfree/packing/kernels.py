@@ -136,10 +136,8 @@ def tree_fit(ordered, capacity, max_items, worst):  # pragma: no cover - compile
         length = ordered[k]
         target = length
         if worst:
-            if tree[1] >= length:
-                target = tree[1]  # the leftmost bin with the most room
-            else:
-                target = -2  # no open bin fits: open the next one
+            # the leftmost bin with the most room, or -2: no open bin fits, open the next one
+            target = tree[1] if tree[1] >= length else -2
         if target == -2:
             node = size + num_bins
             tree[node] = capacity

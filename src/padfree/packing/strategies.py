@@ -69,9 +69,12 @@ def _obfd(lengths, capacity, max_items, rng):
     Counting sort replaces the comparison sort (lengths are bounded by the capacity), and bins with equal room
     share a stack instead of a heap. Bins with equal room are interchangeable for every later choice, so the
     number of bins and the multiset of fills equal ``bfd``'s; only which of two equal bins gets an item differs.
+    Under ``max_sequences_per_bin`` two bins with equal room but different counts are not interchangeable, so
+    there the buckets keep ``bfd``'s lowest-index tie-break and the bins are exactly ``bfd``'s.
     """
     proc, ordered = kernels.counting_sort_decreasing(lengths, capacity)
-    return (proc, *kernels.best_fit(ordered, capacity, max_items, False))
+    exact_ties = max_items <= lengths.shape[0]
+    return (proc, *kernels.best_fit(ordered, capacity, max_items, exact_ties))
 
 
 def _ffs(lengths, capacity, max_items, rng):
@@ -116,6 +119,22 @@ STRATEGIES: dict[str, Strategy] = {
 }
 
 
+def place(
+    lengths: np.ndarray,
+    capacity: int,
+    strategy: str,
+    max_items: int | None = None,
+    rng: np.random.Generator | None = None,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Place already-valid pieces: ``lengths (n,) int64`` in ``[1, capacity]`` -> ``(order (n,), offsets (bins + 1,))``.
+
+    The engine's inner step, shared by :class:`Packer` and the streaming packer; no validation happens here.
+    """
+    limit = lengths.shape[0] + 1 if max_items is None else max_items
+    proc, bin_of, num_bins = STRATEGIES[strategy].fn(lengths, capacity, limit, rng)
+    return kernels.group_by_bin(proc, bin_of, num_bins)
+
+
 def pack_sequences(
     lengths: Any,
     capacity: int,
@@ -144,10 +163,10 @@ def pack_sequences(
         A :class:`PackResult`.
 
     >>> result = pack_sequences([900, 100, 500, 400, 600, 1500], capacity=1024, overlong="split")
-    >>> result.bins
-    [[0, 1], [5, 3], [4, 5], [2]]
+    >>> result.bins  # sequence 5 (1500 tokens) was split into 1024 + 476
+    [[5], [0, 1], [4, 3], [2, 5]]
     >>> result.piece_starts.tolist(), result.piece_lengths.tolist()
-    ([0, 0, 0, 0, 0, 1024, 0], [900, 100, 1024, 400, 600, 476, 500])
+    ([0, 0, 0, 0, 0, 0, 1024], [1024, 900, 100, 600, 400, 500, 476])
     >>> f"{result.efficiency:.3f}", result.lower_bound
     ('0.977', 4)
     """
@@ -162,10 +181,11 @@ class Packer:
     Arguments are those of :func:`pack_sequences` and are checked once, here.
 
     >>> packer = Packer(4096, strategy="ffs", seed=0)
-    >>> epoch0 = packer.pack([1000, 3000, 2000, 2000, 96])
-    >>> epoch1 = packer.pack([1000, 3000, 2000, 2000, 96], seed=1)
-    >>> epoch0.num_bins, epoch1.num_bins
-    (2, 3)
+    >>> lengths = [1000, 3000, 2000, 2000, 96, 3000, 1000]
+    >>> packer.pack(lengths).bins
+    [[2, 4, 3], [6, 5], [0, 1]]
+    >>> packer.pack(lengths, seed=1).bins  # another epoch, other rows
+    [[5, 0, 4], [1, 6], [2, 3]]
     """
 
     def __init__(
@@ -188,12 +208,9 @@ class Packer:
         seed = self.seed if seed is None else as_seed(seed)
         lengths = as_lengths(lengths)
         pieces = apply_overlong(lengths, self.capacity, self.overlong)
-        num = pieces.length.shape[0]
-        max_items = num + 1 if self.max_sequences_per_bin is None else self.max_sequences_per_bin
         spec = STRATEGIES[self.strategy]
         rng = np.random.default_rng(seed) if spec.randomized else None
-        proc, bin_of, num_bins = spec.fn(pieces.length, self.capacity, max_items, rng)
-        piece_order, offsets = kernels.group_by_bin(proc, bin_of, num_bins)
+        piece_order, offsets = place(pieces.length, self.capacity, self.strategy, self.max_sequences_per_bin, rng)
         changed = pieces.start is not None
         return PackResult(
             lengths=lengths,

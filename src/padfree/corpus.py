@@ -1,0 +1,302 @@
+r"""Real text that ships with every Python, and a real tokenizer that works offline.
+
+``padfree analyze`` without arguments (the README's first command) and, later, ``padfree demo`` need a corpus
+and a tokenizer on a machine with no network. Both already sit on disk:
+
+- the **embedded corpus** is CPython's own standard library — its ``.py`` sources, a long-tailed mix of a few
+  dozen to ~100k tokens per file — plus the English reference documents of ``pydoc_data.topics`` (the text
+  ``help("with")`` shows). Nobody here wrote it, it is identical on every install of the same Python version,
+  and it needs no download;
+- the **default tokenizer** is the 32k SentencePiece model that ``mistral-common`` ships
+  (``mistral_common/data/tokenizer.model.v1``, the vocabulary of Mistral 7B v0.1), converted once by
+  ``transformers`` into a fast tokenizer and cached on disk.
+
+>>> docs = embedded_corpus()
+>>> len(docs) > 500, all(isinstance(d, str) for d in docs)
+(True, True)
+>>> tokenizer = load_tokenizer()
+>>> len(tokenizer)
+32000
+>>> token_lengths(["def f(x):\n    return x", "hello world"], tokenizer).tolist()
+[9, 3]
+"""
+
+from __future__ import annotations
+
+import importlib.resources
+import logging
+import os
+import shutil
+import sysconfig
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from padfree.errors import InvalidArgumentError, TokenizerLoadError
+
+__all__ = [
+    "DEFAULT_TOKENIZER_NAME",
+    "EXCLUDED_STDLIB_DIRS",
+    "cache_dir",
+    "embedded_corpus",
+    "embedded_corpus_description",
+    "load_tokenizer",
+    "stdlib_source_paths",
+    "token_lengths",
+]
+
+logger = logging.getLogger("padfree")
+
+#: Directory names skipped anywhere under the standard library. ``site-packages``/``dist-packages`` hold
+#: third-party code (whatever happens to be installed), not CPython's; the test suites (``test``, ``tests``,
+#: ``idle_test``) are ~1,000 files of mostly generated fixtures that would triple the tokenizing time and skew
+#: the length distribution towards test boilerplate.
+EXCLUDED_STDLIB_DIRS = frozenset({"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"})
+
+#: ``pydoc_data/topics.py`` *is* the pydoc topics, as one 750 kB Python literal; they are included one
+#: document per topic instead, so the file itself is skipped rather than counted twice.
+_EXCLUDED_STDLIB_FILES = frozenset({"pydoc_data/topics.py"})
+
+DEFAULT_TOKENIZER_NAME = "mistral-common tokenizer.model.v1 (32k SentencePiece, Mistral 7B v0.1)"
+_DEFAULT_TOKENIZER_CACHE = "tokenizer-mistral-v1"
+
+
+# --------------------------------------------------------------------------------------------------
+# The embedded corpus
+# --------------------------------------------------------------------------------------------------
+
+
+def stdlib_source_paths() -> list[Path]:
+    """The standard library's ``.py`` files that :func:`embedded_corpus` reads, sorted by relative path.
+
+    Everything under ``sysconfig.get_paths()["stdlib"]``, recursively, except the directories named in
+    :data:`EXCLUDED_STDLIB_DIRS` and ``pydoc_data/topics.py``.
+    """
+    root = Path(sysconfig.get_paths()["stdlib"])
+    found = []
+    for path in root.rglob("*.py"):
+        rel = path.relative_to(root)
+        if EXCLUDED_STDLIB_DIRS.isdisjoint(rel.parts[:-1]) and rel.as_posix() not in _EXCLUDED_STDLIB_FILES:
+            found.append((rel.as_posix(), path))
+    # sort on the relative POSIX path so that the order does not depend on the filesystem or the install prefix
+    return [path for _, path in sorted(found)]
+
+
+def _pydoc_topics() -> dict[str, str]:
+    from pydoc_data.topics import topics
+
+    return topics
+
+
+def embedded_corpus() -> list[str]:
+    """Every document of the embedded corpus, in a fixed order.
+
+    The standard library's sources (see :func:`stdlib_source_paths`), each file one document read as UTF-8
+    with undecodable bytes replaced, followed by every document of ``pydoc_data.topics.topics`` sorted by
+    topic name. Empty files (several ``__init__.py``) are kept: callers that need positive lengths skip them.
+
+    Returns:
+        ``list[str]`` — about 800 documents (734 files + 79 topics on CPython 3.11), ~12 MB of text.
+    """
+    texts = [path.read_text(encoding="utf-8", errors="replace") for path in stdlib_source_paths()]
+    topics = _pydoc_topics()
+    texts.extend(topics[name] for name in sorted(topics))
+    return texts
+
+
+def embedded_corpus_description() -> str:
+    """One line saying what :func:`embedded_corpus` holds on this Python."""
+    version = sysconfig.get_python_version()
+    return (
+        f"CPython {version} standard library ({len(stdlib_source_paths())} .py files) "
+        f"+ pydoc topics ({len(_pydoc_topics())} documents)"
+    )
+
+
+# --------------------------------------------------------------------------------------------------
+# Tokenizers
+# --------------------------------------------------------------------------------------------------
+
+
+def cache_dir() -> Path:
+    """Where padfree caches derived files: ``$PADFREE_CACHE``, else ``$XDG_CACHE_HOME/padfree``, else
+    ``~/.cache/padfree``. Nothing is created here."""
+    if os.environ.get("PADFREE_CACHE"):
+        return Path(os.environ["PADFREE_CACHE"]).expanduser()
+    if os.environ.get("XDG_CACHE_HOME"):
+        return Path(os.environ["XDG_CACHE_HOME"]).expanduser() / "padfree"
+    return Path.home() / ".cache" / "padfree"
+
+
+def _import_transformers() -> Any:
+    try:
+        import transformers
+    except ImportError as exc:
+        raise TokenizerLoadError(
+            f"loading a tokenizer needs transformers, which could not be imported ({exc}); "
+            "install it with: pip install 'padfree[tokenizers]'"
+        ) from exc
+    return transformers
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
+
+
+def load_tokenizer(path: str | os.PathLike[str] | None = None) -> Any:
+    """A Hugging Face tokenizer, loaded without any network access.
+
+    Args:
+        path: a directory written by ``tokenizer.save_pretrained`` (loaded with
+            ``transformers.AutoTokenizer.from_pretrained(path, local_files_only=True)``). ``None`` loads the
+            default tokenizer, :data:`DEFAULT_TOKENIZER_NAME`: the first call converts mistral-common's
+            SentencePiece model and caches the result in ``cache_dir() / "tokenizer-mistral-v1"`` (written
+            atomically, so a concurrent or interrupted run never leaves a half-written cache); later calls load
+            the cache. An unwritable cache directory only costs the conversion again next time.
+
+    Returns:
+        A ``transformers`` tokenizer.
+
+    Raises:
+        TokenizerLoadError: the directory does not exist, is not a directory, or transformers cannot load it;
+            or a needed package (transformers, sentencepiece, mistral-common) is missing.
+    """
+    if path is not None:
+        return _load_directory(path)
+    target = cache_dir() / _DEFAULT_TOKENIZER_CACHE
+    transformers = _import_transformers()
+    if (target / "tokenizer.json").is_file():
+        try:
+            return transformers.LlamaTokenizer.from_pretrained(str(target), local_files_only=True)
+        except Exception as exc:  # transformers raises many types (OSError, ValueError, KeyError, JSON errors)
+            logger.warning("the cached tokenizer in %s is unreadable (%s); converting it again", target,
+                           _first_line(exc))
+    return _build_default_tokenizer(transformers, target)
+
+
+def _load_directory(path: str | os.PathLike[str]) -> Any:
+    directory = Path(path).expanduser()
+    accepted = "a directory written by tokenizer.save_pretrained (tokenizer.json and/or tokenizer.model)"
+    if not directory.exists():
+        raise TokenizerLoadError(f"tokenizer directory {str(path)!r} does not exist; expected {accepted}")
+    if not directory.is_dir():
+        raise TokenizerLoadError(f"tokenizer path {str(path)!r} is a file, not a directory; expected {accepted}")
+    transformers = _import_transformers()
+    try:
+        return transformers.AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
+    except Exception as exc:  # see load_tokenizer: any failure here means "this directory is not a tokenizer"
+        raise TokenizerLoadError(
+            f"tokenizer directory {str(path)!r} could not be loaded ({_first_line(exc)}); expected {accepted}"
+        ) from exc
+
+
+def _mistral_model_file() -> Path:
+    try:
+        data = importlib.resources.files("mistral_common") / "data" / "tokenizer.model.v1"
+    except ModuleNotFoundError as exc:
+        raise TokenizerLoadError(
+            "the default tokenizer comes from mistral-common, which is not installed; install it with "
+            "pip install 'padfree[tokenizers]', or pass a tokenizer directory"
+        ) from exc
+    model = Path(str(data))
+    if not model.is_file():
+        raise TokenizerLoadError(f"mistral-common is installed but {model} is missing; reinstall mistral-common")
+    return model
+
+
+def _build_default_tokenizer(transformers: Any, target: Path) -> Any:
+    model = _mistral_model_file()
+    with tempfile.TemporaryDirectory(prefix="padfree-spm-") as tmp:
+        # LlamaTokenizer looks for exactly "tokenizer.model"; a symlink avoids copying 490 kB
+        link = Path(tmp) / "tokenizer.model"
+        try:
+            link.symlink_to(model)
+        except OSError:
+            shutil.copyfile(model, link)
+        try:
+            tokenizer = transformers.LlamaTokenizer.from_pretrained(tmp, local_files_only=True)
+        except Exception as exc:
+            raise TokenizerLoadError(
+                f"converting {model} with transformers.LlamaTokenizer failed ({_first_line(exc)}); "
+                "the conversion needs sentencepiece and protobuf: pip install 'padfree[tokenizers]'"
+            ) from exc
+    try:
+        _save_atomically(tokenizer, target)
+    except OSError as exc:
+        logger.warning("could not cache the tokenizer in %s (%s); it will be converted again next time", target, exc)
+    return tokenizer
+
+
+def _save_atomically(tokenizer: Any, target: Path) -> None:
+    """Write ``tokenizer`` to ``target`` so that readers see either no directory or a complete one."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # a sibling temporary directory: same filesystem, so the final rename is atomic
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+    try:
+        tokenizer.save_pretrained(str(tmp))
+        if target.exists():
+            # an unreadable old cache: move it out of the way with one rename before deleting it,
+            # so that the name never points at a half-deleted directory
+            stale = Path(tempfile.mkdtemp(prefix=f".{target.name}.stale-", dir=target.parent))
+            os.replace(target, stale / "old")
+            shutil.rmtree(stale, ignore_errors=True)
+        try:
+            os.replace(tmp, target)
+        except OSError:
+            # another process finished first (rename onto a non-empty directory fails): its cache is complete
+            if not (target / "tokenizer.json").is_file():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def token_lengths(
+    texts: Sequence[str],
+    tokenizer: Any,
+    *,
+    batch_size: int = 256,
+    progress: bool | None = False,
+) -> np.ndarray:
+    """The number of tokens of every text, without special tokens.
+
+    Args:
+        texts: ``(n,)`` strings.
+        tokenizer: a Hugging Face tokenizer (fast ones encode each batch on all cores).
+        batch_size: texts per tokenizer call; larger batches amortize the call overhead.
+        progress: show a tqdm progress bar on stderr; ``None`` shows it only when stderr is a terminal.
+
+    Returns:
+        ``(n,) int64`` — ``len(tokenizer(text, add_special_tokens=False)["input_ids"])`` for every text.
+        An empty text has length 0.
+    """
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise InvalidArgumentError(f"batch_size must be an integer >= 1, got {batch_size!r}")
+    n = len(texts)
+    lengths = np.zeros(n, np.int64)
+    bar = None
+    if progress is not False:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=n, unit="doc", desc="tokenizing", disable=None if progress is None else False)
+    try:
+        for start in range(0, n, batch_size):
+            batch = [str(text) for text in texts[start : start + batch_size]]
+            # verbose=False: a text longer than the model's maximum is fine here, we only count its tokens
+            ids = tokenizer(
+                batch,
+                add_special_tokens=False,
+                return_attention_mask=False,
+                return_token_type_ids=False,
+                verbose=False,
+            )["input_ids"]
+            lengths[start : start + len(batch)] = np.fromiter(map(len, ids), np.int64, count=len(batch))
+            if bar is not None:
+                bar.update(len(batch))
+    finally:
+        if bar is not None:
+            bar.close()
+    return lengths

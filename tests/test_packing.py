@@ -1,0 +1,243 @@
+"""The packing engine against slow textbook references and invariants that hold for every strategy."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from padfree import STRATEGIES, Packer, PackResult, pack_sequences
+from padfree.packing.inputs import apply_overlong
+
+# ---------------------------------------------------------------------------------------------------
+# Slow references, written from the textbook definitions, one bin list at a time
+# ---------------------------------------------------------------------------------------------------
+
+
+def _place_reference(items, capacity, choose, max_items=None):
+    """Offer ``items`` (list of (id, length)) in order; ``choose(rooms, length)`` picks an open bin or None."""
+    bins, rooms = [], []
+    for i, length in items:
+        candidates = [
+            b for b in range(len(bins)) if rooms[b] >= length and (max_items is None or len(bins[b]) < max_items)
+        ]
+        b = choose(candidates, rooms, length) if candidates else None
+        if b is None:
+            bins.append([])
+            rooms.append(capacity)
+            b = len(bins) - 1
+        bins[b].append(i)
+        rooms[b] -= length
+    return bins
+
+
+def _first(candidates, rooms, length):
+    return candidates[0]
+
+
+def _best(candidates, rooms, length):
+    return min(candidates, key=lambda b: (rooms[b], b))
+
+
+def _worst(candidates, rooms, length):
+    return max(candidates, key=lambda b: (rooms[b], -b))
+
+
+def _decreasing(lengths):
+    return sorted(enumerate(lengths), key=lambda p: -p[1])  # sorted() is stable: equal lengths keep input order
+
+
+def _next_fit(lengths, capacity, max_items=None):
+    bins, room = [], 0
+    for i, length in enumerate(lengths):
+        if not bins or room < length or (max_items is not None and len(bins[-1]) >= max_items):
+            bins.append([])
+            room = capacity
+        bins[-1].append(i)
+        room -= length
+    return bins
+
+
+def _harmonic(lengths, capacity, k=8, max_items=None):
+    bins, open_bin, room = [], {}, {}
+    for i, length in enumerate(lengths):
+        cls = min(capacity // length, k)
+        b = open_bin.get(cls)
+        if b is None or room[cls] < length or (max_items is not None and len(bins[b]) >= max_items):
+            bins.append([])
+            b = open_bin[cls] = len(bins) - 1
+            room[cls] = capacity
+        bins[b].append(i)
+        room[cls] -= length
+    return bins
+
+
+REFERENCES = {
+    "nf": lambda L, C, m: _next_fit(L, C, m),
+    "ff": lambda L, C, m: _place_reference(list(enumerate(L)), C, _first, m),
+    "bf": lambda L, C, m: _place_reference(list(enumerate(L)), C, _best, m),
+    "wf": lambda L, C, m: _place_reference(list(enumerate(L)), C, _worst, m),
+    "ffd": lambda L, C, m: _place_reference(_decreasing(L), C, _first, m),
+    "bfd": lambda L, C, m: _place_reference(_decreasing(L), C, _best, m),
+    "hk": lambda L, C, m: _harmonic(L, C, 8, m),
+}
+
+small_lengths = st.lists(st.integers(1, 40), min_size=0, max_size=60)
+any_lengths = st.lists(st.integers(1, 120), min_size=0, max_size=80)
+capacities = st.integers(1, 64)
+
+
+def _fits(lengths, capacity):
+    return [min(length, capacity) for length in lengths]
+
+
+@pytest.mark.parametrize("name", sorted(REFERENCES))
+@given(lengths=small_lengths, capacity=st.integers(40, 64), max_items=st.one_of(st.none(), st.integers(1, 5)))
+@settings(max_examples=120, deadline=None)
+def test_equals_textbook_reference(name, lengths, capacity, max_items):
+    result = pack_sequences(lengths, capacity, name, max_sequences_per_bin=max_items)
+    assert result.bins == REFERENCES[name](lengths, capacity, max_items)
+
+
+@given(lengths=small_lengths, capacity=st.integers(40, 64), max_items=st.one_of(st.none(), st.integers(1, 5)))
+@settings(max_examples=200, deadline=None)
+def test_obfd_matches_bfd(lengths, capacity, max_items):
+    bfd = pack_sequences(lengths, capacity, "bfd", max_sequences_per_bin=max_items)
+    obfd = pack_sequences(lengths, capacity, "obfd", max_sequences_per_bin=max_items)
+    assert obfd.num_bins == bfd.num_bins
+    if max_items is None:
+        # bins with equal room are interchangeable, so the multiset of fills is the same
+        assert sorted(obfd.bin_fill.tolist()) == sorted(bfd.bin_fill.tolist())
+    else:
+        assert obfd.bins == bfd.bins  # counts matter under the limit: obfd keeps bfd's tie-break
+
+
+def test_obfd_equals_bfd_on_a_million_lengths():
+    rng = np.random.default_rng(7)
+    lengths = np.clip(np.round(rng.lognormal(np.log(250), 1.0, 1_000_000)), 1, 2048).astype(np.int64)
+    bfd, obfd = pack_sequences(lengths, 2048, "bfd"), pack_sequences(lengths, 2048, "obfd")
+    assert obfd.num_bins == bfd.num_bins
+    assert np.array_equal(np.sort(obfd.bin_fill), np.sort(bfd.bin_fill))
+    assert obfd.efficiency >= 0.9995
+
+
+def _check_plan(result: PackResult, lengths, capacity, policy, max_items):
+    """Every sequence is placed exactly once or accounted for by the policy; no bin overflows."""
+    lengths = np.asarray(lengths, np.int64)
+    assert result.bin_offsets[0] == 0 and result.bin_offsets[-1] == result.num_pieces
+    assert np.all(np.diff(result.bin_offsets) >= 1), "no empty bin"
+    assert np.all(result.bin_fill <= capacity)
+    if max_items is not None:
+        assert np.all(result.bin_sizes <= max_items)
+    assert result.num_bins >= result.lower_bound
+    # token accounting: every token is placed, truncated or dropped — and only once
+    coverage = np.zeros(int(lengths.sum()), np.int64)
+    seq_start = np.concatenate(([0], np.cumsum(lengths)))
+    starts = result.piece_starts if result.piece_starts is not None else np.zeros(result.num_pieces, np.int64)
+    for seq, start, n in zip(result.order.tolist(), starts.tolist(), result.placed_lengths.tolist(), strict=True):
+        coverage[seq_start[seq] + start : seq_start[seq] + start + n] += 1
+    assert coverage.max(initial=0) <= 1
+    placed = coverage.sum()
+    assert placed == result.total_tokens
+    assert placed + result.truncated_tokens + result.dropped_tokens == lengths.sum()
+    over = np.flatnonzero(lengths > capacity)
+    if policy == "drop":
+        assert result.dropped.tolist() == over.tolist()
+        assert sorted(result.order.tolist()) == [i for i in range(len(lengths)) if lengths[i] <= capacity]
+    elif policy == "truncate":
+        assert sorted(result.order.tolist()) == list(range(len(lengths)))
+        assert result.truncated_tokens == int(np.maximum(lengths - capacity, 0).sum())
+        assert np.all(starts == 0)
+    else:  # error (nothing overlong) or split: every token placed, pieces in order
+        assert placed == lengths.sum()
+        assert result.num_dropped == 0 and result.truncated_tokens == 0
+
+
+@pytest.mark.parametrize("name", sorted(STRATEGIES))
+@pytest.mark.parametrize("policy", ["truncate", "split", "drop"])
+@given(lengths=any_lengths, capacity=capacities, max_items=st.one_of(st.none(), st.integers(1, 6)),
+       seed=st.integers(0, 2**32))
+@settings(max_examples=40, deadline=None)
+def test_every_token_accounted_for(name, policy, lengths, capacity, max_items, seed):
+    result = pack_sequences(lengths, capacity, name, seed, overlong=policy, max_sequences_per_bin=max_items)
+    _check_plan(result, lengths, capacity, policy, max_items)
+    assert result.strategy == name
+
+
+@pytest.mark.parametrize("name", sorted(STRATEGIES))
+@given(lengths=small_lengths, seed=st.integers(0, 1000))
+@settings(max_examples=30, deadline=None)
+def test_deterministic_for_a_fixed_seed(name, lengths, seed):
+    a = pack_sequences(lengths, 64, name, seed)
+    b = pack_sequences(lengths, 64, name, seed)
+    assert np.array_equal(a.order, b.order) and np.array_equal(a.bin_offsets, b.bin_offsets)
+
+
+def test_ffs_changes_with_the_seed():
+    lengths = np.random.default_rng(0).integers(1, 500, 200)
+    plans = {tuple(pack_sequences(lengths, 1024, "ffs", seed).order.tolist()) for seed in range(5)}
+    assert len(plans) == 5
+    assert pack_sequences(lengths, 1024, "ffs", 3).seed == 3
+
+
+def test_split_pieces_are_consecutive_spans():
+    pieces = apply_overlong(np.array([10, 3, 8]), 4, "split")
+    assert pieces.seq.tolist() == [0, 0, 0, 1, 2, 2]
+    assert pieces.start.tolist() == [0, 4, 8, 0, 0, 4]
+    assert pieces.length.tolist() == [4, 4, 2, 3, 4, 4]
+
+
+def test_empty_input_gives_an_empty_plan():
+    for name in STRATEGIES:
+        result = pack_sequences([], 128, name)
+        assert result.num_bins == 0 and result.bins == [] and result.efficiency == 1.0
+        assert result.lower_bound == 0 and result.padding_tokens == 0
+        assert "bins             0" in result.summary()
+
+
+def test_result_metrics():
+    result = pack_sequences([5, 3, 4, 2, 6, 11], capacity=8, overlong="truncate")
+    assert result.total_tokens == 28 and result.truncated_tokens == 3 and result.input_tokens == 31
+    assert result.num_bins == 4 and result.lower_bound == 4
+    assert result.padding_tokens == 4 and result.efficiency == pytest.approx(28 / 32)
+    assert result.bin(-1).tolist() == result.bins[-1]
+    with pytest.raises(IndexError):
+        result.bin(4)
+    assert "truncated" in result.summary() and "PackResult(" in repr(result)
+
+
+def test_accepts_arrays_tensors_and_arrow_without_importing_torch():
+    import pyarrow as pa
+
+    expected = pack_sequences([3, 5, 7], 8).bins
+    assert pack_sequences(np.array([3, 5, 7], np.int32), 8).bins == expected
+    assert pack_sequences(np.array([3.0, 5.0, 7.0]), 8).bins == expected
+    assert pack_sequences(np.array([3, 5, 7], np.uint16), 8).bins == expected
+    assert pack_sequences(pa.array([3, 5, 7]), 8).bins == expected
+    assert pack_sequences((3, 5, 7), np.int64(8)).bins == expected
+    code = "import sys, padfree; padfree.pack_sequences([3, 5], 8); print('torch' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip() == (
+        "False"
+    )
+
+
+def test_accepts_a_torch_tensor():
+    torch = pytest.importorskip("torch")
+    assert pack_sequences(torch.tensor([3, 5, 7]), 8).bins == pack_sequences([3, 5, 7], 8).bins
+
+
+def test_packer_reuses_its_configuration():
+    packer = Packer(16, "obfd", overlong="split", max_sequences_per_bin=2)
+    result = packer.pack([20, 3, 3, 3])
+    assert result.bin_sizes.max() <= 2 and result.total_tokens == 29
+    assert "max_sequences_per_bin=2" in repr(packer)
+
+
+def test_registry_documents_every_strategy_with_its_cost():
+    assert set(STRATEGIES) == {"nf", "ff", "bf", "wf", "ffd", "bfd", "obfd", "ffs", "hk"}
+    for spec in STRATEGIES.values():
+        assert "O(" in spec.doc, spec.name
