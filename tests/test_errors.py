@@ -41,6 +41,7 @@ def test_bad_lengths(lengths, match):
         ({"capacity": 0}, "capacity must be an integer >= 1, got 0"),
         ({"capacity": 20.5}, r"capacity must be an integer >= 1, got 20.5 \(type float\)"),
         ({"capacity": True}, "capacity must be an integer >= 1, got True"),
+        ({"capacity": 2**40}, "capacity must be an integer >= 1 and <= 67108864, got 1099511627776"),
         ({"capacity": 16, "strategy": "best"}, "strategy must be one of 'nf', 'ff', 'bf', 'wf', 'ffd', 'bfd', 'obfd'"),
         ({"capacity": 16, "seed": -3}, "seed must be None or an integer >= 0, got -3"),
         ({"capacity": 16, "seed": "0"}, "seed must be None or an integer >= 0, got '0'"),
@@ -81,5 +82,5 @@ def test_a_cuda_like_tensor_that_cannot_become_an_array_is_reported():
         def __getitem__(self, i):
             raise TypeError("no host copy")
 
-    with pytest.raises(InvalidLengthsError, match="could not be read as an array.*CPU tensor"):
+    with pytest.raises(InvalidLengthsError, match=r"could not be read as an array.*CPU tensor"):
         pack_sequences(DeviceTensor(), 16)

@@ -80,7 +80,7 @@ def test_efficiency_on_long_tailed_lengths_with_a_10k_buffer():
     rng = np.random.default_rng(0)
     lengths = np.clip(np.round(rng.lognormal(np.log(250), 1.0, 200_000)), 1, 2048).astype(np.int64)
     packer = StreamPacker(2048, buffer_size=10_000)
-    bins = sum((packer.add(chunk) for chunk in np.array_split(lengths, 50)), []) + packer.flush()
+    bins = [b for chunk in np.array_split(lengths, 50) for b in packer.add(chunk)] + packer.flush()
     assert sum(b.fill for b in bins) == lengths.sum()
     assert packer.stats()["efficiency"] >= 0.995
 

@@ -14,6 +14,9 @@ import numpy as np
 from padfree.errors import InvalidArgumentError, InvalidLengthsError, OverlongSequenceError, describe
 
 OVERLONG_POLICIES = ("error", "truncate", "split", "drop")
+# Sorting and best fit index arrays by token count (O(capacity) memory, 4-12 bytes per unit of capacity):
+# 2**26 tokens (64 Mi, far beyond any context length) keeps that under a gigabyte.
+MAX_CAPACITY = 2**26
 
 
 def as_lengths(lengths: Any, name: str = "lengths") -> np.ndarray:
@@ -81,6 +84,14 @@ def as_lengths(lengths: Any, name: str = "lengths") -> np.ndarray:
             f"{name}[{i}] = {arr[i]}, but every length must be >= 1 ({int(small.sum())} of {arr.size} values are < 1)"
         )
     return arr
+
+
+def as_capacity(value: Any, name: str = "capacity") -> int:
+    """``value`` as a Python int in ``[1, MAX_CAPACITY]``, else :class:`InvalidArgumentError`."""
+    capacity: int = as_positive_int(value, name)  # type: ignore[assignment]
+    if capacity > MAX_CAPACITY:
+        raise InvalidArgumentError(f"{name} must be an integer >= 1 and <= {MAX_CAPACITY}, got {capacity}")
+    return capacity
 
 
 def as_positive_int(value: Any, name: str, *, allow_none: bool = False) -> int | None:

@@ -126,8 +126,13 @@ def tree_fit(ordered, capacity, max_items, worst):  # pragma: no cover - compile
     """
     n = ordered.shape[0]
     bin_of = np.empty(n, np.int64)
+    # any-fit algorithms never leave two bins at most half full, so bins <= 2 * ceil(total / C) + 1 unless
+    # max_items closes bins early; a smaller tree keeps its hot top levels in cache
+    bound = n
+    if max_items > n:
+        bound = min(n, 2 * ((ordered.sum() + capacity - 1) // capacity) + 1)
     size = 1
-    while size < max(n, 1):
+    while size < max(bound, 1):
         size *= 2
     tree = np.full(2 * size, -1 if worst else capacity, np.int64)
     count = np.zeros(size, np.int64)
@@ -159,7 +164,10 @@ def tree_fit(ordered, capacity, max_items, worst):  # pragma: no cover - compile
         while node >= 1:
             left = tree[2 * node]
             right = tree[2 * node + 1]
-            tree[node] = left if left >= right else right
+            best = left if left >= right else right
+            if tree[node] == best:
+                break  # the maximum did not change here, so it changes nowhere above
+            tree[node] = best
             node //= 2
     return bin_of, num_bins
 

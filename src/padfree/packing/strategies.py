@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from padfree.packing import kernels
-from padfree.packing.inputs import apply_overlong, as_choice, as_lengths, as_positive_int, as_seed
+from padfree.packing.inputs import apply_overlong, as_capacity, as_choice, as_lengths, as_positive_int, as_seed
 from padfree.packing.result import PackResult
 
 __all__ = ["STRATEGIES", "Packer", "Strategy", "pack_sequences"]
@@ -24,11 +24,6 @@ HARMONIC_CLASSES = 8  # k of harmonic-k: asymptotic ratio ~1.69 already at k = 8
 
 def _identity(n: int) -> np.ndarray:
     return np.arange(n, dtype=np.int64)
-
-
-def _decreasing(lengths: np.ndarray) -> np.ndarray:
-    # numpy's stable argsort on the negated lengths: O(n log n), the textbook "sort, then place"
-    return np.argsort(-lengths, kind="stable")
 
 
 def _nf(lengths, capacity, max_items, rng):
@@ -52,15 +47,21 @@ def _wf(lengths, capacity, max_items, rng):
 
 
 def _ffd(lengths, capacity, max_items, rng):
-    """First fit decreasing: stable sort by length, then first fit. O(n log n); at most 11/9 OPT + 6/9 bins."""
-    proc = _decreasing(lengths)
-    return (proc, *kernels.tree_fit(lengths[proc], capacity, max_items, False))
+    """First fit decreasing: stable sort by length, then first fit. O(n + C) sort + O(n log n) placement.
+
+    At most 11/9 OPT + 6/9 bins (Dósa 2007).
+    """
+    proc, ordered = kernels.counting_sort_decreasing(lengths, capacity)
+    return (proc, *kernels.tree_fit(ordered, capacity, max_items, False))
 
 
 def _bfd(lengths, capacity, max_items, rng):
-    """Best fit decreasing, textbook form: stable argsort, then best fit with ties to the lowest bin. O(n log n)."""
-    proc = _decreasing(lengths)
-    return (proc, *kernels.best_fit(lengths[proc], capacity, max_items, True))
+    """Best fit decreasing, textbook form: stable sort, then best fit with ties to the lowest bin.
+
+    O(n + C) sort + O(n log n) placement (a skew heap of bins per amount of room).
+    """
+    proc, ordered = kernels.counting_sort_decreasing(lengths, capacity)
+    return (proc, *kernels.best_fit(ordered, capacity, max_items, True))
 
 
 def _obfd(lengths, capacity, max_items, rng):
@@ -197,7 +198,7 @@ class Packer:
         overlong: str = "error",
         max_sequences_per_bin: int | None = None,
     ) -> None:
-        self.capacity: int = as_positive_int(capacity, "capacity")  # type: ignore[assignment]
+        self.capacity = as_capacity(capacity)
         self.strategy: str = as_choice(strategy, "strategy", tuple(STRATEGIES))
         self.seed = as_seed(seed)
         self.overlong = as_choice(overlong, "overlong", ("error", "truncate", "split", "drop"))

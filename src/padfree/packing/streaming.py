@@ -19,7 +19,15 @@ from typing import Any
 import numpy as np
 
 from padfree.errors import InvalidArgumentError
-from padfree.packing.inputs import OVERLONG_POLICIES, apply_overlong, as_choice, as_lengths, as_positive_int, as_seed
+from padfree.packing.inputs import (
+    OVERLONG_POLICIES,
+    apply_overlong,
+    as_capacity,
+    as_choice,
+    as_lengths,
+    as_positive_int,
+    as_seed,
+)
 from padfree.packing.strategies import STRATEGIES, place
 
 __all__ = ["StreamBin", "StreamPacker"]
@@ -87,7 +95,7 @@ class StreamPacker:
         max_sequences_per_bin: int | None = None,
         hold_fill: float = 0.99,
     ) -> None:
-        self.capacity: int = as_positive_int(capacity, "capacity")  # type: ignore[assignment]
+        self.capacity = as_capacity(capacity)
         self.buffer_size: int = as_positive_int(buffer_size, "buffer_size")  # type: ignore[assignment]
         self.strategy = as_choice(strategy, "strategy", tuple(STRATEGIES))
         self.seed = as_seed(seed)
