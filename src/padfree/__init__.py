@@ -3,6 +3,7 @@
 from padfree.errors import (
     InvalidArgumentError,
     InvalidLengthsError,
+    InvalidTokensError,
     OverlongSequenceError,
     PadfreeError,
 )
@@ -16,6 +17,7 @@ from padfree.packing import (
     balance_bins,
     pack_sequences,
 )
+from padfree.rows import PackedRows, packed_rows
 
 __version__ = "0.1.0"
 
@@ -24,12 +26,15 @@ __all__ = [
     "BalancedSteps",
     "InvalidArgumentError",
     "InvalidLengthsError",
+    "InvalidTokensError",
     "OverlongSequenceError",
     "PackResult",
+    "PackedRows",
     "Packer",
     "PadfreeError",
     "StreamBin",
     "StreamPacker",
     "balance_bins",
     "pack_sequences",
+    "packed_rows",
 ]

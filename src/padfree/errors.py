@@ -11,6 +11,7 @@ __all__ = [
     "DataLoadError",
     "InvalidArgumentError",
     "InvalidLengthsError",
+    "InvalidTokensError",
     "OverlongSequenceError",
     "PadfreeError",
     "TokenizerLoadError",
@@ -27,6 +28,10 @@ class InvalidArgumentError(PadfreeError):
 
 class InvalidLengthsError(PadfreeError):
     """The sequence lengths are not a 1-D array of positive integers."""
+
+
+class InvalidTokensError(PadfreeError):
+    """Token ids (or labels) are not sequences of integers matching the plan's lengths."""
 
 
 class OverlongSequenceError(PadfreeError):

@@ -1,0 +1,354 @@
+"""PackResult + token ids -> packed rows: one vectorized gather over flat buffers.
+
+Conventions (shared with :mod:`padfree.layout`):
+
+- Rows are stored flat, as CSR: row ``r`` is ``flat[row_offsets[r]:row_offsets[r + 1]]``. Padding is a separate,
+  explicit step (:meth:`PackedRows.padded`), so the same rows serve padded batches, padding-free batches and Arrow
+  list columns without copies of Python lists.
+- ``position_ids`` restart at 0 at every placed piece. A piece is a whole sequence, or — after
+  ``overlong="split"`` — one piece of a split sequence, which becomes a sequence of its own: its positions restart
+  and its first label is masked, exactly like a separate example.
+- ``labels`` follow the Hugging Face convention: aligned with ``input_ids`` (the model shifts them), with the first
+  token of every piece set to ``label_padding_value`` so no token is predicted from the previous sequence. Label
+  masks present in the input (``-100`` on prompt tokens for completion-only training) are kept as they are.
+- ``shift_labels`` (built on request) is the pre-shifted form a hand-written loop feeds to cross-entropy:
+  ``shift_labels[t]`` is the target of the logits at ``t``; the last token of every piece has none.
+- Padding (when asked for) fills the tail of a row with ``padding_value``, ``label_padding_value`` labels, attention
+  mask 0 and segment id 0; its ``position_ids`` count ``0, 1, ...`` as if the tail were one more sequence, so that
+  position-based packing detection never glues the tail to the last real sequence.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from padfree.errors import InvalidArgumentError, InvalidTokensError, describe
+from padfree.packing.result import PackResult
+
+__all__ = ["PackedRows", "TokenBuffers", "as_token_buffers", "packed_rows"]
+
+
+# --------------------------------------------------------------------------------------------------
+# Token sources
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, eq=False)
+class TokenBuffers:
+    """Sequences of tokens as one flat buffer: sequence ``i`` is ``values[offsets[i]:offsets[i + 1]]``.
+
+    ``values: (total,)`` integer token ids (or labels); ``offsets: (num_sequences + 1,) int64``. The offsets need not
+    start at 0 (a sliced Arrow array keeps its parent's values).
+    """
+
+    values: np.ndarray
+    offsets: np.ndarray
+
+    @property
+    def lengths(self) -> np.ndarray:
+        """``(num_sequences,) int64``."""
+        return np.diff(self.offsets)
+
+    def __len__(self) -> int:
+        return int(self.offsets.shape[0] - 1)
+
+
+def as_token_buffers(tokens: Any, name: str = "token_ids") -> TokenBuffers:
+    """Read sequences of token ids into a :class:`TokenBuffers`, without copying when the input is columnar.
+
+    Accepts a pyarrow ``ListArray`` / ``LargeListArray`` / ``ChunkedArray`` (zero-copy), a ``(values, offsets)``
+    pair, a :class:`TokenBuffers`, or a sequence of sequences of ints (lists, tuples, numpy arrays).
+
+    >>> buf = as_token_buffers([[5, 6, 7], [8, 9]])
+    >>> buf.values.tolist(), buf.offsets.tolist()
+    ([5, 6, 7, 8, 9], [0, 3, 5])
+    """
+    if isinstance(tokens, TokenBuffers):
+        return tokens
+    arrow = _from_arrow(tokens)
+    if arrow is not None:
+        values, offsets = arrow
+    elif isinstance(tokens, tuple) and len(tokens) == 2 and all(isinstance(t, np.ndarray) for t in tokens):
+        values, offsets = tokens
+    elif isinstance(tokens, (str, bytes)) or not isinstance(tokens, Sequence | np.ndarray):
+        raise InvalidTokensError(f"{name} must be a sequence of token-id sequences, got {describe(tokens)}")
+    else:
+        try:
+            # one array per sequence (a loop over sequences, never over tokens); numpy infers each dtype, so a
+            # float or a string among the ids is caught below instead of being silently converted
+            arrays = [np.asarray(seq) for seq in tokens]
+        except (TypeError, ValueError):
+            arrays = []
+        for i, arr in enumerate(arrays):
+            if arr.ndim != 1 or isinstance(tokens[i], (str, bytes)):
+                raise InvalidTokensError(f"{name}[{i}] must be a sequence of ints, got {describe(tokens[i])}")
+        lengths = np.fromiter((a.shape[0] for a in arrays), dtype=np.int64, count=len(arrays))
+        offsets = np.zeros(lengths.shape[0] + 1, np.int64)
+        np.cumsum(lengths, out=offsets[1:])
+        values = np.concatenate(arrays) if arrays else np.zeros(0, np.int64)
+        if values.dtype.kind not in "iu" and offsets[-1] > 0:
+            _raise_non_integer(tokens, name)
+    values = np.asarray(values)
+    offsets = np.asarray(offsets, dtype=np.int64)
+    if values.dtype.kind not in "iu" and offsets[-1] > offsets[0]:
+        raise InvalidTokensError(f"{name} must hold integer token ids, got dtype {values.dtype}")
+    return TokenBuffers(values, offsets)
+
+
+def _from_arrow(tokens: Any) -> tuple[np.ndarray, np.ndarray] | None:
+    module = type(tokens).__module__
+    if not module.startswith("pyarrow"):
+        return None
+    import pyarrow as pa
+
+    if isinstance(tokens, pa.ChunkedArray):
+        tokens = tokens.combine_chunks()
+    if not isinstance(tokens, pa.ListArray | pa.LargeListArray):
+        raise InvalidTokensError(f"token ids must be an Arrow list array, got Arrow type {tokens.type}")
+    if tokens.null_count:
+        raise InvalidTokensError(f"token ids hold {tokens.null_count} null rows; every row needs tokens")
+    return tokens.values.to_numpy(zero_copy_only=False), tokens.offsets.to_numpy().astype(np.int64, copy=False)
+
+
+def _raise_non_integer(tokens: Sequence[Any], name: str) -> None:
+    """Name the first token that is not an integer (error path only: this loop may touch every token)."""
+    for i, seq in enumerate(tokens):
+        for k, value in enumerate(seq):
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+                raise InvalidTokensError(f"{name}[{i}][{k}] = {describe(value)} is not an integer token id")
+    raise InvalidTokensError(f"{name} must hold integer token ids")  # pragma: no cover - numpy found a non-int
+
+
+# --------------------------------------------------------------------------------------------------
+# Rows
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, eq=False)
+class PackedRows:
+    """Packed rows as flat buffers. Row ``r`` holds tokens ``row_offsets[r]:row_offsets[r + 1]`` and pieces
+    ``piece_offsets[r]:piece_offsets[r + 1]``.
+
+    Attributes:
+        input_ids: ``(total,)`` token ids, row after row, no padding.
+        labels: ``(total,) int64`` — Hugging Face aligned labels, first token of every piece masked.
+        position_ids: ``(total,) int64`` — restart at 0 at every piece.
+        row_offsets: ``(num_rows + 1,) int64``.
+        seq_lens: ``(num_pieces,) int64`` — tokens of every piece, row after row.
+        piece_offsets: ``(num_rows + 1,) int64`` — CSR of pieces per row.
+        sequence_ids: ``(num_pieces,) int64`` — the input sequence each piece comes from.
+        capacity: the row capacity of the plan.
+        label_padding_value: the ignored-label value used for masking.
+    """
+
+    input_ids: np.ndarray
+    labels: np.ndarray
+    position_ids: np.ndarray
+    row_offsets: np.ndarray
+    seq_lens: np.ndarray
+    piece_offsets: np.ndarray
+    sequence_ids: np.ndarray
+    capacity: int
+    label_padding_value: int = -100
+
+    @property
+    def num_rows(self) -> int:
+        return int(self.row_offsets.shape[0] - 1)
+
+    @property
+    def row_lengths(self) -> np.ndarray:
+        """``(num_rows,) int64`` — real tokens per row."""
+        return np.diff(self.row_offsets)
+
+    def row(self, r: int) -> dict[str, np.ndarray]:
+        """The unpadded arrays of row ``r`` (input_ids, labels, position_ids, seq_lens, cu_seqlens)."""
+        a, b = self.row_offsets[r], self.row_offsets[r + 1]
+        lens = self.seq_lens[self.piece_offsets[r] : self.piece_offsets[r + 1]]
+        return {
+            "input_ids": self.input_ids[a:b],
+            "labels": self.labels[a:b],
+            "position_ids": self.position_ids[a:b],
+            "seq_lens": lens,
+            "cu_seqlens": np.concatenate(([0], np.cumsum(lens))).astype(np.int32),
+        }
+
+    def shift_labels(self) -> np.ndarray:
+        """``(total,) int64`` — pre-shifted targets: ``shift_labels[t]`` is what the logits at ``t`` predict.
+
+        The last token of every piece (and so of every row) has no target within its sequence.
+        """
+        out = np.full_like(self.labels, self.label_padding_value)
+        out[:-1] = self.labels[1:]
+        # labels[t + 1] is already masked at every piece start, so only row ends need masking
+        out[self.row_offsets[1:] - 1] = self.label_padding_value
+        return out
+
+    def segment_ids(self) -> np.ndarray:
+        """``(total,) int64`` — 1-based index of the piece within its row (the LLaMA-Factory mask values)."""
+        pieces_per_row = np.diff(self.piece_offsets)
+        rank_in_row = np.arange(self.seq_lens.shape[0]) - np.repeat(self.piece_offsets[:-1], pieces_per_row)
+        return np.repeat(rank_in_row + 1, self.seq_lens)
+
+    def padded(
+        self,
+        pad_to: int | str = "capacity",
+        *,
+        pad_to_multiple_of: int | None = None,
+        padding_value: int = 0,
+        attention_mask: str | None = "binary",
+        shift_labels: bool = False,
+    ) -> dict[str, np.ndarray]:
+        """Rows as a dict of ``(num_rows, row_len)`` arrays.
+
+        Args:
+            pad_to: ``"capacity"`` (every row ``capacity`` long), ``"longest"`` (the longest row) or an int.
+            pad_to_multiple_of: round the row length up to a multiple of this (e.g. 8 or 64 for tensor cores).
+            padding_value: token id written into padding.
+            attention_mask: ``"binary"`` (1 real, 0 padding), ``"segments"`` (1-based piece index, 0 padding) or
+                None (no mask column).
+            shift_labels: also return ``shift_labels``.
+
+        >>> from padfree import pack_sequences
+        >>> plan = pack_sequences([3, 2, 2], capacity=6)
+        >>> rows = packed_rows(plan, [[11, 12, 13], [21, 22], [31, 32]])
+        >>> batch = rows.padded("capacity", attention_mask="segments", shift_labels=True)
+        >>> batch["input_ids"].tolist()
+        [[11, 12, 13, 21, 22, 0], [31, 32, 0, 0, 0, 0]]
+        >>> batch["position_ids"].tolist()
+        [[0, 1, 2, 0, 1, 0], [0, 1, 0, 1, 2, 3]]
+        >>> batch["labels"].tolist()
+        [[-100, 12, 13, -100, 22, -100], [-100, 32, -100, -100, -100, -100]]
+        >>> batch["shift_labels"].tolist()
+        [[12, 13, -100, 22, -100, -100], [32, -100, -100, -100, -100, -100]]
+        >>> batch["attention_mask"].tolist()
+        [[1, 1, 1, 2, 2, 0], [1, 1, 0, 0, 0, 0]]
+        """
+        width = self._row_width(pad_to, pad_to_multiple_of)
+        rows = np.repeat(np.arange(self.num_rows), self.row_lengths)
+        cols = np.arange(self.input_ids.shape[0]) - np.repeat(self.row_offsets[:-1], self.row_lengths)
+        shape = (self.num_rows, width)
+        out: dict[str, np.ndarray] = {}
+        out["input_ids"] = np.full(shape, padding_value, dtype=np.result_type(self.input_ids.dtype, np.int64))
+        out["input_ids"][rows, cols] = self.input_ids
+        out["labels"] = np.full(shape, self.label_padding_value, np.int64)
+        out["labels"][rows, cols] = self.labels
+        # the padding tail counts 0, 1, ... like one more sequence (see the module docstring)
+        tail = np.arange(width)[None, :] - self.row_lengths[:, None]
+        out["position_ids"] = np.where(tail >= 0, tail, 0)
+        out["position_ids"][rows, cols] = self.position_ids
+        if attention_mask is not None:
+            if attention_mask not in ("binary", "segments"):
+                raise InvalidArgumentError(
+                    f"attention_mask must be 'binary', 'segments' or None, got {describe(attention_mask)}"
+                )
+            mask = np.zeros(shape, np.int64)
+            mask[rows, cols] = 1 if attention_mask == "binary" else self.segment_ids()
+            out["attention_mask"] = mask
+        if shift_labels:
+            shifted = np.full(shape, self.label_padding_value, np.int64)
+            shifted[rows, cols] = self.shift_labels()
+            out["shift_labels"] = shifted
+        return out
+
+    def _row_width(self, pad_to: int | str, multiple: int | None) -> int:
+        longest = int(self.row_lengths.max()) if self.num_rows else 0
+        if pad_to == "capacity":
+            width = self.capacity
+        elif pad_to == "longest":
+            width = longest
+        elif isinstance(pad_to, (int, np.integer)) and not isinstance(pad_to, bool) and pad_to >= longest:
+            width = int(pad_to)
+        else:
+            raise InvalidArgumentError(
+                f"pad_to must be 'capacity', 'longest' or an int >= the longest row ({longest}), got {describe(pad_to)}"
+            )
+        if multiple is not None:
+            if isinstance(multiple, bool) or not isinstance(multiple, (int, np.integer)) or multiple < 1:
+                raise InvalidArgumentError(f"pad_to_multiple_of must be an int >= 1, got {describe(multiple)}")
+            width = -(-width // multiple) * multiple
+        return width
+
+
+def packed_rows(
+    result: PackResult,
+    token_ids: Any,
+    *,
+    labels: Any = None,
+    label_padding_value: int = -100,
+) -> PackedRows:
+    """Lay the tokens of ``token_ids`` out in the rows planned by ``result``.
+
+    Args:
+        result: the plan, from :func:`padfree.pack_sequences` over the lengths of ``token_ids``.
+        token_ids: ``num_sequences`` sequences of token ids (see :func:`as_token_buffers` for accepted forms).
+        labels: optional per-token labels with the same lengths (e.g. ``-100`` on prompt tokens); default: the
+            token ids themselves.
+        label_padding_value: written on the first token of every piece (and on padding, later).
+
+    Cost: O(total tokens) in a handful of numpy passes — no Python loop over sequences or tokens.
+
+    >>> from padfree import pack_sequences
+    >>> plan = pack_sequences([5, 2], capacity=4, overlong="split")
+    >>> rows = packed_rows(plan, [[1, 2, 3, 4, 5], [6, 7]])
+    >>> [rows.row(r)["input_ids"].tolist() for r in range(rows.num_rows)]
+    [[1, 2, 3, 4], [6, 7, 5]]
+    >>> rows.position_ids.tolist()  # [5], the second piece of the split sequence, restarts at 0
+    [0, 1, 2, 3, 0, 1, 0]
+    >>> rows.labels.tolist()
+    [-100, 2, 3, 4, -100, 7, -100]
+    """
+    tokens = as_token_buffers(token_ids)
+    if len(tokens) != result.num_sequences:
+        raise InvalidTokensError(
+            f"token_ids has {len(tokens)} sequences but the plan was made for {result.num_sequences}"
+        )
+    lengths = tokens.lengths
+    if not np.array_equal(lengths, result.lengths):
+        i = int(np.argmax(lengths != result.lengths))
+        raise InvalidTokensError(
+            f"token_ids[{i}] has {lengths[i]} tokens but the plan says lengths[{i}] = {result.lengths[i]}"
+        )
+    label_buf = None
+    if labels is not None:
+        label_buf = as_token_buffers(labels, "labels")
+        if len(label_buf) != len(tokens) or not np.array_equal(label_buf.lengths, lengths):
+            diff = np.flatnonzero(label_buf.lengths != lengths) if len(label_buf) == len(tokens) else [len(label_buf)]
+            i = int(diff[0]) if len(diff) else 0
+            got = label_buf.lengths[i] if i < len(label_buf) else "no"
+            raise InvalidTokensError(f"labels[{i}] has {got} entries but token_ids[{i}] has {lengths[i]} tokens")
+
+    seq = result.order
+    piece_len = result.placed_lengths
+    piece_start = result.piece_starts if result.piece_starts is not None else np.zeros_like(seq)
+    total = int(piece_len.sum())
+    dst_start = np.zeros(seq.shape[0], np.int64)
+    np.cumsum(piece_len[:-1], out=dst_start[1:])
+    within = np.arange(total, dtype=np.int64) - np.repeat(dst_start, piece_len)
+    src = np.repeat(tokens.offsets[:-1][seq] + piece_start, piece_len) + within
+
+    input_ids = tokens.values[src]
+    if label_buf is None:
+        out_labels = input_ids.astype(np.int64, copy=True)
+    else:
+        src_l = np.repeat(label_buf.offsets[:-1][seq] + piece_start, piece_len) + within
+        out_labels = label_buf.values[src_l].astype(np.int64)
+    if total:
+        out_labels[dst_start] = label_padding_value
+    row_offsets = np.zeros(result.num_bins + 1, np.int64)
+    if result.num_bins:
+        row_offsets[1:] = np.cumsum(result.bin_fill)
+    return PackedRows(
+        input_ids=input_ids,
+        labels=out_labels,
+        position_ids=within,
+        row_offsets=row_offsets,
+        seq_lens=piece_len,
+        piece_offsets=result.bin_offsets,
+        sequence_ids=seq,
+        capacity=result.capacity,
+        label_padding_value=label_padding_value,
+    )
