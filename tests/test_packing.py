@@ -202,6 +202,7 @@ def test_empty_input_gives_an_empty_plan():
 def test_result_metrics():
     result = pack_sequences([5, 3, 4, 2, 6, 11], capacity=8, overlong="truncate")
     assert result.total_tokens == 28 and result.truncated_tokens == 3 and result.input_tokens == 31
+    assert result.num_truncated == 1
     assert result.num_bins == 4 and result.lower_bound == 4
     assert result.padding_tokens == 4 and result.efficiency == pytest.approx(28 / 32)
     assert result.bin(-1).tolist() == result.bins[-1]

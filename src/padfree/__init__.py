@@ -1,13 +1,17 @@
 """padfree: exact padding-free (packed-sequence) training for causal language models."""
 
+from padfree.analysis import LengthAnalysis, analyze_lengths
 from padfree.errors import (
+    DataLoadError,
     InvalidArgumentError,
     InvalidLengthsError,
     InvalidTokensError,
     OverlongSequenceError,
     PadfreeError,
+    TokenizerLoadError,
 )
 from padfree.packing import (
+    DEFAULT_STRATEGY,
     STRATEGIES,
     BalancedSteps,
     Packer,
@@ -22,11 +26,14 @@ from padfree.rows import PackedRows, packed_rows
 __version__ = "0.1.0"
 
 __all__ = [
+    "DEFAULT_STRATEGY",
     "STRATEGIES",
     "BalancedSteps",
+    "DataLoadError",
     "InvalidArgumentError",
     "InvalidLengthsError",
     "InvalidTokensError",
+    "LengthAnalysis",
     "OverlongSequenceError",
     "PackResult",
     "PackedRows",
@@ -34,6 +41,8 @@ __all__ = [
     "PadfreeError",
     "StreamBin",
     "StreamPacker",
+    "TokenizerLoadError",
+    "analyze_lengths",
     "balance_bins",
     "pack_sequences",
     "packed_rows",

@@ -185,6 +185,8 @@ def _load_directory(path: str | os.PathLike[str]) -> Any:
         raise TokenizerLoadError(f"tokenizer directory {str(path)!r} does not exist; expected {accepted}")
     if not directory.is_dir():
         raise TokenizerLoadError(f"tokenizer path {str(path)!r} is a file, not a directory; expected {accepted}")
+    if not any(directory.iterdir()):
+        raise TokenizerLoadError(f"tokenizer directory {str(path)!r} is empty; expected {accepted}")
     transformers = _import_transformers()
     try:
         return transformers.AutoTokenizer.from_pretrained(str(directory), local_files_only=True)

@@ -2,10 +2,11 @@
 
 from padfree.packing.balance import BalancedSteps, balance_bins
 from padfree.packing.result import PackResult
-from padfree.packing.strategies import STRATEGIES, Packer, Strategy, pack_sequences
+from padfree.packing.strategies import DEFAULT_STRATEGY, STRATEGIES, Packer, Strategy, pack_sequences
 from padfree.packing.streaming import StreamBin, StreamPacker
 
 __all__ = [
+    "DEFAULT_STRATEGY",
     "STRATEGIES",
     "BalancedSteps",
     "PackResult",

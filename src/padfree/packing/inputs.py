@@ -138,7 +138,8 @@ class Pieces:
 
     ``seq: (m,) int64`` sequence id of each piece; ``start: (m,) int64 | None`` first token of the piece inside
     its sequence (None when every piece is a whole sequence); ``length: (m,) int64``; ``dropped: (d,) int64``
-    ids of dropped sequences; ``truncated_tokens``: tokens cut off by ``"truncate"``.
+    ids of dropped sequences; ``truncated_tokens`` / ``num_truncated``: tokens cut off by ``"truncate"`` and the
+    number of sequences that lost them.
     """
 
     seq: np.ndarray
@@ -146,6 +147,7 @@ class Pieces:
     length: np.ndarray
     dropped: np.ndarray
     truncated_tokens: int
+    num_truncated: int = 0
 
 
 def apply_overlong(lengths: np.ndarray, capacity: int, policy: str) -> Pieces:
@@ -171,7 +173,7 @@ def apply_overlong(lengths: np.ndarray, capacity: int, policy: str) -> Pieces:
     if policy == "truncate":
         truncated = int((lengths[over] - capacity).sum())
         return Pieces(np.arange(n, dtype=np.int64), np.zeros(n, np.int64), np.minimum(lengths, capacity), empty,
-                      truncated)
+                      truncated, int(over.sum()))
     if policy == "drop":
         kept = np.flatnonzero(~over)
         return Pieces(kept, None, lengths[kept], np.flatnonzero(over), 0)

@@ -27,7 +27,7 @@ class PackResult:
         piece_starts: ``(num_pieces,) int64`` or None — first token of each piece within its sequence.
         piece_lengths: ``(num_pieces,) int64`` or None — tokens of each piece (None: the whole sequence).
         dropped: ``(num_dropped,) int64`` — ids of sequences removed by ``overlong="drop"``.
-        truncated_tokens: tokens cut off by ``overlong="truncate"``.
+        truncated_tokens: tokens cut off by ``overlong="truncate"``; ``num_truncated``: sequences that lost some.
         strategy: the strategy that made the plan; ``seed``: its seed, if it used one.
 
     >>> from padfree import pack_sequences
@@ -48,6 +48,7 @@ class PackResult:
     piece_lengths: np.ndarray | None = None
     dropped: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     truncated_tokens: int = 0
+    num_truncated: int = 0
     strategy: str = "obfd"
     seed: int | None = None
 
@@ -149,7 +150,7 @@ class PackResult:
         >>> print(pack_sequences([5, 3, 4, 2, 6, 11], capacity=8, overlong="split").summary())
         PackResult  strategy=obfd  capacity=8
           sequences        6 in, 7 pieces placed (1 split)
-          tokens           31 placed of 31 (0 truncated, 0 dropped in 0 sequences)
+          tokens           31 placed of 31 (0 truncated in 0 sequences, 0 dropped in 0 sequences)
           bins             4 (lower bound 4)
           efficiency       96.88%  (1 padding tokens)
           fill per bin     min 7, median 8, max 8
@@ -165,7 +166,8 @@ class PackResult:
             head,
             f"  sequences        {self.num_sequences} in, {self.num_pieces} pieces placed"
             + (f" ({split} split)" if split > 0 else ""),
-            f"  tokens           {self.total_tokens} placed of {self.input_tokens} ({self.truncated_tokens} truncated,"
+            f"  tokens           {self.total_tokens} placed of {self.input_tokens} ({self.truncated_tokens} truncated"
+            f" in {self.num_truncated} sequences,"
             f" {self.dropped_tokens} dropped in {self.num_dropped} sequences)",
             f"  bins             {self.num_bins} (lower bound {self.lower_bound})",
             f"  efficiency       {100 * self.efficiency:.2f}%  ({self.padding_tokens} padding tokens)",

@@ -7,17 +7,28 @@ registry maps the short names users type to these functions.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Any
 
 import numpy as np
 
 from padfree.packing import kernels
-from padfree.packing.inputs import apply_overlong, as_capacity, as_choice, as_lengths, as_positive_int, as_seed
+from padfree.packing.inputs import (
+    OVERLONG_POLICIES,
+    apply_overlong,
+    as_capacity,
+    as_choice,
+    as_lengths,
+    as_positive_int,
+    as_seed,
+)
 from padfree.packing.result import PackResult
 
-__all__ = ["STRATEGIES", "Packer", "Strategy", "pack_sequences"]
+__all__ = ["DEFAULT_STRATEGY", "STRATEGIES", "Packer", "Strategy", "pack_sequences", "place"]
+
+DEFAULT_STRATEGY = "obfd"
 
 HARMONIC_CLASSES = 8  # k of harmonic-k: asymptotic ratio ~1.69 already at k = 8, more classes buy little
 
@@ -104,7 +115,8 @@ class Strategy:
         return " ".join((self.fn.__doc__ or "").split())
 
 
-STRATEGIES: dict[str, Strategy] = {
+# read-only: the registry is the single list of valid names that every error message quotes
+STRATEGIES: Mapping[str, Strategy] = MappingProxyType({
     s.name: s
     for s in (
         Strategy("nf", _nf, online=True),
@@ -117,7 +129,7 @@ STRATEGIES: dict[str, Strategy] = {
         Strategy("ffs", _ffs, online=False, randomized=True),
         Strategy("hk", _hk, online=True),
     )
-}
+})
 
 
 def place(
@@ -139,7 +151,7 @@ def place(
 def pack_sequences(
     lengths: Any,
     capacity: int,
-    strategy: str = "obfd",
+    strategy: str = DEFAULT_STRATEGY,
     seed: int | None = None,
     *,
     overlong: str = "error",
@@ -192,7 +204,7 @@ class Packer:
     def __init__(
         self,
         capacity: int,
-        strategy: str = "obfd",
+        strategy: str = DEFAULT_STRATEGY,
         seed: int | None = None,
         *,
         overlong: str = "error",
@@ -201,7 +213,7 @@ class Packer:
         self.capacity = as_capacity(capacity)
         self.strategy: str = as_choice(strategy, "strategy", tuple(STRATEGIES))
         self.seed = as_seed(seed)
-        self.overlong = as_choice(overlong, "overlong", ("error", "truncate", "split", "drop"))
+        self.overlong = as_choice(overlong, "overlong", OVERLONG_POLICIES)
         self.max_sequences_per_bin = as_positive_int(max_sequences_per_bin, "max_sequences_per_bin", allow_none=True)
 
     def pack(self, lengths: Any, *, seed: int | None = None) -> PackResult:
@@ -223,6 +235,7 @@ class Packer:
             piece_lengths=pieces.length[piece_order] if changed else None,
             dropped=pieces.dropped,
             truncated_tokens=pieces.truncated_tokens,
+            num_truncated=pieces.num_truncated,
             strategy=self.strategy,
             seed=seed if spec.randomized else None,
         )
@@ -232,9 +245,3 @@ class Packer:
             f"Packer(capacity={self.capacity}, strategy={self.strategy!r}, seed={self.seed}, "
             f"overlong={self.overlong!r}, max_sequences_per_bin={self.max_sequences_per_bin})"
         )
-
-
-def strategy_names() -> tuple[str, ...]:
-    """The valid strategy names, in registry order."""
-    return tuple(STRATEGIES)
-
