@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from padfree import InvalidArgumentError, InvalidTokensError, pack_sequences
+from padfree import InvalidArgumentError, InvalidTokensError, layout, pack_sequences
 from padfree.rows import as_token_buffers, packed_rows
 
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
@@ -76,6 +76,10 @@ def test_padded_rows_and_shifted_labels(seqs, pad, multiple):
     if multiple:
         width = -(-width // multiple) * multiple
     assert batch["input_ids"].shape == (rows.num_rows, width)
+    if rows.num_rows:
+        # the padded rows speak the same boundary language as padfree.layout
+        assert np.array_equal(layout.segment_ids_to_position_ids(batch["attention_mask"]), batch["position_ids"])
+        assert np.array_equal(layout.segment_ids_to_lengths(batch["attention_mask"]), rows.seq_lens)
     for r in range(rows.num_rows):
         n = int(rows.row_lengths[r])
         seg = batch["attention_mask"][r]

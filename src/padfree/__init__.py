@@ -1,15 +1,19 @@
 """padfree: exact padding-free (packed-sequence) training for causal language models."""
 
+from padfree import layout
 from padfree.analysis import LengthAnalysis, analyze_lengths
 from padfree.errors import (
+    BackendUnavailableError,
     DataLoadError,
     InvalidArgumentError,
+    InvalidLayoutError,
     InvalidLengthsError,
     InvalidTokensError,
     OverlongSequenceError,
     PadfreeError,
     TokenizerLoadError,
 )
+from padfree.layout import get_seqlens_in_batch, get_unpad_data
 from padfree.packing import (
     DEFAULT_STRATEGY,
     STRATEGIES,
@@ -28,9 +32,11 @@ __version__ = "0.1.0"
 __all__ = [
     "DEFAULT_STRATEGY",
     "STRATEGIES",
+    "BackendUnavailableError",
     "BalancedSteps",
     "DataLoadError",
     "InvalidArgumentError",
+    "InvalidLayoutError",
     "InvalidLengthsError",
     "InvalidTokensError",
     "LengthAnalysis",
@@ -44,6 +50,9 @@ __all__ = [
     "TokenizerLoadError",
     "analyze_lengths",
     "balance_bins",
+    "get_seqlens_in_batch",
+    "get_unpad_data",
+    "layout",
     "pack_sequences",
     "packed_rows",
 ]

@@ -8,8 +8,10 @@ have been accepted.
 from __future__ import annotations
 
 __all__ = [
+    "BackendUnavailableError",
     "DataLoadError",
     "InvalidArgumentError",
+    "InvalidLayoutError",
     "InvalidLengthsError",
     "InvalidTokensError",
     "OverlongSequenceError",
@@ -44,6 +46,14 @@ class DataLoadError(PadfreeError):
 
 class TokenizerLoadError(PadfreeError):
     """A tokenizer could not be loaded (missing or unreadable directory, missing optional dependency)."""
+
+
+class InvalidLayoutError(PadfreeError):
+    """Sequence boundaries (lengths, cu_seqlens, position_ids, segment ids, seq_idx, a mask) that are not a packing."""
+
+
+class BackendUnavailableError(PadfreeError, ImportError):
+    """An optional backend (torch, flex attention, ...) that the call needs is not installed; also an ImportError."""
 
 
 def describe(value: object, limit: int = 60) -> str:
