@@ -8,7 +8,7 @@ demo: setup
 	.venv/bin/padfree analyze
 
 test: setup
-	.venv/bin/python -m ruff check src tests benchmarks
+	.venv/bin/python -m ruff check .
 	.venv/bin/python -m pytest -q
 
 bench: setup
