@@ -77,6 +77,8 @@ def as_lengths(lengths: Any, name: str = "lengths") -> np.ndarray:
         raise InvalidLengthsError(
             f"{name} must hold integers, got dtype {arr.dtype} (first value {describe(arr.flat[0])})"
         )
+    if arr.min() >= 1:  # the common case, without a boolean temporary
+        return arr
     small = arr < 1
     if small.any():
         i = int(np.argmax(small))
@@ -136,18 +138,22 @@ def as_choice(value: Any, name: str, choices: tuple[str, ...]) -> str:
 class Pieces:
     """What the packer places after the overlong policy: one entry per piece, in input order.
 
-    ``seq: (m,) int64`` sequence id of each piece; ``start: (m,) int64 | None`` first token of the piece inside
-    its sequence (None when every piece is a whole sequence); ``length: (m,) int64``; ``dropped: (d,) int64``
-    ids of dropped sequences; ``truncated_tokens`` / ``num_truncated``: tokens cut off by ``"truncate"`` and the
-    number of sequences that lost them.
+    ``seq: (m,) int64 | None`` sequence id of each piece (None: piece i is sequence i); ``start: (m,) int64 | None``
+    first token of the piece inside its sequence (None: every piece starts at token 0); ``length: (m,) int64``;
+    ``dropped: (d,) int64`` ids of dropped sequences; ``truncated_tokens`` / ``num_truncated``: tokens cut off by
+    ``"truncate"`` and the number of sequences that lost them.
     """
 
-    seq: np.ndarray
+    seq: np.ndarray | None
     start: np.ndarray | None
     length: np.ndarray
     dropped: np.ndarray
     truncated_tokens: int
     num_truncated: int = 0
+
+    def sequence_ids(self) -> np.ndarray:
+        """``(m,) int64`` — the sequence of every piece, materialized."""
+        return np.arange(self.length.shape[0], dtype=np.int64) if self.seq is None else self.seq
 
 
 def apply_overlong(lengths: np.ndarray, capacity: int, policy: str) -> Pieces:
@@ -159,10 +165,10 @@ def apply_overlong(lengths: np.ndarray, capacity: int, policy: str) -> Pieces:
     """
     policy = as_choice(policy, "overlong", OVERLONG_POLICIES)
     n = lengths.shape[0]
-    over = lengths > capacity
     empty = np.zeros(0, np.int64)
-    if not over.any():
-        return Pieces(np.arange(n, dtype=np.int64), None, lengths, empty, 0)
+    if n == 0 or lengths.max() <= capacity:  # the common case: one pass, no temporaries
+        return Pieces(None, None, lengths, empty, 0)
+    over = lengths > capacity
     if policy == "error":
         i = int(np.argmax(over))
         raise OverlongSequenceError(
@@ -172,8 +178,8 @@ def apply_overlong(lengths: np.ndarray, capacity: int, policy: str) -> Pieces:
         )
     if policy == "truncate":
         truncated = int((lengths[over] - capacity).sum())
-        return Pieces(np.arange(n, dtype=np.int64), np.zeros(n, np.int64), np.minimum(lengths, capacity), empty,
-                      truncated, int(over.sum()))
+        # every piece is a whole sequence starting at token 0: only the lengths change
+        return Pieces(None, None, np.minimum(lengths, capacity), empty, truncated, int(over.sum()))
     if policy == "drop":
         kept = np.flatnonzero(~over)
         return Pieces(kept, None, lengths[kept], np.flatnonzero(over), 0)

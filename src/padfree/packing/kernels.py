@@ -1,13 +1,13 @@
-"""numba kernels of the packing engine: flat int64 arrays in, flat int64 arrays out.
+"""numba kernels of the packing engine: flat integer arrays in, flat integer arrays out.
 
 Every placement kernel has the same contract, so that strategies differ only in the kernel they call:
 
-- ``ordered: (n,) int64`` — item lengths in the order the items are offered (the strategy decides the order,
-  e.g. decreasing), each in ``[1, capacity]`` (the caller has applied the overlong policy). Gathering the lengths
-  once, in order, keeps the placement loop free of random reads.
+- the item lengths in the order the items are offered (the strategy decides the order, e.g. decreasing), each in
+  ``[1, capacity]`` (the caller has applied the overlong policy): ``ordered: (n,)``, or for best fit runs of equal
+  lengths. Gathering the lengths once, in order, keeps the placement loop free of random reads.
 - ``capacity`` — tokens per bin; ``max_items`` — items per bin (``n`` or more means unlimited).
-- returns ``bin_of: (n,) int64`` with ``bin_of[k]`` the bin that received the k-th offered item, and the number
-  of bins. Bins are numbered in the order they were opened.
+- returns ``bin_of: (n,)`` with ``bin_of[k]`` the bin that received the k-th offered item, and the number of
+  bins. Bins are numbered in the order they were opened.
 
 No Python objects cross into a kernel, and nothing here is O(tokens): the engine only sees lengths.
 Kernels are compiled lazily on first use and cached on disk (``cache=True``), so a second process loads
@@ -27,31 +27,39 @@ from numba.cpython.unsafe.numbers import trailing_zeros
 
 @njit(cache=True, nogil=True)
 def counting_sort_decreasing(lengths, capacity):  # pragma: no cover - compiled
-    """Stable permutation sorting ``lengths`` (values in [1, capacity]) in decreasing order, O(n + capacity).
+    """Stable sort of ``lengths`` (values in [1, capacity]) in decreasing order, by counting: O(n + capacity).
 
-    Returns the permutation and the sorted lengths.
+    Returns ``perm: (n,) int32`` (item ids, longest first, ties in input order) and the sorted lengths as runs:
+    ``values: (m,) int64`` (distinct lengths, decreasing) and ``runs: (m,) int64`` (how many items have each).
+    Runs save writing and re-reading an n-long array of sorted lengths: equal lengths are interchangeable for
+    every placement decision.
     """
     n = lengths.shape[0]
     start = np.zeros(capacity + 2, np.int64)
     for i in range(n):
         # bucket index capacity - L makes the ascending bucket walk a descending length walk
         start[capacity - lengths[i] + 1] += 1
+    distinct = 0
     for v in range(1, capacity + 2):
+        if start[v] > 0:
+            distinct += 1
         start[v] += start[v - 1]
-    perm = np.empty(n, np.int64)
+    values = np.empty(distinct, np.int64)
+    runs = np.empty(distinct, np.int64)
+    j = 0
+    for slot in range(capacity):
+        size = start[slot + 1] - start[slot]
+        if size > 0:
+            values[j] = capacity - slot
+            runs[j] = size
+            j += 1
+    # int32 scratch (n < 2**31 items): half the memory traffic of int64 on the hot path
+    perm = np.empty(n, np.int32)
     for i in range(n):
         slot = capacity - lengths[i]
         perm[start[slot]] = i
         start[slot] += 1
-    ordered = np.empty(n, np.int64)
-    pos = 0
-    for slot in range(capacity):
-        # the sorted lengths are runs of equal values: no gather needed
-        end = start[slot]
-        for j in range(pos, end):
-            ordered[j] = capacity - slot
-        pos = end
-    return perm, ordered
+    return perm, values, runs
 
 
 @njit(cache=True, nogil=True)
@@ -240,8 +248,11 @@ def _skew_merge(a, b, left, right):  # pragma: no cover - compiled
 
 
 @njit(cache=True, nogil=True)
-def best_fit(ordered, capacity, max_items, lowest_index):  # pragma: no cover - compiled
+def best_fit(values, runs, capacity, max_items, lowest_index):  # pragma: no cover - compiled
     """Best fit: each item goes to the open bin with the least remaining space that still holds it.
+
+    Items are offered as runs: ``runs[j]`` items of length ``values[j]``, run after run; an empty ``runs`` means
+    one item per value (the online order). Returns ``bin_of: (n,) int32`` and the number of bins.
 
     Open bins live in buckets indexed by their remaining space ``r`` in ``[1, capacity]``; a two-level bitmap
     over the buckets finds the smallest non-empty ``r >= L`` in O(log_64 capacity). Bins with the same ``r``
@@ -252,47 +263,53 @@ def best_fit(ordered, capacity, max_items, lowest_index):  # pragma: no cover - 
       exactly as the textbook algorithm states it (O(log n) amortised per item).
     - ``lowest_index=False``: each bucket is a stack (O(1) per item); same bins count, same multiset of fills.
     """
-    n = ordered.shape[0]
-    bin_of = np.empty(n, np.int64)
+    one_each = runs.shape[0] == 0
+    n = values.shape[0] if one_each else runs.sum()
+    bin_of = np.empty(n, np.int32)
     limited = max_items <= n
     # per-bin state is the hot random access: int32 halves its cache footprint, and a bin's room is never
     # stored — it is the index of the bucket the bin sits in
     head = np.full(capacity + 1, -1, np.int32)
-    link = np.full(max(n, 1), -1, np.int32)  # stack: next bin in the bucket; heap: left child
-    right = np.full(max(n, 1) if lowest_index else 1, -1, np.int32)  # heap: right child
+    # a bin's links are written when it enters a bucket, before any read: np.empty leaves the pages of bins that
+    # are never opened untouched
+    link = np.empty(max(n, 1), np.int32)  # stack: next bin in the bucket; heap: left child
+    right = np.empty(max(n, 1) if lowest_index else 1, np.int32)  # heap: right child
     count = np.zeros(max(n, 1) if limited else 1, np.int32)
     num_words = (capacity + 1 + 63) // 64
     words = np.zeros(num_words, np.uint64)
     summary = np.zeros((num_words + 63) // 64, np.uint64)
     num_bins = 0
-    for k in range(n):
-        length = ordered[k]
-        r = _next_set_bit(words, summary, length)
-        if r < 0:
-            b = num_bins
-            num_bins += 1
-            room = capacity - length
-        else:
-            b = head[r]
-            if lowest_index:
-                head[r] = _skew_merge(link[b], right[b], link, right)
+    k = 0
+    for j in range(values.shape[0]):
+        length = values[j]
+        for _ in range(1 if one_each else runs[j]):
+            r = _next_set_bit(words, summary, length)
+            if r < 0:
+                b = num_bins
+                num_bins += 1
+                room = capacity - length
             else:
-                head[r] = link[b]
-            if head[r] < 0:
-                _clear_bit(words, summary, r)
-            room = r - length
-        bin_of[k] = b
-        if limited:
-            count[b] += 1
-            if count[b] >= max_items:
-                continue
-        if room > 0:
-            if lowest_index:
-                link[b] = -1
-                right[b] = -1
-                head[room] = _skew_merge(head[room], b, link, right)
-            else:
-                link[b] = head[room]
-                head[room] = b
-            _set_bit(words, summary, room)
+                b = head[r]
+                if lowest_index:
+                    head[r] = _skew_merge(link[b], right[b], link, right)
+                else:
+                    head[r] = link[b]
+                if head[r] < 0:
+                    _clear_bit(words, summary, r)
+                room = r - length
+            bin_of[k] = b
+            k += 1
+            if limited:
+                count[b] += 1
+                if count[b] >= max_items:
+                    continue
+            if room > 0:
+                if lowest_index:
+                    link[b] = -1
+                    right[b] = -1
+                    head[room] = _skew_merge(head[room], b, link, right)
+                else:
+                    link[b] = head[room]
+                    head[room] = b
+                _set_bit(words, summary, room)
     return bin_of, num_bins

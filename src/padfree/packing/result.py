@@ -17,14 +17,14 @@ class PackResult:
     Bin ``b`` holds the pieces ``order[bin_offsets[b]:bin_offsets[b + 1]]``, in the order they sit in the row.
     Without an overlong policy at work every piece is a whole sequence; after ``overlong="split"`` or
     ``"truncate"``, ``piece_starts``/``piece_lengths`` give the token span ``[start, start + length)`` each piece
-    takes from its sequence.
+    takes from its sequence (``piece_starts`` is None when every piece starts at token 0, as after truncation).
 
     Attributes:
         lengths: ``(num_sequences,) int64`` — the input lengths, untouched.
         capacity: tokens per bin.
         order: ``(num_pieces,) int64`` — sequence id of every placed piece, bin after bin.
         bin_offsets: ``(num_bins + 1,) int64`` — CSR offsets into ``order``; ``bin_offsets[0] == 0``.
-        piece_starts: ``(num_pieces,) int64`` or None — first token of each piece within its sequence.
+        piece_starts: ``(num_pieces,) int64`` or None — first token of each piece within its sequence (None: 0).
         piece_lengths: ``(num_pieces,) int64`` or None — tokens of each piece (None: the whole sequence).
         dropped: ``(num_dropped,) int64`` — ids of sequences removed by ``overlong="drop"``.
         truncated_tokens: tokens cut off by ``overlong="truncate"``; ``num_truncated``: sequences that lost some.

@@ -2,7 +2,8 @@
 
 A strategy is a function ``(lengths, capacity, max_items, rng) -> (proc, bin_of, num_bins)`` over pieces that
 already fit (see :mod:`padfree.packing.kernels` for the contract). Its docstring states its cost; the
-registry maps the short names users type to these functions.
+registry maps the short names users type to these functions. Inside a bin, pieces are in placement order:
+input order for the online strategies, decreasing length (ties in input order) for the sorted ones.
 """
 
 from __future__ import annotations
@@ -33,6 +34,9 @@ DEFAULT_STRATEGY = "obfd"
 HARMONIC_CLASSES = 8  # k of harmonic-k: asymptotic ratio ~1.69 already at k = 8, more classes buy little
 
 
+_NO_RUNS = np.zeros(0, np.int64)  # best_fit: one item per value, in the order given
+
+
 def _identity(n: int) -> np.ndarray:
     return np.arange(n, dtype=np.int64)
 
@@ -49,7 +53,7 @@ def _ff(lengths, capacity, max_items, rng):
 
 def _bf(lengths, capacity, max_items, rng):
     """Best fit: the open bin with the least room that still fits (ties: lowest bin). O(n log n), online."""
-    return (_identity(lengths.shape[0]), *kernels.best_fit(lengths, capacity, max_items, True))
+    return (_identity(lengths.shape[0]), *kernels.best_fit(lengths, _NO_RUNS, capacity, max_items, True))
 
 
 def _wf(lengths, capacity, max_items, rng):
@@ -62,8 +66,8 @@ def _ffd(lengths, capacity, max_items, rng):
 
     At most 11/9 OPT + 6/9 bins (Dósa 2007).
     """
-    proc, ordered = kernels.counting_sort_decreasing(lengths, capacity)
-    return (proc, *kernels.tree_fit(ordered, capacity, max_items, False))
+    proc, values, runs = kernels.counting_sort_decreasing(lengths, capacity)
+    return (proc, *kernels.tree_fit(np.repeat(values, runs), capacity, max_items, False))
 
 
 def _bfd(lengths, capacity, max_items, rng):
@@ -71,8 +75,8 @@ def _bfd(lengths, capacity, max_items, rng):
 
     O(n + C) sort + O(n log n) placement (a skew heap of bins per amount of room).
     """
-    proc, ordered = kernels.counting_sort_decreasing(lengths, capacity)
-    return (proc, *kernels.best_fit(ordered, capacity, max_items, True))
+    proc, values, runs = kernels.counting_sort_decreasing(lengths, capacity)
+    return (proc, *kernels.best_fit(values, runs, capacity, max_items, True))
 
 
 def _obfd(lengths, capacity, max_items, rng):
@@ -84,9 +88,9 @@ def _obfd(lengths, capacity, max_items, rng):
     Under ``max_sequences_per_bin`` two bins with equal room but different counts are not interchangeable, so
     there the buckets keep ``bfd``'s lowest-index tie-break and the bins are exactly ``bfd``'s.
     """
-    proc, ordered = kernels.counting_sort_decreasing(lengths, capacity)
+    proc, values, runs = kernels.counting_sort_decreasing(lengths, capacity)
     exact_ties = max_items <= lengths.shape[0]
-    return (proc, *kernels.best_fit(ordered, capacity, max_items, exact_ties))
+    return (proc, *kernels.best_fit(values, runs, capacity, max_items, exact_ties))
 
 
 def _ffs(lengths, capacity, max_items, rng):
@@ -224,15 +228,15 @@ class Packer:
         spec = STRATEGIES[self.strategy]
         rng = np.random.default_rng(seed) if spec.randomized else None
         piece_order, offsets = place(pieces.length, self.capacity, self.strategy, self.max_sequences_per_bin, rng)
-        changed = pieces.start is not None
+        split = pieces.start is not None
+        shortened = split or pieces.num_truncated > 0
         return PackResult(
             lengths=lengths,
             capacity=self.capacity,
-            # without drops or splits, piece i is sequence i: skip the identity gather
-            order=pieces.seq[piece_order] if changed or pieces.dropped.size else piece_order,
+            order=piece_order if pieces.seq is None else pieces.seq[piece_order],
             bin_offsets=offsets,
-            piece_starts=pieces.start[piece_order] if changed else None,
-            piece_lengths=pieces.length[piece_order] if changed else None,
+            piece_starts=pieces.start[piece_order] if split else None,
+            piece_lengths=pieces.length[piece_order] if shortened else None,
             dropped=pieces.dropped,
             truncated_tokens=pieces.truncated_tokens,
             num_truncated=pieces.num_truncated,

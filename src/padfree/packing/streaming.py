@@ -147,9 +147,10 @@ class StreamPacker:
         self._dropped_tokens += int(lengths[pieces.dropped].sum())
         if items is not None and self._items is None:
             self._items = []
-        starts = pieces.start if pieces.start is not None else np.zeros_like(pieces.seq)
-        new_ids, new_starts, new_lengths = pieces.seq + self._seen, starts, pieces.length
-        new_items = [items[i] for i in pieces.seq.tolist()] if items is not None else None
+        seq = pieces.sequence_ids()
+        starts = pieces.start if pieces.start is not None else np.zeros_like(seq)
+        new_ids, new_starts, new_lengths = seq + self._seen, starts, pieces.length
+        new_items = [items[i] for i in seq.tolist()] if items is not None else None
         self._seen += lengths.shape[0]
 
         done: list[StreamBin] = []
