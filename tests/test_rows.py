@@ -94,6 +94,24 @@ def test_padded_rows_and_shifted_labels(seqs, pad, multiple):
             assert shifted[t] == (labels[t + 1] if same_piece else -100)
 
 
+@given(seqs=sequences, cut=st.integers(0, 50))
+@settings(max_examples=60, deadline=None)
+def test_a_range_of_bins_equals_the_same_rows_of_the_whole(seqs, cut):
+    plan = pack_sequences([len(s) for s in seqs], 48, overlong="split")
+    whole = packed_rows(plan, seqs)
+    cut = min(cut, plan.num_bins)
+    parts = [packed_rows(plan, seqs, bins=slice(0, cut)), packed_rows(plan, seqs, bins=slice(cut, None))]
+    assert sum(p.num_rows for p in parts) == whole.num_rows
+    r = 0
+    for part in parts:
+        for k in range(part.num_rows):
+            a, b = part.row(k), whole.row(r)
+            assert all(np.array_equal(a[key], b[key]) for key in a)
+            r += 1
+    with pytest.raises(InvalidArgumentError, match="bins must be a slice of consecutive bins"):
+        packed_rows(plan, seqs, bins=slice(0, None, 2))
+
+
 def test_arrow_and_csr_inputs_are_read_without_python_lists():
     seqs = [[1, 2, 3], [4], [5, 6]]
     arrow = pa.array(seqs, type=pa.list_(pa.int32()))

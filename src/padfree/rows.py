@@ -279,6 +279,7 @@ def packed_rows(
     *,
     labels: Any = None,
     label_padding_value: int = -100,
+    bins: slice | None = None,
 ) -> PackedRows:
     """Lay the tokens of ``token_ids`` out in the rows planned by ``result``.
 
@@ -288,8 +289,11 @@ def packed_rows(
         labels: optional per-token labels with the same lengths (e.g. ``-100`` on prompt tokens); default: the
             token ids themselves.
         label_padding_value: written on the first token of every piece (and on padding, later).
+        bins: a contiguous range of bins (``slice(start, stop)``, step 1) to lay out instead of all of them, so
+            that a large dataset can be written chunk by chunk with bounded memory.
 
-    Cost: O(total tokens) in a handful of numpy passes — no Python loop over sequences or tokens.
+    Cost: O(tokens laid out) in a handful of numpy passes — no Python loop over sequences or tokens — plus one
+    O(num_sequences) check that the token lengths match the plan.
 
     >>> from padfree import pack_sequences
     >>> plan = pack_sequences([5, 2], capacity=4, overlong="split")
@@ -321,9 +325,11 @@ def packed_rows(
             got = label_buf.lengths[i] if i < len(label_buf) else "no"
             raise InvalidTokensError(f"labels[{i}] has {got} entries but token_ids[{i}] has {lengths[i]} tokens")
 
-    seq = result.order
-    piece_len = result.placed_lengths
-    piece_start = result.piece_starts if result.piece_starts is not None else np.zeros_like(seq)
+    first, last = _bin_range(bins, result.num_bins)
+    p0, p1 = int(result.bin_offsets[first]), int(result.bin_offsets[last])
+    seq = result.order[p0:p1]
+    piece_len = result.placed_lengths[p0:p1]
+    piece_start = result.piece_starts[p0:p1] if result.piece_starts is not None else np.zeros_like(seq)
     total = int(piece_len.sum())
     dst_start = np.zeros(seq.shape[0], np.int64)
     np.cumsum(piece_len[:-1], out=dst_start[1:])
@@ -338,17 +344,25 @@ def packed_rows(
         out_labels = label_buf.values[src_l].astype(np.int64)
     if total:
         out_labels[dst_start] = label_padding_value
-    row_offsets = np.zeros(result.num_bins + 1, np.int64)
-    if result.num_bins:
-        row_offsets[1:] = np.cumsum(result.bin_fill)
+    row_offsets = np.zeros(last - first + 1, np.int64)
+    np.cumsum(result.bin_fill[first:last], out=row_offsets[1:])
     return PackedRows(
         input_ids=input_ids,
         labels=out_labels,
         position_ids=within,
         row_offsets=row_offsets,
         seq_lens=piece_len,
-        piece_offsets=result.bin_offsets,
+        piece_offsets=result.bin_offsets[first : last + 1] - p0,
         sequence_ids=seq,
         capacity=result.capacity,
         label_padding_value=label_padding_value,
     )
+
+
+def _bin_range(bins: slice | None, num_bins: int) -> tuple[int, int]:
+    if bins is None:
+        return 0, num_bins
+    if not isinstance(bins, slice) or bins.step not in (None, 1):
+        raise InvalidArgumentError(f"bins must be a slice of consecutive bins (step 1) or None, got {describe(bins)}")
+    first, last, _ = bins.indices(num_bins)
+    return first, max(first, last)
