@@ -1,4 +1,9 @@
-"""padfree: exact padding-free (packed-sequence) training for causal language models."""
+"""padfree: exact padding-free (packed-sequence) training for causal language models.
+
+``import padfree`` stays free of torch and datasets: the names that need them are imported on first use.
+"""
+
+from typing import Any
 
 from padfree import layout
 from padfree.analysis import LengthAnalysis, analyze_lengths
@@ -8,9 +13,11 @@ from padfree.errors import (
     InvalidArgumentError,
     InvalidLayoutError,
     InvalidLengthsError,
+    InvalidSampleError,
     InvalidTokensError,
     OverlongSequenceError,
     PadfreeError,
+    StateMismatchError,
     TokenizerLoadError,
 )
 from padfree.layout import get_seqlens_in_batch, get_unpad_data
@@ -29,6 +36,33 @@ from padfree.rows import PackedRows, packed_rows
 
 __version__ = "0.1.0"
 
+# name -> module, imported on first access (PEP 562): these need torch or datasets
+_LAZY = {
+    "PackedBatch": "padfree.data.batch",
+    "PaddingFreeCollator": "padfree.data.batch",
+    "pack_result_to_tensors": "padfree.data.batch",
+    "packed_collate_fn": "padfree.data.batch",
+    "PackingDataset": "padfree.data.datasets",
+    "IterablePackingDataset": "padfree.data.datasets",
+    "pack_dataset": "padfree.data.hf",
+    "pack_dataset_from_result": "padfree.data.hf",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        import importlib
+
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'padfree' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)
+
+
 __all__ = [
     "DEFAULT_STRATEGY",
     "STRATEGIES",
@@ -38,13 +72,19 @@ __all__ = [
     "InvalidArgumentError",
     "InvalidLayoutError",
     "InvalidLengthsError",
+    "InvalidSampleError",
     "InvalidTokensError",
+    "IterablePackingDataset",
     "LengthAnalysis",
     "OverlongSequenceError",
     "PackResult",
+    "PackedBatch",
     "PackedRows",
     "Packer",
+    "PackingDataset",
+    "PaddingFreeCollator",
     "PadfreeError",
+    "StateMismatchError",
     "StreamBin",
     "StreamPacker",
     "TokenizerLoadError",
@@ -53,6 +93,10 @@ __all__ = [
     "get_seqlens_in_batch",
     "get_unpad_data",
     "layout",
+    "pack_dataset",
+    "pack_dataset_from_result",
+    "pack_result_to_tensors",
     "pack_sequences",
+    "packed_collate_fn",
     "packed_rows",
 ]

@@ -13,9 +13,11 @@ __all__ = [
     "InvalidArgumentError",
     "InvalidLayoutError",
     "InvalidLengthsError",
+    "InvalidSampleError",
     "InvalidTokensError",
     "OverlongSequenceError",
     "PadfreeError",
+    "StateMismatchError",
     "TokenizerLoadError",
 ]
 
@@ -54,6 +56,15 @@ class InvalidLayoutError(PadfreeError):
 
 class BackendUnavailableError(PadfreeError, ImportError):
     """An optional backend (torch, flex attention, ...) that the call needs is not installed; also an ImportError."""
+
+
+class InvalidSampleError(InvalidTokensError):
+    """A sample of a dataset or stream is not token ids (or a dict with them), has no tokens, or its labels do not
+    match its token ids."""
+
+
+class StateMismatchError(PadfreeError):
+    """A saved state (``load_state_dict``) comes from another configuration, or is resumed under another loader."""
 
 
 def describe(value: object, limit: int = 60) -> str:

@@ -1,0 +1,495 @@
+"""PackedBatch and the collators: every sample back token for token, flash kwargs as transformers derives them,
+HF's flattening collator matched, real-text DataLoader with workers, a tiny Llama exact when packed."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import pickle
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from padfree import (
+    InvalidArgumentError,
+    InvalidTokensError,
+    OverlongSequenceError,
+    PadfreeError,
+    layout,
+    pack_sequences,
+)
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from transformers.modeling_flash_attention_utils import prepare_fa_kwargs_from_position_ids  # noqa: E402
+
+from padfree.data.batch import (  # noqa: E402
+    PackedBatch,
+    PackedCollator,
+    PaddingFreeCollator,
+    pack_result_to_tensors,
+    packed_collate_fn,
+)
+
+DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
+
+token_lists = st.lists(st.lists(st.integers(0, 1000), min_size=1, max_size=30), min_size=1, max_size=16)
+
+
+def _samples(seqs, seed, with_labels, as_tensors=False):
+    rng = np.random.default_rng(seed)
+    out = []
+    for s in seqs:
+        ids = torch.tensor(s) if as_tensors else list(s)
+        sample = {"input_ids": ids}
+        if with_labels:
+            lab = [t if rng.random() < 0.6 else -100 for t in s]
+            sample["labels"] = torch.tensor(lab) if as_tensors else lab
+        out.append(sample)
+    return out
+
+
+def _segments(batch: PackedBatch) -> list[dict[str, list[int]]]:
+    """Cut the real tokens of the batch at cu_seqlens: one dict per packed sequence."""
+    cu = batch.cu_seqlens.tolist()
+    names = ["input_ids", "labels", "position_ids"] + (["shift_labels"] if batch.shift_labels is not None else [])
+    flat = {name: batch.unpad(getattr(batch, name)).tolist() for name in names}
+    return [{name: flat[name][a:b] for name in names} for a, b in itertools.pairwise(cu)]
+
+
+def _check_structure(batch: PackedBatch, padding_value: int = 0) -> None:
+    """Invariants every batch satisfies, whatever produced it."""
+    B, T = batch.input_ids.shape
+    for name in ("input_ids", "labels", "position_ids"):
+        assert getattr(batch, name).dtype == torch.int64 and getattr(batch, name).shape == (B, T)
+    assert batch.cu_seqlens.dtype == torch.int32 and batch.cu_seqlens_padded.dtype == torch.int32
+    assert batch.seq_lens.tolist() == torch.diff(batch.cu_seqlens).tolist()
+    assert int(batch.seqs_per_row.sum()) == batch.num_sequences == batch.sequence_ids.shape[0]
+    assert batch.max_seqlen == (max(batch.seq_lens.tolist()) if batch.num_sequences else 0)
+    # padding, read back through the layout helpers
+    seg = layout.lengths_to_segment_ids(batch.seq_lens, batch.seqs_per_row, T)
+    pad = seg == 0
+    assert batch.input_ids[pad].eq(padding_value).all()
+    assert batch.labels[pad].eq(-100).all()
+    assert torch.equal(batch.position_ids, layout.segment_ids_to_position_ids(seg))
+    assert batch.num_padding == int(pad.sum())
+    # the flash kwargs are exactly what transformers derives from position_ids (int32 offsets, same max)
+    (cu_q, _), (max_q, _) = prepare_fa_kwargs_from_position_ids(batch.position_ids)
+    assert torch.equal(batch.cu_seqlens_padded, cu_q) and cu_q.dtype == torch.int32
+    assert batch.max_seqlen_padded == int(max_q)
+    if batch.attention_mask is not None:
+        expected = seg if batch.mask_kind == "segments" else (seg > 0).long()
+        assert torch.equal(batch.attention_mask, expected)
+    if batch.seq_idx is not None:
+        assert batch.seq_idx.dtype == torch.int32
+        assert torch.equal(batch.seq_idx, layout.segment_ids_to_seq_idx(seg))
+    if batch.shift_labels is not None:
+        assert batch.shift_labels[pad].eq(-100).all()
+
+
+def _check_segments(batch: PackedBatch, samples, capacity: int | None, policy: str = "error") -> None:
+    """Unpacking gives back every sample, token for token and label for label; no label crosses a boundary."""
+    pieces: dict[int, list[tuple[list[int], list[int]]]] = {}
+    for sid, seg in zip(batch.sequence_ids.tolist(), _segments(batch), strict=True):
+        n = len(seg["input_ids"])
+        assert seg["position_ids"] == list(range(n))
+        assert seg["labels"][0] == -100  # the first token of a packed sequence is never a target
+        if "shift_labels" in seg:  # shift_labels[t] = labels[t + 1] inside the sequence, nothing past its end
+            assert seg["shift_labels"] == [*seg["labels"][1:], -100]
+        pieces.setdefault(sid, []).append((seg["input_ids"], seg["labels"]))
+    for i, sample in enumerate(samples):
+        ids = list(map(int, sample["input_ids"]))
+        labels = list(map(int, sample.get("labels", ids)))
+        if capacity is None or len(ids) <= capacity:
+            chunks = [(ids, labels)]
+        elif policy == "drop":
+            assert i not in pieces
+            continue
+        elif policy == "truncate":
+            chunks = [(ids[:capacity], labels[:capacity])]
+        else:
+            chunks = [(ids[a : a + capacity], labels[a : a + capacity]) for a in range(0, len(ids), capacity)]
+        got = pieces.pop(i)
+        assert sorted(p[0] for p in got) == sorted(c[0] for c in chunks)
+        for got_ids, got_labels in got:
+            (want_labels,) = [c[1] for c in chunks if c[0] == got_ids][:1]
+            assert got_labels[1:] == want_labels[1:]
+    assert not pieces
+
+
+@given(seqs=token_lists, capacity=st.integers(1, 40), policy=st.sampled_from(["split", "truncate", "drop"]),
+       strategy=st.sampled_from(["obfd", "ffs", "nf"]), seed=st.integers(0, 5), with_labels=st.booleans(),
+       pad_to=st.sampled_from(["capacity", "longest", 64]), multiple=st.sampled_from([None, 8]),
+       mask=st.sampled_from([None, "binary", "segments"]), flags=st.booleans())
+@settings(max_examples=120, deadline=None)
+def test_packed_collate_round_trip(seqs, capacity, policy, strategy, seed, with_labels, pad_to, multiple, mask, flags):
+    samples = _samples(seqs, seed, with_labels, as_tensors=seed % 2 == 1)
+    if pad_to == 64:
+        capacity = min(capacity, 64)
+    collate = packed_collate_fn(capacity, strategy, seed, padding_value=7, overlong=policy, pad_to=pad_to,
+                                pad_to_multiple_of=multiple, attention_mask=mask, seq_idx=flags, shift_labels=flags)
+    lengths = np.array([len(s) for s in seqs])
+    if policy == "drop" and (lengths > capacity).all():
+        batch = collate(samples)
+        assert batch.batch_size == 0 and batch.num_sequences == 0 and batch.num_dropped == len(seqs)
+        return
+    batch = collate(samples)
+    _check_structure(batch, padding_value=7)
+    _check_segments(batch, samples, capacity, policy)
+    T = batch.seq_len
+    if pad_to == "capacity":
+        assert -(-capacity // (multiple or 1)) * (multiple or 1) == T
+    assert all(int(f) <= capacity for f in batch.seq_lens)
+    assert batch.num_dropped == (int((lengths > capacity).sum()) if policy == "drop" else 0)
+    if policy == "truncate":
+        assert batch.truncated_tokens == int(np.maximum(lengths - capacity, 0).sum())
+
+
+@given(seqs=token_lists, seed=st.integers(0, 5), with_labels=st.booleans(), flags=st.booleans(),
+       mask=st.sampled_from([None, "binary", "segments"]))
+@settings(max_examples=80, deadline=None)
+def test_padding_free_round_trip(seqs, seed, with_labels, flags, mask):
+    samples = _samples(seqs, seed, with_labels, as_tensors=seed % 2 == 1)
+    batch = PaddingFreeCollator(attention_mask=mask, seq_idx=flags, shift_labels=flags)(samples)
+    assert batch.batch_size == 1 and batch.seq_len == sum(map(len, seqs)) and batch.num_padding == 0
+    assert batch.sequence_ids.tolist() == list(range(len(seqs)))  # input order, one row
+    assert torch.equal(batch.cu_seqlens, batch.cu_seqlens_padded)  # no padding: both spellings agree
+    _check_structure(batch)
+    _check_segments(batch, samples, None)
+
+
+def test_plain_sequences_and_numpy_arrays_are_samples_too():
+    seqs = [[3, 4, 5], np.array([6, 7], np.int32), torch.tensor([8], dtype=torch.int16)]
+    batch = packed_collate_fn(4, pad_to="longest")(seqs)
+    assert batch.input_ids.tolist() == [[3, 4, 5, 8], [6, 7, 0, 0]]
+    assert batch.sequence_ids.tolist() == [0, 2, 1]
+    flat = PaddingFreeCollator()(seqs)
+    assert flat.input_ids.tolist() == [[3, 4, 5, 6, 7, 8]]
+
+
+# ---- pack_result_to_tensors ---------------------------------------------------------------------------------------
+
+
+def test_pack_result_to_tensors_matches_rows_and_moves():
+    seqs = [[1, 2, 3, 4, 5], [6, 7], [8, 9, 10]]
+    labels = [[-100, -100, 3, 4, 5], [6, 7], [-100, 9, 10]]
+    plan = pack_sequences([5, 2, 3], capacity=4, overlong="split")
+    batch = pack_result_to_tensors(plan, seqs, padding_value=-1, labels=labels, device="cpu", attention_mask="segments",
+                                   seq_idx=True, shift_labels=True)
+    assert batch.input_ids.tolist() == [[1, 2, 3, 4], [8, 9, 10, 5], [6, 7, -1, -1]]
+    assert batch.labels.tolist() == [[-100, -100, 3, 4], [-100, 9, 10, -100], [-100, 7, -100, -100]]
+    assert batch.shift_labels.tolist() == [[-100, 3, 4, -100], [9, 10, -100, -100], [7, -100, -100, -100]]
+    assert batch.attention_mask.tolist() == [[1, 1, 1, 1], [1, 1, 1, 2], [1, 1, 0, 0]]
+    assert batch.seq_idx.tolist() == [[0, 0, 0, 0], [0, 0, 0, 1], [0, 0, 1, 1]]
+    assert batch.cu_seqlens.tolist() == [0, 4, 7, 8, 10]
+    assert batch.cu_seqlens_padded.tolist() == [0, 4, 7, 8, 10, 12]
+    assert (batch.max_seqlen, batch.max_seqlen_padded, batch.num_tokens, batch.num_padding) == (4, 4, 10, 2)
+    _check_structure(batch, padding_value=-1)
+    moved = batch.to(torch.device("cpu"), non_blocking=True)
+    assert isinstance(moved, PackedBatch) and moved.input_ids.device.type == "cpu"
+    meta = batch.to("meta")
+    assert all(t.device.type == "meta" for t in (meta.input_ids, meta.cu_seqlens, meta.seq_idx, meta.shift_labels))
+    assert meta.max_seqlen == 4 and batch.input_ids.device.type == "cpu"  # the original is untouched
+    assert "rows=3" in repr(batch) and "seq_len=4" in repr(batch)
+
+
+def test_pack_result_to_tensors_shares_the_numpy_buffers():
+    plan = pack_sequences([2, 2], capacity=4)
+    batch = pack_result_to_tensors(plan, [np.array([1, 2]), np.array([3, 4])])
+    assert batch.input_ids.is_contiguous() and batch.input_ids.dtype == torch.int64
+    assert batch.input_ids.tolist() == [[1, 2, 3, 4]]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="pinned memory needs an accelerator")
+def test_pin_memory_and_cuda():  # pragma: no cover - runs on GPU machines only
+    batch = packed_collate_fn(8)([[1, 2, 3], [4, 5]]).pin_memory()
+    assert batch.input_ids.is_pinned()
+    cuda = batch.to("cuda", non_blocking=True)
+    assert cuda.cu_seqlens_padded.device.type == "cuda" and cuda.num_tokens == 5
+
+
+# ---- model_inputs ---------------------------------------------------------------------------------------------------
+
+
+def test_model_inputs_keys_and_never_an_all_ones_mask():
+    samples = [[1, 2, 3], [4, 5], [6, 7, 8, 9]]
+    base = {"input_ids", "position_ids", "labels", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k",
+            "use_cache"}
+    for mask in (None, "binary"):
+        for collate in (packed_collate_fn(5, attention_mask=mask), PaddingFreeCollator(attention_mask=mask)):
+            inputs = collate(samples).model_inputs()
+            assert set(inputs) == base  # a 0/1 mask would switch transformers' packed detection off
+            assert inputs["use_cache"] is False
+            assert isinstance(inputs["max_length_q"], int) and inputs["cu_seq_lens_q"] is inputs["cu_seq_lens_k"]
+    batch = packed_collate_fn(5, attention_mask="segments", seq_idx=True, shift_labels=True)(samples)
+    inputs = batch.model_inputs()
+    assert set(inputs) == base | {"attention_mask", "seq_idx", "shift_labels"}
+    assert inputs["attention_mask"].max() == 2  # segment ids, for models configured to read them
+    assert set(batch.model_inputs(include_labels=False, flash_kwargs=False, use_cache=None)) == {
+        "input_ids", "position_ids", "attention_mask", "seq_idx"}
+
+
+def test_flash_kwargs_match_transformers_on_padded_rows():
+    rng = np.random.default_rng(0)
+    samples = [rng.integers(0, 100, int(n)).tolist() for n in rng.integers(1, 50, 40)]
+    batch = packed_collate_fn(64, pad_to_multiple_of=16)(samples)
+    assert batch.batch_size > 1 and batch.num_padding > 0
+    (cu_q, cu_k), (max_q, max_k) = prepare_fa_kwargs_from_position_ids(batch.position_ids)
+    inputs = batch.model_inputs()
+    assert torch.equal(inputs["cu_seq_lens_q"], cu_q) and torch.equal(inputs["cu_seq_lens_k"], cu_k)
+    assert inputs["max_length_q"] == int(max_q) == inputs["max_length_k"] == int(max_k)
+    # every row starts a segment of the flattened stream, and each padding tail is one segment of its own
+    starts = set(inputs["cu_seq_lens_q"].tolist())
+    assert all(r * batch.seq_len in starts for r in range(batch.batch_size))
+    seg = layout.lengths_to_segment_ids(batch.seq_lens, batch.seqs_per_row, batch.seq_len)
+    padded_rows = int((seg[:, -1] == 0).sum())
+    assert padded_rows > 0 and len(starts) - 1 == batch.num_sequences + padded_rows  # - 1: the end offset
+
+
+# ---- transformers' DataCollatorWithFlattening ------------------------------------------------------------------------
+
+
+def test_padding_free_collator_matches_data_collator_with_flattening():
+    from transformers import DataCollatorWithFlattening
+
+    rng = np.random.default_rng(1)
+    plain = [{"input_ids": rng.integers(0, 100, int(n)).tolist()} for n in rng.integers(1, 30, 9)]
+    labelled = [dict(s, labels=[t if rng.random() < 0.5 else -100 for t in s["input_ids"]]) for s in plain]
+    for samples in (plain, labelled):
+        hf = DataCollatorWithFlattening(return_flash_attn_kwargs=True, return_seq_idx=True)(samples)
+        ours = PaddingFreeCollator(seq_idx=True)(samples)
+        inputs = ours.model_inputs()
+        for key in ("input_ids", "position_ids", "labels", "seq_idx", "cu_seq_lens_q", "cu_seq_lens_k"):
+            assert torch.equal(inputs[key], hf[key]), key
+            assert inputs[key].dtype == hf[key].dtype, key
+        assert inputs["max_length_q"] == hf["max_length_q"] and inputs["max_length_k"] == hf["max_length_k"]
+        assert torch.equal(ours.cu_seqlens, hf["cu_seq_lens_q"])
+    # where HF's differs: an empty sample gets a label without a token, so every later label is misaligned
+    hf = DataCollatorWithFlattening()([{"input_ids": [1, 2]}, {"input_ids": []}, {"input_ids": [3, 4]}])
+    assert hf["labels"].shape[1] == hf["input_ids"].shape[1] + 1
+    with pytest.raises(InvalidTokensError, match=r"samples\[1\]\['input_ids'\] is empty"):
+        PaddingFreeCollator()([{"input_ids": [1, 2]}, {"input_ids": []}, {"input_ids": [3, 4]}])
+
+
+# ---- DataLoader over real text --------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def gsm8k_samples():
+    from padfree.corpus import load_tokenizer
+
+    records = json.loads((DATA / "gsm8k_train.json").read_text())[:256]
+    tok = load_tokenizer()
+    prompts = tok([r["instruction"] + "\n" for r in records], add_special_tokens=False)["input_ids"]
+    answers = tok([r["output"] for r in records], add_special_tokens=False)["input_ids"]
+    samples = []
+    for p, a in zip(prompts, answers, strict=True):
+        ids = [tok.bos_token_id, *p, *a, tok.eos_token_id]
+        samples.append({"input_ids": ids, "labels": [-100] * (1 + len(p)) + [*a, tok.eos_token_id]})
+    return samples
+
+
+def test_dataloader_with_workers_over_gsm8k(gsm8k_samples):
+    capacity = 512
+    collate = packed_collate_fn(capacity, strategy="ffs", seed=3, shift_labels=True)
+    loader = torch.utils.data.DataLoader(gsm8k_samples, batch_size=32, num_workers=2, collate_fn=collate)
+    seen = []
+    first_pass = []
+    for k, batch in enumerate(loader):
+        assert isinstance(batch, PackedBatch) and batch.seq_len == capacity
+        _check_structure(batch)
+        chunk = gsm8k_samples[32 * k : 32 * (k + 1)]
+        _check_segments(batch, chunk, capacity)
+        seen.extend(32 * k + i for i in batch.sequence_ids.tolist())
+        first_pass.append(batch.input_ids)
+        assert batch.num_tokens == sum(len(s["input_ids"]) for s in chunk)
+    assert sorted(seen) == list(range(len(gsm8k_samples)))
+    # reproducible for a fixed seed and worker count; the calls draw different shuffles
+    again = [b.input_ids for b in torch.utils.data.DataLoader(gsm8k_samples, batch_size=32, num_workers=2,
+                                                               collate_fn=collate)]
+    assert all(torch.equal(a, b) for a, b in zip(first_pass, again, strict=True))
+    seeds = [collate._next_seed() for _ in range(3)]
+    assert len(set(seeds)) == 3
+    # Trainer-style: a plain dict of model kwargs
+    dict_loader = torch.utils.data.DataLoader(gsm8k_samples[:64], batch_size=32, num_workers=2,
+                                              collate_fn=PaddingFreeCollator(return_dict=True))
+    for inputs in dict_loader:
+        assert type(inputs) is dict and inputs["input_ids"].shape[0] == 1 and "attention_mask" not in inputs
+
+
+def test_collators_pickle():
+    for collate in (packed_collate_fn(16, "ffs", seed=1, attention_mask="segments"), PaddingFreeCollator(seq_idx=True)):
+        clone = pickle.loads(pickle.dumps(collate))
+        a, b = collate([[1, 2, 3], [4, 5]]), clone([[1, 2, 3], [4, 5]])
+        assert torch.equal(a.input_ids, b.input_ids) and repr(collate) == repr(clone)
+    assert isinstance(packed_collate_fn(8), PackedCollator)
+
+
+# ---- a tiny model: packed == alone ----------------------------------------------------------------------------------
+
+
+def _varlen_reference(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """What flash_attn_varlen_func computes, in plain torch: causal attention inside each segment of the flattened
+    (B·T) stream that ``cu_seq_lens_q`` describes, nothing across. It sees no mask and no position_ids."""
+    cu = kwargs["cu_seq_lens_q"]
+    assert attention_mask is None and torch.equal(cu, kwargs["cu_seq_lens_k"]) and cu.dtype == torch.int32
+    assert kwargs["max_length_q"] == int(torch.diff(cu).max())
+    batch, heads, seq, dim = query.shape
+    group = heads // key.shape[1]
+    q = query.transpose(1, 2).reshape(batch * seq, heads, dim)
+    k = key.repeat_interleave(group, dim=1).transpose(1, 2).reshape(batch * seq, heads, dim)
+    v = value.repeat_interleave(group, dim=1).transpose(1, 2).reshape(batch * seq, heads, dim)
+    out = torch.empty_like(q)
+    for a, b in itertools.pairwise(cu.tolist()):
+        seg = [t[a:b].transpose(0, 1) for t in (q, k, v)]
+        out[a:b] = torch.nn.functional.scaled_dot_product_attention(*seg, is_causal=True, scale=scaling).transpose(0, 1)
+    return out.reshape(batch, seq, heads, dim), None
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager", "varlen_reference"])
+def test_tiny_llama_packed_forward_is_exact(attn):
+    transformers.AttentionInterface.register("varlen_reference", _varlen_reference)
+    config = transformers.LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                                      attn_implementation=attn)
+    assert config.use_cache  # the default that would switch packed detection off; model_inputs passes use_cache=False
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).eval()
+    rng = np.random.default_rng(2)
+    samples = []
+    for n in rng.integers(2, 30, 10):
+        ids = rng.integers(0, 96, int(n)).tolist()
+        samples.append({"input_ids": ids, "labels": [-100] * (int(n) // 3) + ids[int(n) // 3 :]})
+    with torch.no_grad():
+        model.set_attn_implementation("sdpa")
+        alone = [model(input_ids=torch.tensor([s["input_ids"]]), use_cache=False).logits[0] for s in samples]
+        model.set_attn_implementation(attn)
+        token_losses = []
+        for s, logits in zip(samples, alone, strict=True):
+            target = torch.tensor(s["labels"][1:])
+            losses = torch.nn.functional.cross_entropy(logits[:-1], target, reduction="none")
+            token_losses.append(losses[target != -100])
+        want_loss = torch.cat(token_losses).mean()
+        # pad_to=56 > capacity: every row ends in padding, so a wrong offset convention would misalign the rows
+        for collate in (packed_collate_fn(40, pad_to=56), packed_collate_fn(48, shift_labels=True),
+                        PaddingFreeCollator()):
+            batch = collate(samples)
+            assert batch.num_sequences == len(samples)
+            out = model(**batch.model_inputs())
+            flat = batch.unpad(out.logits)
+            cu = batch.cu_seqlens.tolist()
+            for j, sid in enumerate(batch.sequence_ids.tolist()):
+                torch.testing.assert_close(flat[cu[j] : cu[j + 1]], alone[sid], rtol=0, atol=1e-5)
+            torch.testing.assert_close(out.loss, want_loss, rtol=0, atol=1e-5)
+
+
+# ---- bad input: one clear error naming the culprit ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("samples", "error", "match"),
+    [
+        ([{"input_ids": [1, 2]}, {"ids": [3]}], InvalidTokensError,
+         r"samples\[1\] has no 'input_ids' \(keys: \['ids'\]"),
+        ([{"input_ids": [1, 2]}, {"input_ids": [3, 4.5]}], InvalidTokensError,
+         r"samples\[1\]\['input_ids'\]\[1\] = 4.5 \(type float\) is not an integer token id"),
+        ([[1, 2], ["a", 3]], InvalidTokensError, r"samples\[1\]\[0\] = 'a' \(type str\) is not an integer"),
+        ([[1, 2], [True, False]], InvalidTokensError, r"samples\[1\]\[0\] = True \(type bool\)"),
+        ([{"input_ids": torch.tensor([1.0, 2.0])}], InvalidTokensError,
+         r"samples\[0\]\['input_ids'\] must hold integer token ids, got dtype float32 \(first value 1.0"),
+        ([[1, 2], np.array([True, False])], InvalidTokensError,
+         r"samples\[1\] must hold integer token ids, got dtype bool"),
+        ([[1, 2], (3, None)], InvalidTokensError, r"samples\[1\]\[1\] = None \(type NoneType\) is not an integer"),
+        ([[[1, 2]]], InvalidTokensError, r"samples\[0\]\[0\] = \[1, 2\] \(type list\) is not an integer token id"),
+        ([[1, 2**64]], InvalidTokensError, r"samples\[0\]\[1\] = 18446744073709551616 does not fit in int64"),
+        ([np.array([2**63], np.uint64)], InvalidTokensError, r"samples\[0\]\[0\] = 9223372036854775808 does not fit"),
+        ([{"input_ids": [1], "labels": [0.5]}], InvalidTokensError, r"samples\[0\]\['labels'\]\[0\] = 0.5"),
+        ([{"input_ids": [1, 2]}, {"input_ids": []}], InvalidTokensError, r"samples\[1\]\['input_ids'\] is empty"),
+        ([[1, 2], torch.zeros(0, dtype=torch.long)], InvalidTokensError, r"samples\[1\] is empty"),
+        ([{"input_ids": [1, 2], "labels": [1, 2]}, {"input_ids": [3, 4], "labels": [4]}], InvalidTokensError,
+         r"samples\[1\]\['labels'\] has 1 entries but its input_ids has 2 tokens"),
+        ([{"input_ids": [1, 2], "labels": [1, 2]}, {"input_ids": [3]}], InvalidTokensError,
+         r"samples\[0\] has 'labels' but samples\[1\] has none"),
+        ([{"input_ids": [1, 2]}, [3]], InvalidTokensError, r"samples\[1\] is \[3\] .*but samples\[0\] is a dict"),
+        ([[1, 2], {"input_ids": [3]}], InvalidTokensError, r"samples\[1\] is a dict"),
+        ([[1, -2]], InvalidTokensError, r"samples\[0\]\[1\] = -2 is negative"),
+        ([{"input_ids": torch.tensor([[1, 2]])}], InvalidTokensError,
+         r"must be 1-D \(one sequence\), got shape \(1, 2\)"),
+        ([[1, 2], "hello"], InvalidTokensError, r"samples\[1\] must be a sequence of integer token ids, got 'hello'"),
+        ([], InvalidTokensError, "empty list of samples"),
+        ({"input_ids": [[1, 2]]}, InvalidTokensError, "takes a list of samples"),
+    ],
+)
+def test_bad_samples_name_the_culprit(samples, error, match):
+    for collate in (packed_collate_fn(8), PaddingFreeCollator()):
+        with pytest.raises(error, match=match):
+            collate(samples)
+
+
+def test_overlong_and_bad_options():
+    with pytest.raises(OverlongSequenceError, match=r"samples\[1\] has 9 tokens, more than capacity=8"):
+        packed_collate_fn(8)([[1], list(range(9))])
+    with pytest.raises(OverlongSequenceError, match="more than max_tokens=4"):
+        PaddingFreeCollator(max_tokens=4)([[1, 2, 3], [4, 5]])
+    bad = [
+        (lambda: packed_collate_fn(0), "capacity must be"),
+        (lambda: packed_collate_fn(8, strategy="best"), "strategy must be one of"),
+        (lambda: packed_collate_fn(8, overlong="cut"), "overlong must be one of"),
+        (lambda: packed_collate_fn(8, pad_to=4), r"pad_to must be 'capacity', 'longest' or an int >= capacity \(8\)"),
+        (lambda: packed_collate_fn(8, pad_to_multiple_of=0), "pad_to_multiple_of must be an integer >= 1"),
+        (lambda: packed_collate_fn(8, attention_mask="causal"), "attention_mask must be one of 'binary', 'segments'"),
+        (lambda: packed_collate_fn(8, padding_value=0.5), "padding_value must be an integer"),
+        (lambda: PaddingFreeCollator(label_padding_value="x"), "label_padding_value must be an integer"),
+        (lambda: pack_result_to_tensors(pack_sequences([2], 4), [[1, 2]], padding_value=None),
+         "padding_value must be an integer"),
+    ]
+    for make, match in bad:
+        with pytest.raises(InvalidArgumentError, match=match):
+            make()
+    with pytest.raises(InvalidTokensError, match=r"token_ids\[0\] has 3 tokens but the plan says lengths\[0\] = 2"):
+        pack_result_to_tensors(pack_sequences([2], 4), [[1, 2, 3]])
+    assert issubclass(InvalidTokensError, PadfreeError)
+
+
+def test_hf_trainer_takes_return_dict_collators(tmp_path):
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                      num_attention_heads=2, num_key_value_heads=1, attn_implementation="sdpa")
+    model = transformers.LlamaForCausalLM(config)
+    rng = np.random.default_rng(0)
+    data = [{"input_ids": rng.integers(0, 64, int(n)).tolist()} for n in rng.integers(2, 30, 32)]
+    args = transformers.TrainingArguments(str(tmp_path), per_device_train_batch_size=16, max_steps=2, report_to=[],
+                                          use_cpu=True, save_strategy="no", disable_tqdm=True)
+    for collate in (packed_collate_fn(64, return_dict=True, shift_labels=True), PaddingFreeCollator(return_dict=True)):
+        out = transformers.Trainer(model=model, args=args, train_dataset=data, data_collator=collate).train()
+        assert np.isfinite(out.training_loss)
+    # the batch object itself is not a dict: the Trainer's first question gets a clear answer
+    batch = packed_collate_fn(64)(data[:4])
+    for probe in (lambda: "labels" in batch, lambda: dict(batch)):
+        with pytest.raises(TypeError, match="return_dict=True"):
+            probe()
+
+
+def test_already_packed_rows_keep_every_boundary_inside_them():
+    from padfree.data.datasets import PackingDataset
+
+    rng = np.random.default_rng(4)
+    seqs = [rng.integers(1, 500, int(n)).tolist() for n in rng.integers(1, 40, 60)]
+    rows = [row for row in PackingDataset(seqs, max_length=64, shuffle=False)]
+    inner = np.concatenate([row["seq_lens"].numpy() for row in rows])
+    flat = PaddingFreeCollator()(rows[:5])
+    assert flat.seq_lens.tolist() == np.concatenate([r["seq_lens"].numpy() for r in rows[:5]]).tolist()
+    starts = np.concatenate(([0], np.cumsum(flat.seq_lens.numpy())[:-1]))
+    assert (flat.position_ids[0, starts] == 0).all()
+    assert (flat.labels[0, starts] == -100).all()
+    # re-packing packed rows packs their sequences, never a row as one sequence
+    repacked = packed_collate_fn(64)(rows)
+    assert sorted(repacked.seq_lens.tolist()) == sorted(inner.tolist())
+    with pytest.raises(InvalidTokensError, match=r"samples\[0\] has 'seq_lens' .* but samples\[1\] has none"):
+        PaddingFreeCollator()([rows[0], {"input_ids": [1, 2], "labels": [1, 2]}])
+    bad = dict(rows[0], seq_lens=[1])
+    with pytest.raises(InvalidTokensError, match=r"samples\[0\]\['seq_lens'\] = \[1\] must be lengths >= 1 summing"):
+        PaddingFreeCollator()([bad])
