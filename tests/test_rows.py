@@ -124,6 +124,8 @@ def test_arrow_and_csr_inputs_are_read_without_python_lists():
     assert np.array_equal(from_arrow.input_ids, from_lists.input_ids)
     values, offsets = np.array([1, 2, 3, 4, 5, 6]), np.array([0, 3, 4, 6])
     assert np.array_equal(packed_rows(plan, (values, offsets)).labels, from_lists.labels)
+    unsigned = packed_rows(plan, (values.astype(np.uint64), offsets)).padded()
+    assert unsigned["input_ids"].dtype == np.int64
 
 
 def test_real_text_round_trip():

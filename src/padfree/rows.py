@@ -89,7 +89,9 @@ def as_token_buffers(tokens: Any, name: str = "token_ids") -> TokenBuffers:
         lengths = np.fromiter((a.shape[0] for a in arrays), dtype=np.int64, count=len(arrays))
         offsets = np.zeros(lengths.shape[0] + 1, np.int64)
         np.cumsum(lengths, out=offsets[1:])
-        values = np.concatenate(arrays) if arrays else np.zeros(0, np.int64)
+        # an empty sequence is a float64 array to numpy: leave it out, or it would turn every id into a float
+        filled = [a for a in arrays if a.shape[0]]
+        values = np.concatenate(filled) if filled else np.zeros(0, np.int64)
         if values.dtype.kind not in "iu" and offsets[-1] > 0:
             _raise_non_integer(tokens, name)
     values = np.asarray(values)
@@ -232,7 +234,8 @@ class PackedRows:
         cols = np.arange(self.input_ids.shape[0]) - np.repeat(self.row_offsets[:-1], self.row_lengths)
         shape = (self.num_rows, width)
         out: dict[str, np.ndarray] = {}
-        out["input_ids"] = np.full(shape, padding_value, dtype=np.result_type(self.input_ids.dtype, np.int64))
+        # int64 whatever the source dtype: result_type(uint64, int64) would be float64
+        out["input_ids"] = np.full(shape, padding_value, dtype=np.int64)
         out["input_ids"][rows, cols] = self.input_ids
         out["labels"] = np.full(shape, self.label_padding_value, np.int64)
         out["labels"][rows, cols] = self.labels
