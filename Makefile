@@ -14,3 +14,5 @@ test: setup
 bench: setup
 	.venv/bin/python -m pip install --quiet -e '.[bench]'
 	.venv/bin/python benchmarks/bench_packing.py
+	.venv/bin/python benchmarks/bench_datasets.py
+	.venv/bin/python benchmarks/bench_collate.py
