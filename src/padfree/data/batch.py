@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import array
 import dataclasses
-import operator
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -57,7 +56,7 @@ from padfree.errors import (
     OverlongSequenceError,
     describe,
 )
-from padfree.packing.inputs import as_capacity, as_choice, as_positive_int, as_seed
+from padfree.packing.inputs import as_capacity, as_choice, as_int, as_positive_int, as_seed
 from padfree.packing.result import PackResult
 from padfree.packing.strategies import DEFAULT_STRATEGY, STRATEGIES, Packer
 from padfree.rows import PackedRows, TokenBuffers, packed_rows
@@ -351,12 +350,7 @@ def _to_batch(
 
 
 def _as_int(value: Any, name: str) -> int:
-    if isinstance(value, bool):
-        raise InvalidArgumentError(f"{name} must be an integer, got {describe(value)}")
-    try:
-        return operator.index(value)
-    except TypeError:
-        raise InvalidArgumentError(f"{name} must be an integer, got {describe(value)}") from None
+    return as_int(value, name)  # type: ignore[return-value]
 
 
 def _as_mask_kind(value: Any) -> str | None:

@@ -83,7 +83,7 @@ from padfree.errors import (
     StateMismatchError,
     describe,
 )
-from padfree.packing.inputs import OVERLONG_POLICIES, as_capacity, as_choice, as_positive_int, as_seed
+from padfree.packing.inputs import OVERLONG_POLICIES, as_capacity, as_choice, as_int, as_positive_int, as_seed
 from padfree.packing.result import PackResult
 from padfree.packing.strategies import DEFAULT_STRATEGY, STRATEGIES, Packer
 from padfree.packing.streaming import StreamBin, StreamPacker
@@ -235,15 +235,7 @@ def _derived_seed(seed: int, epoch: int, purpose: int) -> int:
 
 
 def _as_count(value: Any, name: str) -> int:
-    if isinstance(value, bool):
-        raise InvalidArgumentError(f"{name} must be an integer >= 0, got {describe(value)}")
-    try:
-        number = operator.index(value)
-    except TypeError:
-        raise InvalidArgumentError(f"{name} must be an integer >= 0, got {describe(value)}") from None
-    if number < 0:
-        raise InvalidArgumentError(f"{name} must be an integer >= 0, got {number}")
-    return number
+    return as_int(value, name, minimum=0)  # type: ignore[return-value]
 
 
 def _loader_batch_size(loader: Any, dataset: Any) -> int:

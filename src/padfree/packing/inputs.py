@@ -96,20 +96,31 @@ def as_capacity(value: Any, name: str = "capacity") -> int:
     return capacity
 
 
-def as_positive_int(value: Any, name: str, *, allow_none: bool = False) -> int | None:
-    """``value`` as a Python int >= 1 (or None when allowed), else :class:`InvalidArgumentError`."""
+def as_int(value: Any, name: str, *, minimum: int | None = None, allow_none: bool = False) -> int | None:
+    """``value`` as a Python int (``>= minimum`` when given; None when allowed), else :class:`InvalidArgumentError`.
+
+    Accepts Python and numpy integers, never ``bool`` and never a float, even a whole one.
+
+    >>> as_int(3, "k", minimum=1), as_int(None, "k", allow_none=True)
+    (3, None)
+    """
     if value is None and allow_none:
         return None
-    accepted = "an integer >= 1" + (" or None" if allow_none else "")
+    accepted = "an integer" + (f" >= {minimum}" if minimum is not None else "") + (" or None" if allow_none else "")
     if isinstance(value, bool):
         raise InvalidArgumentError(f"{name} must be {accepted}, got {describe(value)}")
     try:
         number = operator.index(value)
     except TypeError:
         raise InvalidArgumentError(f"{name} must be {accepted}, got {describe(value)}") from None
-    if number < 1:
+    if minimum is not None and number < minimum:
         raise InvalidArgumentError(f"{name} must be {accepted}, got {number}")
     return number
+
+
+def as_positive_int(value: Any, name: str, *, allow_none: bool = False) -> int | None:
+    """``value`` as a Python int >= 1 (or None when allowed), else :class:`InvalidArgumentError`."""
+    return as_int(value, name, minimum=1, allow_none=allow_none)
 
 
 def as_seed(seed: Any, name: str = "seed") -> int | None:
