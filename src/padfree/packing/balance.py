@@ -99,8 +99,7 @@ def bin_loads(result: PackResult) -> tuple[np.ndarray, np.ndarray]:
     if result.num_bins == 0:
         return np.zeros(0, np.int64), np.zeros(0, np.int64)
     lengths = result.placed_lengths
-    starts = result.bin_offsets[:-1]
-    return np.add.reduceat(lengths, starts), np.add.reduceat(lengths * lengths, starts)
+    return result.bin_fill, np.add.reduceat(lengths * lengths, result.bin_offsets[:-1])
 
 
 def balance_bins(
