@@ -16,9 +16,11 @@ from padfree.errors import (
     InvalidSampleError,
     InvalidTokensError,
     OverlongSequenceError,
+    PackingDisabledError,
     PadfreeError,
     StateMismatchError,
     TokenizerLoadError,
+    UnsupportedModelError,
 )
 from padfree.layout import get_seqlens_in_batch, get_unpad_data
 from padfree.packing import (
@@ -46,6 +48,13 @@ _LAZY = {
     "IterablePackingDataset": "padfree.data.datasets",
     "pack_dataset": "padfree.data.hf",
     "pack_dataset_from_result": "padfree.data.hf",
+    "configure_packing": "padfree.model.configure",
+    "unconfigure_packing": "padfree.model.configure",
+    "packing_state": "padfree.model.configure",
+    "PackingReport": "padfree.model.configure",
+    "SUPPORTED_MODEL_TYPES": "padfree.model.configure",
+    "verify": "padfree.model.verify",
+    "VerifyReport": "padfree.model.verify",
 }
 
 
@@ -78,18 +87,24 @@ __all__ = [
     "LengthAnalysis",
     "OverlongSequenceError",
     "PackResult",
+    "PackingDisabledError",
+    "PackingReport",
     "PackedBatch",
     "PackedRows",
     "Packer",
     "PackingDataset",
     "PaddingFreeCollator",
     "PadfreeError",
+    "SUPPORTED_MODEL_TYPES",
     "StateMismatchError",
     "StreamBin",
     "StreamPacker",
     "TokenizerLoadError",
+    "UnsupportedModelError",
+    "VerifyReport",
     "analyze_lengths",
     "balance_bins",
+    "configure_packing",
     "get_seqlens_in_batch",
     "get_unpad_data",
     "layout",
@@ -99,4 +114,7 @@ __all__ = [
     "pack_sequences",
     "packed_collate_fn",
     "packed_rows",
+    "packing_state",
+    "unconfigure_packing",
+    "verify",
 ]

@@ -16,9 +16,11 @@ __all__ = [
     "InvalidSampleError",
     "InvalidTokensError",
     "OverlongSequenceError",
+    "PackingDisabledError",
     "PadfreeError",
     "StateMismatchError",
     "TokenizerLoadError",
+    "UnsupportedModelError",
 ]
 
 
@@ -65,6 +67,16 @@ class InvalidSampleError(InvalidTokensError):
 
 class StateMismatchError(PadfreeError):
     """A saved state (``load_state_dict``) comes from another configuration, or is resumed under another loader."""
+
+
+class UnsupportedModelError(PadfreeError):
+    """A model (or one of its sequence-mixing modules) that padfree cannot make packing-exact; the message names
+    the module class and what would be needed."""
+
+
+class PackingDisabledError(PadfreeError):
+    """A packed batch reached a configured model together with something that would let sequences see each other
+    (an active cache, a 0/1 attention mask); the message says how to fix the call."""
 
 
 def describe(value: object, limit: int = 60) -> str:

@@ -1,0 +1,250 @@
+"""Boundary-exact attention functions, registered in transformers' attention and mask interfaces.
+
+:func:`padfree.configure_packing` switches a model's ``config._attn_implementation`` to one of the names below.
+Each name is a pair registered with transformers (no file of transformers is edited, no global function replaced):
+
+- an **attention function** (``AttentionInterface``): with a :class:`~padfree.model.packed.PackedLayout` in its
+  keyword arguments (the configured model's forward hook puts it there for a packed batch) it computes exact
+  block-diagonal causal attention from the layout; without one it hands the call, untouched, to the backend it
+  wraps — so ordinary padded batches and generation with a cache run exactly transformers' own code;
+- a **mask function** (``AttentionMaskInterface``): ``None`` during a packed forward (no ``T x T`` mask is ever
+  built for it), the wrapped backend's own mask otherwise.
+
+Backends (``BACKENDS``), for a packed batch of ``B`` rows of ``T`` tokens, ``H`` heads, segments of lengths ``n_i``
+grouped in buckets of padded length ``L`` (:func:`padfree.model.packed.bucket_length`, ``L < 1.25 n`` above 32):
+
+================  =============================================================  ==========================================
+name              computation                                                    extra memory per layer call
+================  =============================================================  ==========================================
+``padfree_sdpa``  one ``scaled_dot_product_attention`` per bucket (``is_causal``  gathered q/k/v (``3 x`` the layer input);
+                  or an ``L x L`` window mask); eager math per bucket for          scores only on the math path:
+                  softcapping or sinks, which SDPA cannot express                  ``H x sum(L_i^2)`` floats
+``padfree_eager`` transformers' eager formula (scale, softcap, mask, sinks,      ``H x sum(L_i^2)`` floats — never
+                  fp32 softmax, dropout) per bucket                               ``H x T^2``
+``padfree_flex``  ``flex_attention`` with a ``BlockMask`` from segment ids       the BlockMask: ``O(B x (T/128)^2)`` ints
+``padfree_varlen`` CUDA only: ``torch.nn.attention.varlen.varlen_attn`` over      none beyond the flat views
+                  the flattened stream with ``cu_seqlens``
+================  =============================================================  ==========================================
+
+A dense block-diagonal mask would cost ``B x T^2`` booleans plus ``B x H x T^2`` scores on the math path; the bucket
+form costs ``sum(L_i^2)``, which for 32 sequences in an 8k row is about 1/25 of it.
+
+>>> from padfree.model.attention import BACKENDS
+>>> sorted(BACKENDS)
+['padfree_eager', 'padfree_flex', 'padfree_sdpa', 'padfree_varlen']
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from collections.abc import Callable
+from contextvars import ContextVar
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from padfree.errors import BackendUnavailableError, PackingDisabledError
+from padfree.model.packed import PackedLayout
+
+__all__ = ["BACKENDS", "Backend", "LAYOUT_KWARG", "packed_forward", "register_backends"]
+
+LAYOUT_KWARG = "padfree_layout"
+"""Name of the keyword argument that carries the :class:`PackedLayout` from the model's forward hook to attention."""
+
+# Set by the forward hook of a configured model for the duration of a packed forward: the mask functions then skip
+# building a mask nobody reads (transformers would otherwise build a dense B x T x T one from the position_ids).
+PACKED_FORWARD: ContextVar[bool] = ContextVar("padfree_packed_forward", default=False)
+
+
+@dataclasses.dataclass(frozen=True)
+class Backend:
+    """One registered backend: ``name`` (the ``_attn_implementation`` value), ``base`` (the transformers backend
+    it wraps for unpacked calls), what it supports, and a one-line description for reports."""
+
+    name: str
+    base: str
+    softcap: bool
+    sinks: bool
+    dropout: bool
+    device: str | None
+    doc: str
+
+
+BACKENDS: dict[str, Backend] = {
+    b.name: b
+    for b in (
+        Backend("padfree_sdpa", "sdpa", True, True, True, None,
+                "torch SDPA per bucket of equal-length segments (eager math per bucket for softcap / sinks)"),
+        Backend("padfree_eager", "eager", True, True, True, None,
+                "transformers' eager formula per bucket of equal-length segments"),
+        Backend("padfree_flex", "flex_attention", True, True, False, None,
+                "flex_attention with a BlockMask built from the segment ids"),
+        Backend("padfree_varlen", "sdpa", False, False, False, "cuda",
+                "torch.nn.attention.varlen.varlen_attn over the flattened stream (CUDA)"),
+    )
+}
+
+
+def _repeat_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
+    """``(m, Hkv, L, D) -> (m, Hkv * groups, L, D)``; each key/value head serves ``groups`` query heads."""
+    return x if groups == 1 else x.repeat_interleave(groups, dim=1)
+
+
+def _eager_block(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor, *, scaling: float, dropout: float,
+    training: bool, softcap: float | None, sinks: torch.Tensor | None,
+) -> torch.Tensor:
+    """transformers' eager attention on ``(m, H, L, D)`` blocks with a boolean ``(L, L)`` mask; ``(m, H, L, D)`` out.
+
+    Order of operations as in the modeling files: scale, softcap, additive mask, sink logits, fp32 softmax, drop the
+    sink column, dropout, matmul.
+    """
+    groups = q.shape[1] // k.shape[1]
+    k, v = _repeat_kv(k, groups), _repeat_kv(v, groups)
+    scores = torch.matmul(q, k.transpose(2, 3)) * scaling
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.masked_fill(~allowed, torch.finfo(scores.dtype).min)
+    if sinks is not None:
+        sink = sinks.reshape(1, -1, 1, 1).expand(scores.shape[0], -1, scores.shape[2], 1).to(scores.dtype)
+        scores = torch.cat([scores, sink], dim=-1)
+        scores = scores - scores.max(dim=-1, keepdim=True).values
+        probs = F.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)[..., :-1]
+    else:
+        probs = F.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    probs = F.dropout(probs, p=dropout, training=training)
+    return torch.matmul(probs, v)
+
+
+def _bucketed(
+    module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, lay: PackedLayout, *,
+    math: bool, scaling: float, dropout: float, sliding_window: int | None, softcap: float | None,
+    sinks: torch.Tensor | None,
+) -> torch.Tensor:
+    """Exact attention of every segment on its own: ``(B, H, T, D)`` q/k/v in, ``(B, T, H, D)`` out."""
+    batch, heads, seq_len, dim = query.shape
+    flat = [x.transpose(1, 2).reshape(batch * seq_len, x.shape[1], x.shape[3]) for x in (query, key, value)]
+    pieces, dest = [], []
+    math = math or softcap is not None or sinks is not None
+    for bucket in lay.buckets():
+        q, k, v = (x[bucket.gather].transpose(1, 2) for x in flat)  # (m, H, L, D)
+        if math:
+            allowed = lay.local_mask(bucket.length, sliding_window)
+            out = _eager_block(q, k, v, allowed, scaling=scaling, dropout=dropout, training=module.training,
+                               softcap=softcap, sinks=sinks)
+        else:
+            mask = None if sliding_window is None else lay.local_mask(bucket.length, sliding_window)
+            out = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, dropout_p=dropout if module.training else 0.0, is_causal=mask is None,
+                scale=scaling, enable_gqa=q.shape[1] != k.shape[1],
+            )
+        pieces.append(out.transpose(1, 2).reshape(-1, heads, value.shape[3])[bucket.valid])
+        dest.append(bucket.dest)
+    result = query.new_empty(batch * seq_len, heads, value.shape[3])
+    result = result.index_copy(0, torch.cat(dest), torch.cat(pieces))
+    return result.view(batch, seq_len, heads, value.shape[3])
+
+
+def _flex(module, query, key, value, lay, *, scaling, dropout, sliding_window, softcap, sinks, kwargs):
+    from transformers.integrations.flex_attention import flex_attention_forward
+
+    if sinks is not None and query.device.type == "cpu":
+        raise BackendUnavailableError(
+            f"{type(module).__name__} has attention sinks, which flex_attention cannot apply on the CPU; use "
+            f"backend='padfree_sdpa' or 'padfree_eager'"
+        )
+    return flex_attention_forward(module, query, key, value, lay.block_mask(sliding_window), scaling=scaling,
+                                  softcap=softcap, s_aux=sinks, dropout=dropout, **kwargs)[0]
+
+
+def _varlen(module, query, key, value, lay, *, scaling, dropout, sliding_window, softcap, sinks):
+    from torch.nn.attention.varlen import varlen_attn
+
+    if softcap is not None or sinks is not None or dropout:
+        raise PackingDisabledError(
+            f"{type(module).__name__} needs softcapping, sinks or attention dropout, which varlen_attn does not "
+            f"offer; configure the model with backend='padfree_sdpa'"
+        )
+    batch, heads, seq_len, dim = query.shape
+    flat = [x.transpose(1, 2).reshape(batch * seq_len, x.shape[1], x.shape[3]) for x in (query, key, value)]
+    cu, longest = lay.cu_seqlens, lay.max_seqlen
+    window = (sliding_window - 1, 0) if sliding_window is not None else (-1, 0)
+    out = varlen_attn(*flat, cu, cu, longest, longest, scale=scaling, window_size=window,
+                      enable_gqa=heads != key.shape[1])
+    return out.view(batch, seq_len, heads, value.shape[3])
+
+
+def packed_forward(
+    backend: str, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+    lay: PackedLayout, *, scaling: float | None = None, dropout: float = 0.0, sliding_window: int | None = None,
+    softcap: float | None = None, s_aux: torch.Tensor | None = None, **kwargs: Any,
+) -> torch.Tensor:
+    """Exact packed attention under ``backend``: ``(B, H, T, D)`` query and ``(B, Hkv, T, D)`` key/value in,
+    ``(B, T, H, D)`` out (the layout transformers' attention functions return).
+
+    Sequence ``i`` of row ``b`` attends causally to itself only; ``sliding_window`` W keeps keys with
+    ``q - k < W`` (transformers' convention); ``softcap`` applies ``c * tanh(s / c)`` to the scaled scores;
+    ``s_aux`` (``(H,)``, gpt_oss) adds one sink logit per head to every softmax. GQA/MQA: ``H % Hkv == 0``.
+    """
+    lay.check_tokens(query.transpose(1, 2), f"{type(module).__name__} attention")
+    if scaling is None:
+        scaling = query.shape[-1] ** -0.5
+    opts = dict(scaling=scaling, dropout=dropout, sliding_window=sliding_window, softcap=softcap, sinks=s_aux)
+    if backend == "padfree_flex":
+        return _flex(module, query, key, value, lay, kwargs=kwargs, **opts)
+    if backend == "padfree_varlen":
+        return _varlen(module, query, key, value, lay, **opts)
+    return _bucketed(module, query, key, value, lay, math=backend == "padfree_eager", **opts)
+
+
+def _base_attention(backend: Backend, module: torch.nn.Module) -> Callable:
+    """The function transformers would have called for ``backend.base`` (eager lives in each modeling file)."""
+    if backend.base == "eager":
+        return sys.modules[type(module).__module__].eager_attention_forward
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    return ALL_ATTENTION_FUNCTIONS[backend.base]
+
+
+def _attention_function(backend: Backend) -> Callable:
+    def attention(module, query, key, value, attention_mask, **kwargs):
+        lay = kwargs.pop(LAYOUT_KWARG, None)
+        if lay is None:
+            return _base_attention(backend, module)(module, query, key, value, attention_mask, **kwargs)
+        return packed_forward(backend.name, module, query, key, value, lay, **kwargs), None
+
+    attention.__name__ = attention.__qualname__ = f"{backend.name}_attention"
+    attention.__doc__ = f"padfree attention '{backend.name}': {backend.doc}; unpacked calls go to '{backend.base}'."
+    return attention
+
+
+def _mask_function(backend: Backend) -> Callable:
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+
+    base = ALL_MASK_ATTENTION_FUNCTIONS[backend.base]
+
+    def mask(*args, **kwargs):
+        return None if PACKED_FORWARD.get() else base(*args, **kwargs)
+
+    mask.__name__ = mask.__qualname__ = f"{backend.name}_mask"
+    return mask
+
+
+_registered = False
+
+
+def register_backends() -> None:
+    """Register every padfree backend with transformers (idempotent). Only models configured to use one of these
+    names are affected."""
+    global _registered
+    if _registered:
+        return
+    from transformers.masking_utils import AttentionMaskInterface
+    from transformers.modeling_utils import AttentionInterface
+
+    for backend in BACKENDS.values():
+        AttentionInterface.register(backend.name, _attention_function(backend))
+        AttentionMaskInterface.register(backend.name, _mask_function(backend))
+    _registered = True

@@ -1,0 +1,464 @@
+"""``configure_packing(model)``: make one Hugging Face causal LM packing-exact, or refuse.
+
+The call identifies the model type and every sequence-mixing module, switches attention to a padfree backend
+(:mod:`padfree.model.attention`, registered through transformers' own interfaces), turns the cache off for training
+and installs a forward hook on the model's decoder that, for every call,
+
+1. reads the batch's boundaries — ``position_ids`` that restart, a LLaMA-Factory segment ``attention_mask``
+   (``[1, 1, 2, 2, 2, 0]``) or flash-style ``cu_seq_lens_q`` — into a :class:`~padfree.model.packed.PackedLayout`;
+2. fails closed (:class:`PackingDisabledError`) when a packed batch comes with something that would let sequences
+   see each other in transformers: an active cache, a 0/1 ``attention_mask`` or a prepared 4-D mask;
+3. hands the layout to every attention layer (and every boundary-aware mixer), or — for an ordinary padded batch —
+   lets transformers run exactly its own code.
+
+Support is a registry: a model type is supported when the test suite proves packed == per-sequence for it
+(``tests/test_model_matrix.py``); anything else is refused with :class:`UnsupportedModelError` unless
+``strict=False``. Only the configured model is touched.
+
+>>> import torch, transformers
+>>> from padfree import configure_packing
+>>> cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+...                                num_attention_heads=4, num_key_value_heads=2)
+>>> model = transformers.LlamaForCausalLM(cfg)
+>>> report = configure_packing(model)
+>>> report.backend, report.supported, len(report.attention_modules)
+('padfree_sdpa', True, 1)
+>>> out = model(input_ids=torch.tensor([[5, 6, 7, 8, 9]]), position_ids=torch.tensor([[0, 1, 2, 0, 1]]))
+>>> alone = model(input_ids=torch.tensor([[8, 9]]))
+>>> bool(torch.allclose(out.logits[0, 3:], alone.logits[0], atol=1e-5))
+True
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import logging
+import re
+import warnings
+from typing import Any
+
+import torch
+
+from padfree.errors import (
+    BackendUnavailableError,
+    InvalidArgumentError,
+    PackingDisabledError,
+    UnsupportedModelError,
+    describe,
+)
+from padfree.model.attention import BACKENDS, LAYOUT_KWARG, PACKED_FORWARD, register_backends
+from padfree.model.packed import PackedLayout
+
+__all__ = [
+    "BACKEND_CHOICES",
+    "MIXER_HANDLERS",
+    "SUPPORTED_MODEL_TYPES",
+    "PackingReport",
+    "configure_packing",
+    "current_layout",
+    "packing_state",
+    "unconfigure_packing",
+]
+
+log = logging.getLogger("padfree")
+
+SUPPORTED_MODEL_TYPES: dict[str, str] = {
+    # model type -> what the test matrix proves for it (tests/test_model_matrix.py compares packed with per-sequence
+    # logits and gradients on tiny random-weight models for every entry).
+    "llama": "",
+    "mistral": "sliding window per sequence",
+    "mixtral": "sliding window per sequence; MoE routing is per token",
+    "qwen2": "with and without sliding window",
+    "qwen2_moe": "",
+    "qwen3": "",
+    "qwen3_moe": "",
+    "gemma": "",
+    "gemma2": "logit softcapping and sliding window (eager math on the SDPA backend)",
+    "gemma3_text": "sliding window layers",
+    "phi3": "",
+    "olmo2": "",
+    "olmo": "",
+    "granite": "custom attention scaling",
+    "starcoder2": "",
+    "gpt_oss": "attention sinks (eager math on the SDPA backend; no flex on CPU)",
+    "granitemoehybrid": "attention layers (its Mamba layers: see the mixers)",
+    "cohere": "",
+    "glm": "",
+    "helium": "",
+    "smollm3": "",
+}
+
+# Class-name fragments of sequence mixers other than attention: recurrent state or a short causal convolution that
+# runs across packed boundaries unless it is told where sequences start.
+_MIXER_PATTERN = re.compile(
+    r"Mamba|GatedDeltaNet|DeltaNet|ShortConv|SSM|LinearAttention|RWKV|Retention|Hyena|LSTM|Lstm|Recurrent|RgLru|"
+    r"Mixer$|Conv1d"
+)
+
+# Mixer class name -> installer(module, state) returning a description of the exact implementation it installed.
+# Filled by padfree.model.mixers for the kinds it can make exact; everything else found by _MIXER_PATTERN refuses.
+MIXER_HANDLERS: dict[str, Any] = {}
+
+BACKEND_CHOICES = ("auto", "sdpa", "eager", "flex_attention", "varlen", "flash_attention_2", *BACKENDS)
+_ALIASES = {"sdpa": "padfree_sdpa", "eager": "padfree_eager", "flex_attention": "padfree_flex",
+            "varlen": "padfree_varlen"}
+
+
+@dataclasses.dataclass
+class PackingReport:
+    """What :func:`configure_packing` found and did.
+
+    Attributes:
+        model_type: ``config.model_type``.
+        backend: the ``_attn_implementation`` now in use (``padfree_sdpa``, ..., or ``flash_attention_2``).
+        reason: why that backend (``auto``'s choice, or the request).
+        kernels: optional kernels importable here and whether they can run (name -> bool).
+        attention_modules: qualified names of the attention modules, now boundary-exact.
+        mixers: qualified name -> implementation, for every other sequence mixer made exact.
+        unsupported: qualified name -> what is missing, for every module padfree could not make exact.
+        supported: the model type is in the registry and nothing is unsupported.
+        cache_disabled: ``config.use_cache`` was switched off (packed training never uses a cache).
+    """
+
+    model_type: str
+    backend: str
+    reason: str
+    kernels: dict[str, bool]
+    attention_modules: list[str]
+    mixers: dict[str, str]
+    unsupported: dict[str, str]
+    supported: bool
+    cache_disabled: bool
+
+    def __str__(self) -> str:
+        lines = [
+            f"model type      {self.model_type} ({'supported' if self.supported else 'NOT supported'})",
+            f"attention       {self.backend}: {self.reason}",
+            f"attention layers {len(self.attention_modules)} boundary-exact",
+            "kernels         " + ", ".join(f"{k} {'yes' if v else 'no'}" for k, v in self.kernels.items()),
+            f"cache           {'switched off for training' if self.cache_disabled else 'already off'}",
+        ]
+        lines += [f"mixer           {name}: {impl}" for name, impl in self.mixers.items()]
+        lines += [f"UNSUPPORTED     {name}: {why}" for name, why in self.unsupported.items()]
+        return "\n".join(lines)
+
+
+@dataclasses.dataclass(eq=False)
+class _State:
+    """Per configured model: backend, hook handles, the layout of the forward in flight (for mixers that are not
+    handed keyword arguments), and what to restore."""
+
+    backend: str
+    report: PackingReport
+    handles: list = dataclasses.field(default_factory=list)
+    layout: PackedLayout | None = None
+    tokens: list = dataclasses.field(default_factory=list)
+    previous: tuple = (None, None)
+
+
+def packing_state(model: torch.nn.Module) -> _State | None:
+    """The padfree state of a configured model (None if :func:`configure_packing` was never called on it)."""
+    return getattr(model, "_padfree_state", None)
+
+
+def current_layout(state: _State, hidden: torch.Tensor, who: str) -> PackedLayout | None:
+    """The layout of the forward in flight for a mixer that receives no keyword arguments (None: unpacked batch).
+
+    The layout stays set after the forward so that activation checkpointing can recompute a layer during backward;
+    its shape is checked against ``hidden`` so a stale layout is an error, never a silent wrong boundary.
+    """
+    lay = state.layout
+    if lay is not None:
+        lay.check_tokens(hidden, who)
+    return lay
+
+
+def _load_mixers() -> None:
+    """Import :mod:`padfree.model.mixers`, which fills :data:`MIXER_HANDLERS` and extends the registry."""
+    import importlib
+
+    try:
+        importlib.import_module("padfree.model.mixers")
+    except ModuleNotFoundError as exc:
+        if exc.name != "padfree.model.mixers":
+            raise
+
+
+def _kernels() -> dict[str, bool]:
+    cuda = torch.cuda.is_available()
+    have = {name: importlib.util.find_spec(name) is not None
+            for name in ("flash_attn", "fla", "mamba_ssm", "causal_conv1d")}
+    varlen = importlib.util.find_spec("torch.nn.attention.varlen") is not None
+    return {
+        "flash_attn": have["flash_attn"] and cuda,
+        "torch varlen_attn": varlen and cuda,
+        "flex_attention": importlib.util.find_spec("torch.nn.attention.flex_attention") is not None,
+        "flash-linear-attention": have["fla"] and cuda,
+        "mamba_ssm": have["mamba_ssm"] and cuda,
+        "causal_conv1d": have["causal_conv1d"] and cuda,
+    }
+
+
+def _check_model(model: Any) -> tuple[torch.nn.Module, str]:
+    from transformers import PreTrainedModel
+
+    if not isinstance(model, PreTrainedModel):
+        raise UnsupportedModelError(
+            f"model must be a transformers PreTrainedModel (a causal LM such as LlamaForCausalLM), got "
+            f"{describe(model, 40)}"
+        )
+    config = model.config
+    name = type(model).__name__
+    if getattr(config, "is_encoder_decoder", False) or not (name.endswith("ForCausalLM") or name.endswith("Model")):
+        raise UnsupportedModelError(
+            f"model is a {name}: configure_packing makes decoder-only causal LMs packing-exact (a *ForCausalLM or "
+            f"its base *Model); packing does not apply to encoder-decoder, classification or vision-language heads"
+        )
+    return config, str(config.model_type)
+
+
+def _scan(model: torch.nn.Module) -> tuple[list[tuple[str, torch.nn.Module]], list[tuple[str, torch.nn.Module]]]:
+    """``(attention modules, other sequence mixers)`` by qualified name; a mixer's submodules are not listed."""
+    attention, mixers = [], []
+    for name, module in model.named_modules():
+        cls = type(module).__name__
+        if any(name.startswith(m + ".") for m, _ in mixers):
+            continue
+        if cls.endswith("Attention") and hasattr(module, "config") and not _MIXER_PATTERN.search(cls):
+            attention.append((name, module))
+        elif _MIXER_PATTERN.search(cls) or isinstance(module, torch.nn.Conv1d):
+            mixers.append((name, module))
+    return attention, mixers
+
+
+def _features(model: torch.nn.Module, attention: list[tuple[str, torch.nn.Module]], config: Any) -> dict[str, bool]:
+    softcap = getattr(config, "attn_logit_softcapping", None) is not None
+    sinks = any(getattr(m, "sinks", None) is not None for _, m in attention)
+    dropout = float(getattr(config, "attention_dropout", 0.0) or 0.0) > 0
+    # transformers' SDPA path refuses softcapping and has no sinks; such models run unpacked batches under eager
+    no_sdpa = softcap or sinks or not getattr(model, "_supports_sdpa", True)
+    return {"softcap": softcap, "sinks": sinks, "dropout": dropout, "no_sdpa": no_sdpa}
+
+
+def _choose_backend(requested: str, device: torch.device, feats: dict[str, bool], kernels: dict[str, bool]
+                    ) -> tuple[str, str]:
+    """``(backend name, reason)`` for ``requested`` on a model living on ``device``."""
+    needs = [k for k in ("softcap", "sinks", "dropout") if feats[k]]
+    if requested in ("auto", "sdpa", "padfree_sdpa") and feats["no_sdpa"]:
+        if device.type == "cuda" and requested == "auto" and kernels["flash_attn"] and not feats["sinks"]:
+            return "flash_attention_2", "auto: CUDA with flash-attn installed (varlen kernel, exact with cu_seqlens)"
+        what = ", ".join(k for k in ("softcap", "sinks") if feats[k]) or "its modeling code"
+        return "padfree_eager", (
+            f"{requested}: this model's attention ({what}) has no SDPA path in transformers, so per-segment eager "
+            f"math runs packed batches and transformers' eager runs unpacked ones")
+    if requested == "auto":
+        if device.type == "cuda" and kernels["flash_attn"] and not feats["sinks"]:
+            return "flash_attention_2", "auto: CUDA with flash-attn installed (varlen kernel, exact with cu_seqlens)"
+        if device.type == "cuda" and kernels["torch varlen_attn"] and not needs:
+            return "padfree_varlen", "auto: CUDA with torch varlen_attn (flash varlen kernel over cu_seqlens)"
+        why = f" ({', '.join(needs)} need the math path of some layers)" if needs else ""
+        return "padfree_sdpa", f"auto: per-segment SDPA on {device.type}{why}"
+    if requested == "flash_attention_2":
+        if not kernels["flash_attn"] or device.type != "cuda":
+            raise BackendUnavailableError(
+                "backend='flash_attention_2' needs the flash-attn package and a model on a CUDA device; "
+                f"flash-attn importable: {importlib.util.find_spec('flash_attn') is not None}, model on {device}; "
+                f"use backend='auto' or 'sdpa'"
+            )
+        if feats["sinks"]:
+            raise UnsupportedModelError("flash_attention_2 has no attention sinks; use backend='sdpa'")
+        return requested, "requested: flash-attn varlen with cu_seqlens from the layout"
+    name = _ALIASES.get(requested, requested)
+    backend = BACKENDS[name]
+    if backend.device is not None and device.type != backend.device:
+        raise BackendUnavailableError(
+            f"backend={requested!r} runs on {backend.device} only, but the model is on {device}; use 'sdpa' or 'auto'"
+        )
+    if name == "padfree_varlen" and not kernels["torch varlen_attn"]:
+        raise BackendUnavailableError("backend='varlen' needs torch.nn.attention.varlen (torch >= 2.10) and CUDA")
+    missing = [k for k in ("softcap", "sinks", "dropout") if feats[k] and not getattr(backend, k)]
+    if name == "padfree_flex" and feats["sinks"] and device.type == "cpu":
+        missing.append("sinks on the CPU")
+    if missing:
+        raise UnsupportedModelError(
+            f"backend={requested!r} cannot apply {', '.join(missing)}, which this model's attention uses; "
+            f"use backend='sdpa' or 'eager'"
+        )
+    return name, f"requested: {backend.doc}"
+
+
+def configure_packing(model: Any, *, backend: str = "auto", strict: bool = True) -> PackingReport:
+    """Make ``model`` compute exactly, for a packed batch, what it computes for each sequence alone.
+
+    Args:
+        model: a transformers decoder-only causal LM (``*ForCausalLM``, or its base ``*Model``).
+        backend: ``"auto"`` (the fastest exact backend here: flash-attn or torch varlen on CUDA, per-segment SDPA
+            otherwise), ``"sdpa"``, ``"eager"``, ``"flex_attention"``, ``"varlen"`` (CUDA), ``"flash_attention_2"``
+            (CUDA + flash-attn), or a ``padfree_*`` name.
+        strict: refuse (:class:`UnsupportedModelError`) a model type the test matrix does not cover, or a sequence
+            mixer padfree cannot make exact; with False, warn and configure what can be configured.
+
+    Returns:
+        A :class:`PackingReport`. Calling again replaces the previous configuration (e.g. another backend).
+
+    After the call, pass boundaries as ``position_ids`` restarting at 0 (``PackedBatch.model_inputs()`` does), a
+    LLaMA-Factory segment mask as ``attention_mask``, or ``cu_seq_lens_q``; never together with a cache or a 0/1
+    mask (:class:`PackingDisabledError`). Unpacked batches, and generation, run transformers' own code under the
+    base backend (``sdpa`` for ``padfree_sdpa``, ...).
+    """
+    config, model_type = _check_model(model)
+    _load_mixers()
+    if not isinstance(backend, str) or backend not in BACKEND_CHOICES:
+        raise InvalidArgumentError(f"backend must be one of {', '.join(BACKEND_CHOICES)}; got {describe(backend)}")
+    if not isinstance(strict, bool):
+        raise InvalidArgumentError(f"strict must be True or False, got {describe(strict)}")
+    unconfigure_packing(model)
+
+    attention, mixers = _scan(model)
+    kernels = _kernels()
+    device = next(model.parameters()).device
+    name, reason = _choose_backend(backend, device, _features(model, attention, config), kernels)
+    state = _State(name, report=None)  # type: ignore[arg-type]
+
+    unsupported: dict[str, str] = {}
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        unsupported[type(model).__name__] = (
+            f"model type {model_type!r} is not in padfree's support registry (it joins when the packed-vs-separate "
+            f"test matrix covers it); supported: {', '.join(sorted(SUPPORTED_MODEL_TYPES))}"
+        )
+    if not attention:
+        unsupported[type(model).__name__] = "no attention module found (expected classes named *Attention)"
+    mixer_impls: dict[str, str] = {}
+    for qual, module in mixers:
+        handler = MIXER_HANDLERS.get(type(module).__name__)
+        if handler is None:
+            unsupported[qual] = (
+                f"{type(module).__name__} carries state or a causal convolution across tokens and padfree has no "
+                f"boundary-resetting implementation for it (needs a reset at every sequence start)"
+            )
+        else:
+            mixer_impls[qual] = handler(module, state)
+
+    report = PackingReport(
+        model_type=model_type, backend=name, reason=reason, kernels=kernels,
+        attention_modules=[qual for qual, _ in attention], mixers=mixer_impls, unsupported=unsupported,
+        supported=not unsupported, cache_disabled=bool(getattr(config, "use_cache", False)),
+    )
+    if unsupported:
+        what = "; ".join(f"{k}: {v}" for k, v in unsupported.items())
+        if strict:
+            raise UnsupportedModelError(f"cannot make {type(model).__name__} packing-exact: {what}")
+        warnings.warn(f"padfree: {type(model).__name__} is only partly packing-exact: {what}", stacklevel=2)
+
+    register_backends()
+    state.report = report
+    state.previous = (config._attn_implementation, getattr(config, "use_cache", None))
+    model.set_attn_implementation(name)
+    config.use_cache = False
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else model
+    state.handles = [
+        decoder.register_forward_pre_hook(lambda m, a, k: _before(state, config, a, k), with_kwargs=True),
+        decoder.register_forward_hook(lambda m, a, k, o: _after(state), with_kwargs=True, always_call=True),
+    ]
+    model._padfree_state = state
+    log.info("configure_packing(%s): %s", type(model).__name__, report)
+    return report
+
+
+def unconfigure_packing(model: torch.nn.Module) -> bool:
+    """Undo :func:`configure_packing` (hooks, attention implementation, ``use_cache``); False if not configured."""
+    state = packing_state(model)
+    if state is None:
+        return False
+    for handle in state.handles:
+        handle.remove()
+    attn, use_cache = state.previous
+    model.set_attn_implementation(attn)
+    if use_cache is not None:
+        model.config.use_cache = use_cache
+    del model._padfree_state
+    return True
+
+
+# ---- the forward hook ------------------------------------------------------------------------------------------------
+
+
+def _restarts(pos: torch.Tensor, real: torch.Tensor | None) -> bool:
+    """Whether consecutive real tokens of some row have positions that are not ``p, p + 1`` (a packed row)."""
+    jump = pos[:, 1:] != pos[:, :-1] + 1
+    if real is not None:
+        jump &= real[:, 1:] & real[:, :-1]
+    return bool(jump.any())
+
+
+def _fix(what: str) -> str:
+    return (f"{what} would let the packed sequences of a row attend to each other; pass the boundaries alone "
+            f"(position_ids restarting at 0, a segment-id attention_mask or cu_seq_lens_q) — "
+            f"PackedBatch.model_inputs() builds exactly that")
+
+
+def _layout(config: Any, args: tuple, kwargs: dict[str, Any]) -> PackedLayout | None:
+    ids = kwargs.get("input_ids", args[0] if args else None)
+    ref = ids if ids is not None else kwargs.get("inputs_embeds")
+    if ref is None or ref.dim() < 2:
+        return None
+    batch, seq_len = ref.shape[:2]
+    mask, pos, cu = kwargs.get("attention_mask"), kwargs.get("position_ids"), kwargs.get("cu_seq_lens_q")
+    if pos is not None:
+        if pos.dim() == 1:
+            pos = pos.unsqueeze(0)
+        if pos.dim() != 2:  # e.g. Qwen-VL's 3-D rope positions: not a text packing this hook understands
+            return None
+        if pos.shape[0] == 1 and batch > 1:
+            pos = pos.expand(batch, -1)
+    segments = isinstance(mask, torch.Tensor) and mask.dim() == 2 and mask.numel() > 0 and bool(mask.max() > 1)
+    if segments:
+        lay = PackedLayout.from_segment_ids(mask)
+    elif cu is not None:
+        lay = PackedLayout.from_cu_seqlens(cu, batch, seq_len)
+    elif pos is not None and _restarts(pos, mask.bool() if isinstance(mask, torch.Tensor) and mask.dim() == 2
+                                          else None):
+        if isinstance(mask, torch.Tensor):
+            raise PackingDisabledError(_fix(
+                f"a {mask.dim()}-D {'0/1 ' if mask.dim() == 2 else ''}attention_mask next to position_ids that "
+                f"restart inside a row"))
+        lay = PackedLayout.from_position_ids(pos)
+    else:
+        return None
+    if pos is not None and lay.source != "position_ids":
+        from padfree.layout import position_ids_to_segment_ids
+
+        agree = position_ids_to_segment_ids(pos, attention_mask=mask if segments else None)
+        if not torch.equal(agree, lay.segment_ids.to(agree.dtype)):
+            from padfree.errors import InvalidLayoutError
+
+            raise InvalidLayoutError(f"position_ids and {lay.source} disagree on where the sequences start")
+    return lay
+
+
+def _before(state: _State, config: Any, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]]:
+    lay = _layout(config, args, kwargs)
+    if lay is None or (not lay.is_packed and lay.source != "attention_mask"):
+        state.layout = None
+        state.tokens.append(PACKED_FORWARD.set(False))
+        return args, kwargs
+    if kwargs.get("past_key_values") is not None:
+        raise PackingDisabledError(_fix("past_key_values (a KV cache)"))
+    if kwargs.get("use_cache") or (kwargs.get("use_cache") is None and getattr(config, "use_cache", False)):
+        raise PackingDisabledError(_fix("use_cache=True (transformers then builds plain causal masks over the row)")
+                                   + "; pass use_cache=False")
+    kwargs = dict(kwargs)
+    kwargs.update(attention_mask=None, use_cache=False, position_ids=lay.position_ids)
+    kwargs[LAYOUT_KWARG] = lay
+    if state.backend == "flash_attention_2":
+        kwargs.update(cu_seq_lens_q=lay.cu_seqlens, cu_seq_lens_k=lay.cu_seqlens,
+                      max_length_q=lay.max_seqlen, max_length_k=lay.max_seqlen)
+    state.layout = lay
+    state.tokens.append(PACKED_FORWARD.set(True))
+    return args, kwargs
+
+
+def _after(state: _State) -> None:
+    if state.tokens:
+        PACKED_FORWARD.reset(state.tokens.pop())

@@ -1,0 +1,217 @@
+"""The boundaries of one packed forward: built once per batch from the model's inputs, shared by every layer.
+
+A :class:`PackedLayout` is what :func:`padfree.configure_packing`'s forward hook derives from ``position_ids``, a
+LLaMA-Factory segment mask or flash-style ``cu_seq_lens_q``, and what the attention functions and sequence mixers
+read instead of a dense mask. Every token of the ``(B, T)`` batch belongs to exactly one *segment*: a sequence, or a
+row's padding run (a segment of its own, which no real token can see). Segments never cross rows.
+
+The derived forms each kernel wants (``cu_seqlens`` over the flattened ``B·T`` stream, Mamba's ``seq_idx``, the
+per-length buckets of the SDPA/eager path, flex ``BlockMask`` objects) are computed lazily, on the batch's device,
+at most once per batch — layer 0 pays, every later layer reuses.
+
+>>> import torch
+>>> lay = PackedLayout.from_position_ids(torch.tensor([[0, 1, 2, 0, 1, 0], [0, 1, 0, 1, 2, 3]]))
+>>> lay.cu_seqlens.tolist(), lay.max_seqlen, lay.num_segments
+([0, 3, 5, 6, 8, 12], 4, 5)
+>>> lay.seq_idx.tolist()
+[[0, 0, 0, 1, 1, 2], [3, 3, 4, 4, 4, 4]]
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import numpy as np
+import torch
+
+from padfree import layout
+from padfree.errors import InvalidLayoutError
+
+__all__ = ["Bucket", "PackedLayout", "bucket_length"]
+
+
+def bucket_length(n: np.ndarray) -> np.ndarray:
+    """Round segment lengths up to a quarter-octave grid (multiples of ``max(8, 2**floor(log2 n) / 4)``).
+
+    Segments of one bucket are padded to a common length and run as one batched attention call, so the grid trades
+    wasted score entries (at most ``(1.25)**2 - 1 ≈ 56%`` of a segment's own, usually far less) against the number of
+    calls per layer (about ``4 * log2(T / 32)``).
+
+    >>> bucket_length(np.array([1, 8, 9, 100, 1000, 1500])).tolist()
+    [8, 8, 16, 112, 1024, 1536]
+    """
+    n = np.asarray(n, dtype=np.int64)
+    octave = np.left_shift(1, np.floor(np.log2(np.maximum(n, 1))).astype(np.int64))
+    step = np.maximum(8, octave // 4)
+    return -(-n // step) * step
+
+
+@dataclasses.dataclass(frozen=True)
+class Bucket:
+    """Segments of one padded length ``L``, laid out for one batched attention call.
+
+    Attributes:
+        length: ``L``, the padded length.
+        gather: ``(m, L) int64`` — flat ``B·T`` token index of every slot; slots past a segment's end repeat its
+            last token (never read by a valid query: they come after it, and attention is causal).
+        valid: ``(m * L,) bool`` — which slots hold a real token of their segment.
+        dest: ``(n_b,) int64`` — flat token index of every valid slot, in slot order (where outputs go back).
+    """
+
+    length: int
+    gather: torch.Tensor
+    valid: torch.Tensor
+    dest: torch.Tensor
+
+
+@dataclasses.dataclass(eq=False)
+class PackedLayout:
+    """Segment boundaries of a ``(B, T)`` packed batch.
+
+    Attributes:
+        segment_ids: ``(B, T) int64`` — ``1, 2, 3, ...`` per sequence of a row; ``0`` marks padding from a
+            LLaMA-Factory mask (a trailing run, its own segment).
+        position_ids: ``(B, T) int64`` — restart at 0 at every sequence (what RoPE must see).
+        lengths: ``(S,) int64`` numpy — the length of every segment of the flattened stream, padding runs included.
+        source: which input the boundaries came from (``"position_ids"``, ``"attention_mask"``, ``"cu_seq_lens_q"``).
+    """
+
+    segment_ids: torch.Tensor
+    position_ids: torch.Tensor
+    lengths: np.ndarray
+    source: str
+    _cache: dict = dataclasses.field(default_factory=dict, repr=False)
+
+    # ---- construction ------------------------------------------------------------------------------------------
+
+    @classmethod
+    def from_segment_ids(cls, segment_ids: torch.Tensor, *, source: str = "attention_mask") -> PackedLayout:
+        """From LLaMA-Factory segment ids (``[[1, 1, 2, 2, 2, 0]]``: runs of 1, 2, ... then padding 0), validated."""
+        layout.segment_ids_to_lengths(segment_ids)  # validates: runs in order, padding only trailing
+        seg = segment_ids.to(torch.int64)
+        return cls._build(seg, layout.segment_ids_to_position_ids(seg, check=False).to(torch.int64), source)
+
+    @classmethod
+    def from_position_ids(cls, position_ids: torch.Tensor) -> PackedLayout:
+        """From ``(B, T)`` position ids restarting at 0 at every sequence; anything else is :class:`InvalidLayoutError`."""
+        seg = layout.position_ids_to_segment_ids(position_ids)
+        return cls._build(seg, position_ids.to(torch.int64), "position_ids")
+
+    @classmethod
+    def from_cu_seqlens(cls, cu_seqlens: torch.Tensor, batch: int, seq_len: int) -> PackedLayout:
+        """From flash-style offsets over the flattened ``(B·T)`` stream (``cu_seq_lens_q``); they must cover it
+        exactly and start a segment at every row."""
+        cu = torch.as_tensor(cu_seqlens).reshape(-1).to(torch.int64)
+        total = batch * seq_len
+        host = cu.cpu().numpy()
+        if host.size < 1 or host[0] != 0 or host[-1] != total or (np.diff(host) <= 0).any():
+            raise InvalidLayoutError(
+                f"cu_seq_lens_q = {host.tolist()[:12]}{'...' if host.size > 12 else ''} does not describe the "
+                f"flattened batch of {batch} x {seq_len} = {total} tokens: it must start at 0, increase strictly and "
+                f"end at {total}"
+            )
+        missing = np.setdiff1d(np.arange(0, total, seq_len), host)
+        if seq_len and missing.size:
+            raise InvalidLayoutError(
+                f"cu_seq_lens_q lets a sequence cross from row {missing[0] // seq_len - 1} into row "
+                f"{missing[0] // seq_len} (no offset at flat index {missing[0]}); a packed sequence lives in one row"
+            )
+        starts = torch.zeros(total, dtype=torch.int64, device=cu.device)
+        starts[cu[:-1]] = 1
+        seg = starts.view(batch, seq_len).cumsum(1)
+        return cls._build(seg, layout.segment_ids_to_position_ids(seg, check=False).to(torch.int64), "cu_seq_lens_q")
+
+    @classmethod
+    def _build(cls, seg: torch.Tensor, pos: torch.Tensor, source: str) -> PackedLayout:
+        batch, seq_len = seg.shape
+        start = torch.ones_like(seg, dtype=torch.bool)
+        start[:, 1:] = seg[:, 1:] != seg[:, :-1]
+        offsets = torch.nonzero(start.reshape(-1)).reshape(-1).cpu().numpy()  # the one host sync of a batch
+        lengths = np.diff(np.append(offsets, batch * seq_len)).astype(np.int64)
+        return cls(seg, pos, lengths, source)
+
+    # ---- derived forms -----------------------------------------------------------------------------------------
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.segment_ids.shape)
+
+    @property
+    def device(self) -> torch.device:
+        return self.segment_ids.device
+
+    @property
+    def num_segments(self) -> int:
+        return int(self.lengths.size)
+
+    @property
+    def max_seqlen(self) -> int:
+        return int(self.lengths.max()) if self.lengths.size else 0
+
+    @property
+    def is_packed(self) -> bool:
+        """True when some row holds more than one segment."""
+        return self.num_segments > self.shape[0]
+
+    def _cached(self, key: Any, build: Any) -> Any:
+        if key not in self._cache:
+            self._cache[key] = build()
+        return self._cache[key]
+
+    @property
+    def cu_seqlens(self) -> torch.Tensor:
+        """``(S + 1,) int32`` offsets of the segments over the flattened ``(B·T)`` stream (flash varlen layout)."""
+        return self._cached("cu", lambda: torch.from_numpy(
+            np.concatenate([[0], np.cumsum(self.lengths)]).astype(np.int32)).to(self.device))
+
+    @property
+    def seq_idx(self) -> torch.Tensor:
+        """``(B, T) int32`` Mamba ``seq_idx``: the segment's index in the flattened stream."""
+        return self._cached("seq_idx", lambda: torch.from_numpy(
+            np.repeat(np.arange(self.num_segments, dtype=np.int32), self.lengths)).to(self.device).view(self.shape))
+
+    def buckets(self) -> list[Bucket]:
+        """The segments grouped by :func:`bucket_length`, longest first (see :class:`Bucket`)."""
+        return self._cached("buckets", self._make_buckets)
+
+    def _make_buckets(self) -> list[Bucket]:
+        lengths = self.lengths
+        starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
+        padded = bucket_length(lengths)
+        out = []
+        for size in np.unique(padded)[::-1]:
+            members = np.flatnonzero(padded == size)
+            col = np.arange(size)
+            n = lengths[members, None]
+            gather = starts[members, None] + np.minimum(col, n - 1)
+            valid = col < n
+            out.append(Bucket(
+                int(size),
+                torch.from_numpy(gather).to(self.device),
+                torch.from_numpy(valid.reshape(-1)).to(self.device),
+                torch.from_numpy(gather[valid]).to(self.device),
+            ))
+        return out
+
+    def local_mask(self, length: int, sliding_window: int | None) -> torch.Tensor:
+        """``(L, L) bool`` causal mask of one bucket slot (True = may attend), with ``q - k < sliding_window``."""
+        def build() -> torch.Tensor:
+            i = torch.arange(length, device=self.device)
+            diff = i[:, None] - i[None, :]
+            allowed = diff >= 0
+            return allowed & (diff < sliding_window) if sliding_window is not None else allowed
+        return self._cached(("local", length, sliding_window), build)
+
+    def block_mask(self, sliding_window: int | None) -> Any:
+        """The flex-attention ``BlockMask`` of the batch (padding runs see nothing), cached per window."""
+        return self._cached(("flex", sliding_window), lambda: layout.block_mask(
+            self.segment_ids, sliding_window, check=False))
+
+    def check_tokens(self, hidden: torch.Tensor, who: str) -> None:
+        """Refuse a tensor whose ``(B, T)`` is not the layout's: the layout belongs to another forward."""
+        if tuple(hidden.shape[:2]) != self.shape:
+            raise InvalidLayoutError(
+                f"{who} got inputs of shape {tuple(hidden.shape[:2])} but the packed layout of this forward is "
+                f"{self.shape}; the boundaries belong to another batch"
+            )
