@@ -1,24 +1,30 @@
-"""The ``padfree`` command line: ``padfree analyze [DATA] ...``.
+"""The ``padfree`` command line: ``padfree analyze [DATA] ...`` and ``padfree pack [DATA] -o OUT ...``.
 
 Each subcommand is a pair of functions — ``_add_<name>(subparsers)`` declares its arguments and
-``_run_<name>(args) -> int`` does the work — registered in :data:`COMMANDS`, so ``pack``, ``verify``, ``bench``
-and ``demo`` slot in beside ``analyze`` without touching :func:`main`.
+``_run_<name>(args) -> int`` does the work — registered in :data:`COMMANDS`, so ``verify``, ``bench`` and ``demo``
+slot in beside ``analyze`` and ``pack`` without touching :func:`main`. Both commands read their input through the
+same helpers (:func:`_read_table` / :func:`_read_dataset`, :func:`_text_columns`, :func:`_join_text`), so a file
+that ``analyze`` measures is tokenized by ``pack`` into exactly the tokens that were counted.
 
 This module is the only place in padfree that prints. Library code raises :class:`~padfree.errors.PadfreeError`
 for bad input; :func:`main` turns it into one line, ``padfree: error: ...``, on stderr and exit status 2 (the
-status argparse uses for usage errors), and writes no output file.
+status argparse uses for usage errors), and writes no output file: ``pack`` builds its output in a hidden work
+directory beside ``--output`` and renames it into place only when complete (see :class:`_AtomicOutput`).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
+import shutil
 import sys
 import tempfile
 import textwrap
-from collections.abc import Callable, Sequence
+import time
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -26,7 +32,14 @@ from typing import Any
 import numpy as np
 
 from padfree import __version__
-from padfree.errors import DataLoadError, InvalidArgumentError, InvalidLengthsError, PadfreeError
+from padfree.errors import (
+    BackendUnavailableError,
+    DataLoadError,
+    InvalidArgumentError,
+    InvalidLengthsError,
+    PadfreeError,
+    TokenizerLoadError,
+)
 from padfree.packing import STRATEGIES
 from padfree.packing.inputs import as_lengths, as_positive_int, as_seed
 
@@ -133,7 +146,7 @@ def _run_analyze(args: argparse.Namespace) -> int:
     capacity = as_positive_int(args.capacity, "--capacity")
     batch_size = as_positive_int(args.batch_size, "--batch-size")
     seed = as_seed(args.seed, "--seed")
-    limit = as_positive_int(args.limit, "--limit", allow_none=True)
+    limit = _optional_positive(args.limit, "--limit")
     strategies = _parse_strategies(args.strategies)
     plot = _check_plot_path(args.plot)
     if args.lengths_column is not None:
@@ -217,34 +230,64 @@ def _measure(args: argparse.Namespace, limit: int | None) -> _Lengths:
 
 def _read_table(data: str) -> Any:
     """``data`` as a ``pyarrow.Table``, or a :class:`DataLoadError` naming the path and the accepted formats."""
-    import pyarrow as pa
+    path = _data_path(data)
+    with _reading(data):
+        if path.is_dir():
+            # save_to_disk writes the selected rows themselves (no indices mapping): the backing table is the data
+            return _load_saved_dataset(path, data).data.table
+        return _read_file(path, data)
 
+
+def _read_dataset(data: str) -> Any:
+    """``data`` as a ``datasets.Dataset``: a saved dataset directory memory-mapped, a file read into memory."""
+    path = _data_path(data)
+    with _reading(data):
+        if path.is_dir():
+            return _load_saved_dataset(path, data)
+        table = _read_file(path, data)
+    import datasets
+    from datasets.table import InMemoryTable
+
+    return datasets.Dataset(InMemoryTable(table))
+
+
+def _data_path(data: str) -> Path:
     path = Path(data).expanduser()
     if not path.exists():
         raise DataLoadError(f"DATA {data!r}: no such file or directory")
+    return path
+
+
+@contextlib.contextmanager
+def _reading(data: str) -> Iterator[None]:
+    """Turn what pyarrow and datasets raise on an unreadable input into one :class:`DataLoadError`."""
+    import pyarrow as pa
+
     try:
-        if path.is_dir():
-            return _read_saved_dataset(path, data)
-        suffix = path.suffix.lower()
-        if suffix == ".json":
-            return _read_json(path)
-        if suffix in (".jsonl", ".ndjson"):
-            import pyarrow.json
-
-            return pyarrow.json.read_json(path)
-        if suffix == ".parquet":
-            import pyarrow.parquet
-
-            return pyarrow.parquet.read_table(path)
-        if suffix == ".csv":
-            import pyarrow.csv
-
-            return pyarrow.csv.read_csv(path)
+        yield
+    except PadfreeError:
+        raise
     except (OSError, ValueError, pa.ArrowException) as exc:
-        if isinstance(exc, PadfreeError):
-            raise
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         raise DataLoadError(f"DATA {data!r} could not be read ({type(exc).__name__}: {first})") from exc
+
+
+def _read_file(path: Path, data: str) -> Any:
+    suffix = path.suffix.lower()
+    if suffix == ".json":
+        return _read_json(path)
+    if suffix in (".jsonl", ".ndjson"):
+        import pyarrow.json
+
+        return pyarrow.json.read_json(path)
+    if suffix == ".parquet":
+        import pyarrow.parquet
+
+        return pyarrow.parquet.read_table(path)
+    if suffix == ".csv":
+        import pyarrow.csv
+
+        return pyarrow.csv.read_csv(path)
     raise DataLoadError(f"DATA {data!r}: unsupported file type {path.suffix or '(none)'!r}; expected {DATA_FORMATS}")
 
 
@@ -267,20 +310,23 @@ def _read_json(path: Path) -> Any:
     return pa.Table.from_pylist(records)
 
 
-def _read_saved_dataset(path: Path, data: str) -> Any:
+def _is_saved_dataset(path: Path) -> bool:
+    return (path / "dataset_info.json").is_file() or (path / "state.json").is_file()
+
+
+def _load_saved_dataset(path: Path, data: str) -> Any:
     if (path / "dataset_dict.json").is_file():
         splits = sorted(p.name for p in path.iterdir() if p.is_dir())
         raise DataLoadError(
             f"DATA {data!r} is a DatasetDict with splits {splits}; pass one split's directory, e.g. {data}/{splits[0]}"
             if splits else f"DATA {data!r} is an empty DatasetDict"
         )
-    if not (path / "dataset_info.json").is_file() and not (path / "state.json").is_file():
+    if not _is_saved_dataset(path):
         raise DataLoadError(f"DATA {data!r} is a directory but not one written by datasets' save_to_disk; "
                             f"expected {DATA_FORMATS}")
     import datasets
 
-    # save_to_disk writes the selected rows themselves (no indices mapping), so the backing Arrow table is the data
-    return datasets.load_from_disk(str(path)).data.table
+    return datasets.load_from_disk(str(path))
 
 
 def _describe_columns(table: Any) -> str:
@@ -294,36 +340,56 @@ def _is_text(arrow_type: Any) -> bool:
 
 
 def _texts_from_columns(table: Any, fields: list[str] | None) -> tuple[list[str], str]:
-    import pyarrow.compute as pc
+    columns, note = _text_columns(table.schema, fields)
+    return _join_text(table, columns).to_pylist(), note
+
+
+def _text_columns(schema: Any, fields: list[str] | None, *, exclude: str | None = None,
+                  instead: str = "pass precomputed lengths with --lengths-column") -> tuple[list[str], str]:
+    """The text columns to tokenize, chosen as ``--field`` says, and a note saying which and why.
+
+    ``fields``: the ``--field`` names (each must be a string column), else ``text`` if it is one, else every string
+    column. ``exclude``: a column never chosen by default (``padfree pack --completion-field``); with it, finding no
+    other text column is no error. ``instead``: what the errors suggest when there is no text to tokenize.
+    """
+    names = list(schema.names)
+
+    def described() -> str:
+        return ", ".join(f"{name} ({field.type})" for name, field in zip(names, schema, strict=True))
 
     if fields:
         for name in fields:
-            if name not in table.column_names:
-                raise DataLoadError(f"--field {name!r}: no such column; available columns: {_describe_columns(table)}")
-            if not _is_text(table.schema.field(name).type):
+            if name not in names:
+                raise DataLoadError(f"--field {name!r}: no such column; available columns: {described()}")
+            if not _is_text(schema.field(name).type):
                 raise DataLoadError(
-                    f"--field {name!r} has type {table.schema.field(name).type}, not text; choose string columns "
-                    f"({_describe_columns(table)}) or pass precomputed lengths with --lengths-column"
+                    f"--field {name!r} has type {schema.field(name).type}, not text; choose string columns "
+                    f"({described()}) or {instead}"
                 )
         columns = list(fields)
         note = "column " + " + ".join(map(repr, columns))
-    elif "text" in table.column_names and _is_text(table.schema.field("text").type):
+    elif "text" in names and _is_text(schema.field("text").type) and exclude != "text":
         columns = ["text"]
         note = "column 'text'"
     else:
-        columns = [name for name, field in zip(table.column_names, table.schema, strict=True) if _is_text(field.type)]
-        if not columns:
-            raise DataLoadError(f"no text column to tokenize; available columns: {_describe_columns(table)}; "
-                                "pass precomputed lengths with --lengths-column")
+        columns = [name for name, field in zip(names, schema, strict=True) if _is_text(field.type) and name != exclude]
+        if not columns and exclude is None:
+            raise DataLoadError(f"no text column to tokenize; available columns: {described()}; {instead}")
         note = ("no 'text' column, so every string column: " + " + ".join(map(repr, columns))
                 + " (choose with --field)")
     if len(columns) > 1:
         note += ", joined with newlines"
-        joined = pc.binary_join_element_wise(*(table[c] for c in columns), "\n",
-                                             null_handling="replace", null_replacement="")
-    else:
-        joined = pc.fill_null(table[columns[0]], "")
-    return joined.to_pylist(), note
+    return columns, note
+
+
+def _join_text(table: Any, columns: Sequence[str]) -> Any:
+    """``(num_rows,)`` pyarrow strings: the ``columns`` of every row joined with newlines, a missing value as ``""``."""
+    import pyarrow.compute as pc
+
+    if len(columns) > 1:
+        return pc.binary_join_element_wise(*(table[c] for c in columns), "\n",
+                                           null_handling="replace", null_replacement="")
+    return pc.fill_null(table[columns[0]], "")
 
 
 def _lengths_from_column(table: Any, column: str) -> tuple[np.ndarray, int]:
@@ -482,8 +548,649 @@ def _write_plot(path: Path, measured: _Lengths, analysis: Any) -> None:
             os.unlink(tmp)
 
 
+# ==================================================================================================
+# padfree pack
+# ==================================================================================================
+
+PACK_FORMATS = ("arrow", "parquet")
+_PACK_PADDINGS = ("capacity", "longest", "none")
+_PACK_MASKS = ("binary", "segments", "none")
+_INT32_RANGE = (-(2**31), 2**31 - 1)
+
+
+def _add_pack(subparsers: Any) -> None:
+    from padfree.data.hf import COLUMNS, DEFAULT_COLUMNS
+    from padfree.packing import DEFAULT_STRATEGY
+    from padfree.packing.inputs import OVERLONG_POLICIES
+
+    p = subparsers.add_parser(
+        "pack",
+        help="pack a dataset into rows of CAPACITY tokens and write them as an Arrow or Parquet dataset",
+        description=(
+            "Read token ids (or tokenize text), pack every sequence of the dataset into rows of CAPACITY tokens "
+            "with one global plan, and write the rows with the columns of padfree.pack_dataset: a "
+            "datasets.save_to_disk directory (--format arrow) or one Parquet file. The output is built beside "
+            "--output and renamed into place only when complete: an interrupted run leaves nothing at --output. "
+            "Without DATA: the embedded corpus (CPython's standard library and pydoc topics), offline."
+        ),
+    )
+    p.add_argument("data", nargs="?", metavar="DATA", help=f"dataset: {DATA_FORMATS}")
+    p.add_argument("-o", "--output", required=True, metavar="PATH",
+                   help="where to write the packed dataset (a directory for arrow, a file for parquet)")
+
+    g = p.add_argument_group("input")
+    g.add_argument("--input-ids-column", metavar="COL",
+                   help="pack this column of token-id lists as it is (default: 'input_ids' when DATA has it and "
+                        "no --field is given; otherwise text is tokenized)")
+    g.add_argument("--labels-column", metavar="COL",
+                   help="labels aligned with the token ids, -100 on non-targets (default: 'labels' if present; "
+                        "without one, TRL's completion_mask / assistant_masks columns are honoured)")
+    g.add_argument("--field", action="append", dest="fields", metavar="F",
+                   help="text column to tokenize (repeat for several, joined with newlines); default: 'text' if "
+                        "present, else every string column (the Alpaca layout: instruction + input + output)")
+    g.add_argument("--completion-field", metavar="F",
+                   help="train on this text column only: it is joined last, and every token before it (the "
+                        "prompt: the other text columns) gets label -100")
+    g.add_argument("--tokenizer", metavar="DIR",
+                   help="a tokenizer directory (save_pretrained); default: mistral-common's 32k SentencePiece")
+    g.add_argument("--add-special-tokens", action="store_true",
+                   help="let the tokenizer add its special tokens (e.g. BOS) to every text")
+    g.add_argument("--append-eos", action="store_true",
+                   help="end every text with the tokenizer's EOS token (a target: the model learns to stop)")
+    g.add_argument("--num-proc", type=int, metavar="N",
+                   help="tokenize in N processes (datasets.map(batched=True, num_proc=N)); default: 1")
+    g.add_argument("--limit", type=int, metavar="N", help="pack only the first N records (or documents)")
+
+    g = p.add_argument_group("packing")
+    g.add_argument("--capacity", type=int, default=2048, help="tokens per packed row (default: 2048)")
+    g.add_argument("--strategy", default=DEFAULT_STRATEGY, metavar="NAME",
+                   help=f"packing strategy: {', '.join(STRATEGIES)} (default: %(default)s)")
+    g.add_argument("--overlong", default="error", metavar="POLICY",
+                   help=f"sequences longer than CAPACITY: {' | '.join(OVERLONG_POLICIES)} — refuse (default), keep "
+                        "the first CAPACITY tokens, cut into pieces of CAPACITY (each a sequence of its own), or "
+                        "leave out; what is cut or left out is counted in the summary")
+    g.add_argument("--seed", type=int, default=0, help="seed of the 'ffs' shuffle (default: 0)")
+    g.add_argument("--max-sequences-per-bin", type=int, metavar="K", help="at most K sequences in a row")
+
+    g = p.add_argument_group("output")
+    g.add_argument("--format", metavar="FMT",
+                   help="arrow (a datasets.save_to_disk directory: datasets.load_from_disk reads it) or parquet "
+                        "(one file); default: parquet when --output ends with .parquet, else arrow")
+    g.add_argument("--columns", metavar="LIST",
+                   help=f"comma-separated columns to write, each COL or COL=NAME to rename it, from "
+                        f"{','.join(COLUMNS)} (default: {','.join(DEFAULT_COLUMNS)}); sequence_ids are rows of DATA")
+    g.add_argument("--padding", default="capacity", metavar="HOW",
+                   help="row length: capacity (default), longest (the longest row), none (each row as long as "
+                        "its tokens) or a number of tokens")
+    g.add_argument("--attention-mask", default="binary", metavar="KIND",
+                   help="binary (1 real, 0 padding; default), segments (1-based index of the sequence in its "
+                        "row, 0 on padding) or none")
+    g.add_argument("--padding-value", type=int, default=0, metavar="ID",
+                   help="token id written on padding (default: 0)")
+    g.add_argument("--label-padding-value", type=int, default=-100, metavar="L",
+                   help="label on padding and on the first token of every sequence (default: -100)")
+    g.add_argument("--overwrite", action="store_true",
+                   help="replace an existing --output (once the new one is complete)")
+
+    g = p.add_argument_group("report")
+    g.add_argument("--json", action="store_true", help="print the summary as JSON on stdout")
+    g.add_argument("-q", "--quiet", action="store_true", help="no progress on stderr")
+    p.set_defaults(run=_run_pack)
+
+
+@dataclass(frozen=True)
+class _PackOptions:
+    """The ``padfree pack`` arguments, checked before anything is read."""
+
+    output: Path
+    format: str
+    capacity: int
+    strategy: str
+    overlong: str
+    seed: int | None
+    max_sequences_per_bin: int | None
+    padding: str | int | None
+    attention_mask: str | None
+    columns: dict[str, str] | None
+    padding_value: int
+    label_padding_value: int
+    limit: int | None
+    num_proc: int | None
+
+
+@dataclass
+class _PackInput:
+    """What ``padfree pack`` packs: a dataset of token ids with at least one token per row, and where it came from."""
+
+    dataset: Any  # datasets.Dataset: input_ids (+ labels, or TRL's mask columns)
+    records: int  # records read (after --limit)
+    kept: np.ndarray | None  # (sequences,) int64 — the record of every row of `dataset`; None: row i is record i
+    source: str
+    measure: str
+
+    @property
+    def skipped(self) -> int:
+        return 0 if self.kept is None else self.records - int(self.kept.shape[0])
+
+
+def _run_pack(args: argparse.Namespace) -> int:
+    """Check the arguments, read (and tokenize) DATA, pack it with ``padfree.pack_dataset``, write atomically, report.
+
+    Intermediate files (the tokenized rows, the packed Arrow file) live in the output's work directory, never
+    next to the input: a saved dataset given as DATA is only read.
+    """
+    import padfree
+
+    started = time.perf_counter()
+    opts = _pack_options(args)  # every cheap check first: a typo fails before anything is read or tokenized
+    _check_pack_input_args(args)
+    say = _Progress(enabled=not args.quiet)
+    with _progress_bars(not args.quiet), _AtomicOutput(opts.output, replace=args.overwrite) as out:
+        packing = _pack_input(args, opts, out.cache, say)
+        say(f"packing {packing.dataset.num_rows:,} sequences into rows of {opts.capacity:,} tokens ({opts.strategy})")
+        packed, result = padfree.pack_dataset(
+            packing.dataset, opts.capacity, opts.strategy, opts.seed, opts.padding_value, opts.label_padding_value,
+            overlong=opts.overlong, max_sequences_per_bin=opts.max_sequences_per_bin, padding=opts.padding,
+            attention_mask=opts.attention_mask, columns=opts.columns,
+            cache_file_name=str(out.cache / "packed.arrow"), return_result=True,
+        )
+        if packing.kept is not None:
+            packed = _records_as_sequence_ids(packed, packing.kept, opts.columns)
+        say(f"writing {packed.num_rows:,} rows ({opts.format}) to {opts.output}")
+        try:
+            if opts.format == "arrow":
+                packed.save_to_disk(str(out.staged))
+            else:
+                packed.to_parquet(str(out.staged))
+            size = _disk_size(out.staged)
+            out.commit()
+        except OSError as exc:
+            raise InvalidArgumentError(f"--output {str(opts.output)!r} could not be written ({exc})") from exc
+    summary = _pack_summary(args, opts, packing, result, packed.column_names, size, time.perf_counter() - started)
+    print(json.dumps(summary, indent=2) if args.json else render_pack_summary(summary, packing))
+    return 0
+
+
+def _pack_options(args: argparse.Namespace) -> _PackOptions:
+    from padfree.packing.inputs import OVERLONG_POLICIES, as_capacity, as_choice
+
+    padding: str | int | None = args.padding
+    if isinstance(padding, str) and padding.strip().isdigit():
+        padding = as_positive_int(int(padding), "--padding")
+    elif padding not in _PACK_PADDINGS:
+        raise InvalidArgumentError(f"--padding must be one of {', '.join(_PACK_PADDINGS)} or a number of tokens, "
+                                   f"got {padding!r}")
+    mask = as_choice(args.attention_mask, "--attention-mask", _PACK_MASKS)
+    columns = _parse_pack_columns(args.columns, mask)
+    output = _check_output(args.output, args.format, args.overwrite, args.data)
+    for value, name in ((args.padding_value, "--padding-value"), (args.label_padding_value, "--label-padding-value")):
+        if not _INT32_RANGE[0] <= value <= _INT32_RANGE[1]:
+            raise InvalidArgumentError(f"{name} must fit int32 ({_INT32_RANGE[0]} to {_INT32_RANGE[1]}), got {value}")
+    return _PackOptions(
+        output=output[0],
+        format=output[1],
+        capacity=as_capacity(args.capacity, "--capacity"),
+        strategy=as_choice(args.strategy, "--strategy", tuple(STRATEGIES)),
+        overlong=as_choice(args.overlong, "--overlong", OVERLONG_POLICIES),
+        seed=as_seed(args.seed, "--seed"),
+        max_sequences_per_bin=_optional_positive(args.max_sequences_per_bin, "--max-sequences-per-bin"),
+        padding=None if padding == "none" else padding,
+        attention_mask=None if mask == "none" else mask,
+        columns=columns,
+        padding_value=args.padding_value,
+        label_padding_value=args.label_padding_value,
+        limit=_optional_positive(args.limit, "--limit"),
+        num_proc=_optional_positive(args.num_proc, "--num-proc"),
+    )
+
+
+def _optional_positive(value: int | None, flag: str) -> int | None:
+    # an option left out is None; one given must be >= 1 (the message need not mention None: it cannot be typed)
+    return None if value is None else as_positive_int(value, flag)
+
+
+def _parse_pack_columns(text: str | None, mask: str) -> dict[str, str] | None:
+    from padfree.data.hf import COLUMNS, DEFAULT_COLUMNS
+
+    if text is None:
+        return None
+    columns: dict[str, str] = {}
+    for item in (part.strip() for part in text.split(",")):
+        if not item:
+            continue
+        what, _, name = (s.strip() for s in item.partition("="))
+        if what not in COLUMNS:
+            raise InvalidArgumentError(f"--columns {text!r}: unknown column {what!r}; choose from {','.join(COLUMNS)}")
+        if what in columns or (name or what) in columns.values():
+            raise InvalidArgumentError(f"--columns {text!r} names {what!r} (or the output name {name or what!r}) twice")
+        columns[what] = name or what
+    if not columns:
+        raise InvalidArgumentError(f"--columns {text!r} names no column; choose from {','.join(COLUMNS)} "
+                                   f"(default: {','.join(DEFAULT_COLUMNS)})")
+    if mask == "none" and "attention_mask" in columns:
+        raise InvalidArgumentError("--columns asks for attention_mask but --attention-mask is none; "
+                                   "choose binary or segments, or leave the column out")
+    return columns
+
+
+def _check_output(output: str, fmt: str | None, overwrite: bool, data: str | None) -> tuple[Path, str]:
+    """``--output`` as a path and the format to write; refuse what would lose data the user did not ask to lose."""
+    path = Path(output).expanduser()
+    if fmt is None:
+        fmt = "parquet" if path.suffix.lower() == ".parquet" else "arrow"
+    elif fmt not in PACK_FORMATS:
+        raise InvalidArgumentError(f"--format must be one of {', '.join(PACK_FORMATS)}, got {fmt!r}")
+    if not path.name or path.name in (".", ".."):
+        raise InvalidArgumentError(f"--output {output!r} names no file or directory; give a path such as packed/")
+    if not path.parent.is_dir():
+        raise InvalidArgumentError(f"--output {output!r}: the directory {str(path.parent)!r} does not exist")
+    if data is not None:
+        source = Path(data).expanduser().resolve()
+        target = path.resolve()
+        if target == source or target in source.parents:
+            raise InvalidArgumentError(f"--output {output!r} is (or contains) DATA {data!r}; write the packed "
+                                       "dataset somewhere else")
+    if path.exists() or path.is_symlink():
+        if not overwrite:
+            raise InvalidArgumentError(f"--output {output!r} already exists; pass --overwrite to replace it (the "
+                                       "old one is replaced only once the new one is complete)")
+        if path.is_dir() and not path.is_symlink() and any(path.iterdir()) and not (
+                _is_saved_dataset(path) or (path / "dataset_dict.json").is_file()):
+            raise InvalidArgumentError(f"--output {output!r} is a directory that datasets' save_to_disk did not "
+                                       "write; refusing to replace it even with --overwrite: choose another path")
+    return path, fmt
+
+
+def _check_pack_input_args(args: argparse.Namespace) -> None:
+    if args.data is None:
+        for flag, value in (("--field", args.fields), ("--completion-field", args.completion_field),
+                            ("--input-ids-column", args.input_ids_column), ("--labels-column", args.labels_column)):
+            if value:
+                raise InvalidArgumentError(f"{flag} needs DATA: the embedded corpus has no columns")
+    if args.input_ids_column is not None:
+        text_flags = _text_flags(args)
+        if text_flags:
+            raise InvalidArgumentError(f"--input-ids-column and {text_flags[0]} exclude each other: token ids are "
+                                       "either read from a column or made by tokenizing text")
+
+
+def _text_flags(args: argparse.Namespace) -> list[str]:
+    """The tokenizing options that were given (they make no sense when token ids are read from a column)."""
+    flags = [("--field", args.fields), ("--completion-field", args.completion_field),
+             ("--tokenizer", args.tokenizer), ("--add-special-tokens", args.add_special_tokens),
+             ("--append-eos", args.append_eos), ("--num-proc", args.num_proc)]
+    return [flag for flag, value in flags if value]
+
+
+def _pack_input(args: argparse.Namespace, opts: _PackOptions, cache: Path, say: _Progress) -> _PackInput:
+    """Read DATA (or the embedded corpus) and make the dataset of token ids to pack, tokenizing text if needed."""
+    import datasets
+
+    from padfree import corpus
+
+    limit = opts.limit
+    if args.data is None:
+        texts = corpus.embedded_corpus()[:limit]
+        source = f"embedded corpus: {corpus.embedded_corpus_description()}"
+        if limit is not None:
+            source += f", first {len(texts)} documents"
+        ds = datasets.Dataset.from_dict({"text": texts})
+    else:
+        say(f"reading {args.data}")
+        ds = _read_dataset(args.data)
+        total = ds.num_rows
+        if total == 0:
+            raise DataLoadError(f"DATA {args.data!r} holds no records")
+        if limit is not None and limit < total:
+            ds = ds.select(range(limit))
+        source = f"{args.data} ({ds.num_rows:,} records" + (f", --limit {limit})" if limit is not None else ")")
+
+    schema = ds.data.schema
+    ids_column = args.input_ids_column
+    if ids_column is None and not args.fields and not args.completion_field and "input_ids" in schema.names:
+        ids_column = "input_ids"
+    if ids_column is not None:
+        if args.input_ids_column is None and _text_flags(args):
+            raise InvalidArgumentError(
+                f"DATA has token ids in column 'input_ids', so nothing is tokenized and {_text_flags(args)[0]} does "
+                "not apply; pass --field to tokenize a text column instead"
+            )
+        tokens, measure = _token_ids_from_column(ds, ids_column, args.labels_column)
+    else:
+        if args.labels_column is not None:
+            raise InvalidArgumentError("--labels-column needs token ids (--input-ids-column); labels of tokenized "
+                                       "text come from --completion-field")
+        tokens, measure = _tokenize(ds, args, opts, cache, say)
+    tokens, kept = _drop_empty(tokens)
+    if kept is not None and kept.shape[0] == 0:
+        raise DataLoadError(f"every one of the {ds.num_rows:,} records has no tokens ({measure}): nothing to pack")
+    return _PackInput(tokens, ds.num_rows, kept, source, measure)
+
+
+def _is_token_list(arrow_type: Any) -> bool:
+    import pyarrow as pa
+
+    return (pa.types.is_list(arrow_type) or pa.types.is_large_list(arrow_type)) and pa.types.is_integer(
+        arrow_type.value_type)
+
+
+def _token_ids_from_column(ds: Any, ids_column: str, labels_column: str | None) -> tuple[Any, str]:
+    from padfree.data.hf import LABEL_MASK_COLUMNS
+
+    schema = ds.data.schema
+    for flag, name in (("--input-ids-column", ids_column), ("--labels-column", labels_column)):
+        if name is None:
+            continue
+        if name not in schema.names:
+            raise DataLoadError(f"{flag} {name!r}: no such column; available columns: {_describe_columns(ds.data)}")
+        if not _is_token_list(schema.field(name).type):
+            raise DataLoadError(f"{flag} {name!r} has type {schema.field(name).type}, not lists of integer token ids")
+    if labels_column is None and "labels" in schema.names and ids_column != "labels":
+        if not _is_token_list(schema.field("labels").type):
+            raise DataLoadError(f"column 'labels' has type {schema.field('labels').type}, not lists of integers; "
+                                "name the labels with --labels-column")
+        labels_column = "labels"
+    if labels_column == ids_column:
+        raise InvalidArgumentError(f"--input-ids-column and --labels-column name the same column {ids_column!r}")
+    keep = {ids_column: "input_ids"}
+    measure = f"token ids from column {ids_column!r}"
+    if labels_column is not None:
+        keep[labels_column] = "labels"
+        measure += f", labels from column {labels_column!r}"
+    else:
+        masks = [m for m in LABEL_MASK_COLUMNS if m in schema.names]
+        keep.update({m: m for m in masks})
+        if masks:
+            measure += ", targets where " + " and ".join(map(repr, masks)) + " are nonzero"
+    ds = ds.select_columns(list(keep)).rename_columns({k: v for k, v in keep.items() if k != v})
+    return ds, measure
+
+
+def _tokenize(ds: Any, args: argparse.Namespace, opts: _PackOptions, cache: Path, say: _Progress) -> tuple[Any, str]:
+    import functools
+    import uuid
+
+    from padfree import corpus
+
+    schema = ds.data.schema
+    completion = args.completion_field
+    if completion is not None:
+        if completion not in schema.names:
+            raise DataLoadError(f"--completion-field {completion!r}: no such column; available columns: "
+                                f"{_describe_columns(ds.data)}")
+        if not _is_text(schema.field(completion).type):
+            raise DataLoadError(f"--completion-field {completion!r} has type {schema.field(completion).type}, "
+                                "not text")
+    instead = "or pass token ids with --input-ids-column"
+    if args.fields and completion is not None:
+        # --field names the prompt's columns; naming the completion among them too is natural and harmless
+        fields = [f for f in args.fields if f != completion]
+        prompt = _text_columns(schema, fields, instead=instead)[0] if fields else []
+    else:
+        prompt, note = _text_columns(schema, args.fields, exclude=completion, instead=instead)
+    if completion is not None:
+        note = (f"prompt {' + '.join(map(repr, prompt))}, then completion {completion!r} (the only targets), "
+                "joined with newlines" if prompt else f"column {completion!r}, every token a target")
+    tokenizer = corpus.load_tokenizer(args.tokenizer)
+    name = corpus.DEFAULT_TOKENIZER_NAME if args.tokenizer is None else f"{args.tokenizer} ({type(tokenizer).__name__})"
+    if completion is not None and not getattr(tokenizer, "is_fast", False):
+        raise TokenizerLoadError(f"--completion-field needs a fast tokenizer (it finds the prompt's tokens through "
+                                 f"their character offsets); {name} is not one")
+    eos = None
+    if args.append_eos:
+        eos = tokenizer.eos_token_id
+        if eos is None:
+            raise TokenizerLoadError(f"--append-eos: the tokenizer {name} has no EOS token")
+    num_proc = min(opts.num_proc or 1, ds.num_rows)
+    say(f"tokenizing {ds.num_rows:,} records with {name}" + (f" in {num_proc} processes" if num_proc > 1 else ""))
+    function = functools.partial(_tokenize_batch, tokenizer=tokenizer, prompt=prompt, completion=completion,
+                                 add_special_tokens=args.add_special_tokens, eos=eos)
+    tokens = ds.with_format("arrow").map(
+        function, batched=True, batch_size=1000, num_proc=num_proc if num_proc > 1 else None,
+        remove_columns=ds.column_names, cache_file_name=str(cache / "tokenized.arrow"), load_from_cache_file=False,
+        new_fingerprint=uuid.uuid4().hex, desc="tokenizing",
+    ).with_format(None)
+    extras = [flag for flag, on in (("special tokens", args.add_special_tokens), ("EOS appended", eos is not None))
+              if on]
+    return tokens, f"{note}, tokenized by {name}" + (f" ({', '.join(extras)})" if extras else "")
+
+
+def _tokenize_batch(batch: Any, *, tokenizer: Any, prompt: list[str], completion: str | None,
+                    add_special_tokens: bool, eos: int | None) -> Any:
+    """One ``datasets.map`` batch (a ``pyarrow.Table``) -> ``input_ids`` (and ``labels`` with a completion)."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    from padfree import corpus
+
+    boundary = None  # (rows,) — the character where the completion starts; tokens before it are not targets
+    if completion is None:
+        texts = _join_text(batch, prompt)
+    else:
+        answer = pc.fill_null(batch[completion], "")
+        if prompt:
+            question = _join_text(batch, prompt)
+            texts = pc.binary_join_element_wise(question, answer, "\n")
+            boundary = pc.utf8_length(question).to_numpy(zero_copy_only=False).astype(np.int64) + 1
+        else:
+            texts = answer
+            boundary = np.zeros(batch.num_rows, np.int64)
+    encoded = corpus.encode(texts.to_pylist(), tokenizer, add_special_tokens=add_special_tokens,
+                            offsets=boundary is not None)
+    ids = encoded["input_ids"]
+    if eos is not None:
+        for row in ids:
+            row.append(eos)
+    ids_array = pa.array(ids, pa.list_(pa.int32()))
+    if boundary is None:
+        return pa.table({"input_ids": ids_array})
+    spans = encoded["offset_mapping"]
+    if eos is not None:  # the EOS sits after the text: a target
+        ends = pc.utf8_length(texts).to_pylist()
+        for row, end in zip(spans, ends, strict=True):
+            row.append((end, end))
+    starts = pa.array(spans, pa.list_(pa.list_(pa.int64(), 2))).flatten().flatten().to_numpy()[::2]
+    counts = pc.list_value_length(ids_array).to_numpy(zero_copy_only=False)
+    targets = starts >= np.repeat(boundary, counts)
+    labels = np.where(targets, ids_array.values.to_numpy(), -100).astype(np.int32)
+    return pa.table({"input_ids": ids_array, "labels": pa.ListArray.from_arrays(ids_array.offsets, labels)})
+
+
+def _drop_empty(ds: Any) -> tuple[Any, np.ndarray | None]:
+    """``ds`` without its rows of no tokens (nothing to pack or train on), and the rows kept (None: all)."""
+    import pyarrow.compute as pc
+
+    lengths = pc.fill_null(pc.list_value_length(ds.with_format("arrow")["input_ids"]), 0)
+    keep = lengths.to_numpy() > 0
+    if keep.all():
+        return ds, None
+    kept = np.flatnonzero(keep)
+    return ds.select(kept), kept
+
+
+def _records_as_sequence_ids(packed: Any, kept: np.ndarray, columns: dict[str, str] | None) -> Any:
+    """Make the ``sequence_ids`` column name records of DATA again after :func:`_drop_empty` left some out."""
+    if not columns or "sequence_ids" not in columns:
+        return packed
+    import datasets
+    import pyarrow as pa
+    from datasets.table import InMemoryTable
+
+    name = columns["sequence_ids"]
+    table = packed.data.table
+    chunks = []
+    for chunk in table[name].chunks:
+        offsets = chunk.offsets.to_numpy()
+        # flatten() honours a sliced chunk, offsets do not: rebase them to the values flatten() returns
+        chunks.append(pa.ListArray.from_arrays(pa.array(offsets - offsets[0], pa.int32()),
+                                               pa.array(kept[chunk.flatten().to_numpy()])))
+    table = table.set_column(table.schema.get_field_index(name), name, pa.chunked_array(chunks, pa.list_(pa.int64())))
+    return datasets.Dataset(InMemoryTable(table))
+
+
+def _disk_size(path: Path) -> int:
+    if path.is_file():
+        return path.stat().st_size
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+class _Progress:
+    """Progress lines on stderr (``padfree: <what is happening>``); ``datasets`` draws its bars beside them."""
+
+    def __init__(self, enabled: bool) -> None:
+        self.enabled = enabled
+
+    def __call__(self, message: str) -> None:
+        if self.enabled:
+            print(f"padfree: {message}", file=sys.stderr, flush=True)
+
+
+@contextlib.contextmanager
+def _progress_bars(enabled: bool) -> Iterator[None]:
+    """``datasets``' progress bars (tqdm) on or off for the block, then as they were."""
+    try:
+        from datasets.utils import logging as ds_logging
+    except ImportError as exc:
+        raise BackendUnavailableError(f"padfree pack needs datasets, which could not be imported ({exc}); install "
+                                      "it with: pip install 'padfree[cli]'") from exc
+
+    was = ds_logging.is_progress_bar_enabled()
+    (ds_logging.enable_progress_bar if enabled else ds_logging.disable_progress_bar)()
+    try:
+        yield
+    finally:
+        (ds_logging.enable_progress_bar if was else ds_logging.disable_progress_bar)()
+
+
+class _AtomicOutput:
+    """Build an output in a hidden work directory beside it; rename it into place only once it is complete.
+
+    ``staged`` is where the output is written, ``cache`` where intermediate files go (tokenized rows, the packed
+    Arrow file). :meth:`commit` renames ``staged`` to the output path — one ``rename`` on the same filesystem, so
+    the path holds either nothing, the old output, or the complete new one. Leaving the block deletes the work
+    directory, whatever happened; only a killed process leaves it behind (``.<name>.padfree-*``, never at the
+    output path itself).
+    """
+
+    def __init__(self, path: Path, *, replace: bool) -> None:
+        self.path = path
+        self.replace = replace
+
+    def __enter__(self) -> _AtomicOutput:
+        try:
+            self.work = Path(tempfile.mkdtemp(prefix=f".{self.path.name}.padfree-", dir=self.path.parent))
+        except OSError as exc:
+            raise InvalidArgumentError(f"--output {str(self.path)!r} cannot be written ({exc})") from exc
+        self.cache = self.work / "cache"
+        self.cache.mkdir()
+        self.staged = self.work / "output"
+        return self
+
+    def commit(self) -> None:
+        if self.path.exists() or self.path.is_symlink():
+            if not self.replace:  # it appeared while we were packing
+                raise InvalidArgumentError(f"--output {str(self.path)!r} already exists; pass --overwrite to "
+                                           "replace it")
+            # move the old output into the work directory (deleted on exit) with one rename, then the new one in
+            old = self.work / "replaced"
+            os.replace(self.path, old)
+            try:
+                os.replace(self.staged, self.path)
+            except OSError:
+                os.replace(old, self.path)
+                raise
+        else:
+            os.replace(self.staged, self.path)
+
+    def __exit__(self, *exc: object) -> None:
+        shutil.rmtree(self.work, ignore_errors=True)
+
+
+def _pack_summary(args: argparse.Namespace, opts: _PackOptions, packing: _PackInput, result: Any,
+                  columns: list[str], size: int, seconds: float) -> dict[str, Any]:
+    if opts.padding is None:
+        slots = result.total_tokens  # every row as long as its tokens
+    elif opts.padding == "capacity":
+        slots = result.num_bins * result.capacity
+    elif opts.padding == "longest":
+        slots = result.num_bins * int(result.bin_fill.max(initial=0))
+    else:
+        slots = result.num_bins * int(opts.padding)
+    split = int((result.lengths > result.capacity).sum()) if opts.overlong == "split" else 0
+    return {
+        "data": args.data,
+        "output": str(opts.output),
+        "format": opts.format,
+        "records": packing.records,
+        "skipped_empty": packing.skipped,
+        "sequences": result.num_sequences,
+        "input_tokens": result.input_tokens,
+        "packed_tokens": result.total_tokens,
+        "capacity": result.capacity,
+        "strategy": result.strategy,
+        "seed": result.seed,
+        "overlong": opts.overlong,
+        "bins": result.num_bins,
+        "lower_bound": result.lower_bound,
+        "efficiency": result.efficiency,
+        "padding_tokens": slots - result.total_tokens,
+        "pieces": result.num_pieces,
+        "split_sequences": split,
+        "truncated_sequences": result.num_truncated,
+        "truncated_tokens": result.truncated_tokens,
+        "dropped_sequences": result.num_dropped,
+        "dropped_tokens": result.dropped_tokens,
+        "columns": columns,
+        "bytes": size,
+        "seconds": round(seconds, 3),
+    }
+
+
+def render_pack_summary(summary: dict[str, Any], packing: _PackInput) -> str:
+    """The ``padfree pack`` report (``summary`` is what ``--json`` prints)."""
+    s = summary
+    out = ["padfree pack"]
+    out += textwrap.wrap(packing.source, width=110, initial_indent="  data        ", subsequent_indent=" " * 14)
+    out += textwrap.wrap(packing.measure, width=110, initial_indent="  sequences   ", subsequent_indent=" " * 14)
+    if s["skipped_empty"]:
+        out.append(f"  skipped     {_n(s['skipped_empty'])} records with no tokens (nothing to pack)")
+    out += [
+        "",
+        f"  packed      {_n(s['sequences'])} sequences, {_n(s['input_tokens'])} tokens -> {_n(s['bins'])} rows of "
+        f"{_n(s['capacity'])} tokens (strategy {s['strategy']}; lower bound {_n(s['lower_bound'])} rows)",
+        f"  efficiency  {s['efficiency']:.2%} ({_n(s['padding_tokens'])} padding tokens written)",
+    ]
+    cap = _n(s["capacity"])
+    if s["truncated_sequences"]:
+        over = (f"{_n(s['truncated_sequences'])} sequences longer than {cap} truncated: "
+                f"{_n(s['truncated_tokens'])} tokens lost")
+    elif s["dropped_sequences"]:
+        over = (f"{_n(s['dropped_sequences'])} sequences longer than {cap} dropped: {_n(s['dropped_tokens'])} "
+                "tokens lost")
+    elif s["split_sequences"]:
+        over = (f"{_n(s['split_sequences'])} sequences longer than {cap} split: {_n(s['pieces'])} pieces in all, "
+                "no token lost")
+    else:
+        over = f"none: every sequence fits in {cap} tokens, no token lost"
+    out.append(f"  overlong    {over} (--overlong {s['overlong']})")
+    what = ("a datasets.save_to_disk directory (datasets.load_from_disk)" if s["format"] == "arrow"
+            else "one Parquet file")
+    out += textwrap.wrap(f"{s['output']}: {what}, {_n(s['bins'])} rows, {_size(s['bytes'])}; columns "
+                         f"{', '.join(s['columns'])}", width=110, initial_indent="  written     ",
+                         subsequent_indent=" " * 14)
+    out.append(f"  time        {s['seconds']:.1f} s")
+    return "\n".join(out)
+
+
+def _size(num_bytes: int) -> str:
+    if num_bytes < 1000:
+        return f"{num_bytes} B"
+    exponent = min(int(np.log10(num_bytes)) // 3, 3)
+    return f"{num_bytes / 1000 ** exponent:,.1f} {('kB', 'MB', 'GB')[exponent - 1]}"
+
+
 #: subcommand name -> function adding its parser; each parser sets ``run`` to the function doing the work
-COMMANDS: dict[str, Callable[[Any], None]] = {"analyze": _add_analyze}
+COMMANDS: dict[str, Callable[[Any], None]] = {"analyze": _add_analyze, "pack": _add_pack}
 
 
 if __name__ == "__main__":

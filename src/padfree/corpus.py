@@ -43,6 +43,7 @@ __all__ = [
     "cache_dir",
     "embedded_corpus",
     "embedded_corpus_description",
+    "encode",
     "load_tokenizer",
     "stdlib_source_paths",
     "token_lengths",
@@ -256,6 +257,36 @@ def _save_atomically(tokenizer: Any, target: Path) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+def encode(texts: Sequence[str], tokenizer: Any, *, add_special_tokens: bool = False, offsets: bool = False) -> Any:
+    """Token ids of every text in one tokenizer call (what :func:`token_lengths` counts and ``padfree pack`` packs).
+
+    Args:
+        texts: ``(n,)`` strings.
+        tokenizer: a Hugging Face tokenizer.
+        add_special_tokens: let the tokenizer add its own special tokens (e.g. a BOS token); off by default, so
+            that a text's tokens are the text and nothing else.
+        offsets: also return ``offset_mapping`` — per token, the ``(start, end)`` character span it covers in its
+            text (fast tokenizers only).
+
+    Returns:
+        The tokenizer's ``BatchEncoding``: ``input_ids`` (``n`` lists of ints) and, with ``offsets=True``,
+        ``offset_mapping`` (``n`` lists of ``(start, end)`` pairs). No attention mask, no token type ids.
+
+    >>> encoded = encode(["Hello world", "x"], load_tokenizer(), offsets=True)
+    >>> encoded["input_ids"], encoded["offset_mapping"]
+    ([[22557, 1526], [1318]], [[(0, 5), (5, 11)], [(0, 1)]])
+    """
+    # verbose=False: a text longer than the model's maximum is fine here; packing decides what to do with it
+    return tokenizer(
+        list(texts),
+        add_special_tokens=add_special_tokens,
+        return_attention_mask=False,
+        return_token_type_ids=False,
+        return_offsets_mapping=offsets,
+        verbose=False,
+    )
+
+
 def token_lengths(
     texts: Sequence[str],
     tokenizer: Any,
@@ -287,14 +318,7 @@ def token_lengths(
     try:
         for start in range(0, n, batch_size):
             batch = [str(text) for text in texts[start : start + batch_size]]
-            # verbose=False: a text longer than the model's maximum is fine here, we only count its tokens
-            ids = tokenizer(
-                batch,
-                add_special_tokens=False,
-                return_attention_mask=False,
-                return_token_type_ids=False,
-                verbose=False,
-            )["input_ids"]
+            ids = encode(batch, tokenizer)["input_ids"]
             lengths[start : start + len(batch)] = np.fromiter(map(len, ids), np.int64, count=len(batch))
             if bar is not None:
                 bar.update(len(batch))

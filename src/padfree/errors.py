@@ -17,6 +17,7 @@ __all__ = [
     "InvalidTokensError",
     "OverlongSequenceError",
     "PackingDisabledError",
+    "PackingMismatchError",
     "PadfreeError",
     "StateMismatchError",
     "TokenizerLoadError",
@@ -77,6 +78,10 @@ class UnsupportedModelError(PadfreeError):
 class PackingDisabledError(PadfreeError):
     """A packed batch reached a configured model together with something that would let sequences see each other
     (an active cache, a 0/1 attention mask); the message says how to fix the call."""
+
+
+class PackingMismatchError(PadfreeError):
+    """:func:`padfree.verify` found a packed run that differs from the per-sequence runs beyond the tolerance."""
 
 
 def describe(value: object, limit: int = 60) -> str:

@@ -1,4 +1,4 @@
-"""The model side: make a transformers causal LM packing-exact (:func:`configure_packing`) and prove it (:func:`verify`).
+"""The model side: make a transformers causal LM packing-exact (``configure_packing``) and prove it (``verify``).
 
 - :mod:`padfree.model.packed` — the boundaries of one packed forward (:class:`PackedLayout`);
 - :mod:`padfree.model.attention` — boundary-exact attention backends registered with transformers;

@@ -13,18 +13,15 @@ Each name is a pair registered with transformers (no file of transformers is edi
 Backends (``BACKENDS``), for a packed batch of ``B`` rows of ``T`` tokens, ``H`` heads, segments of lengths ``n_i``
 grouped in buckets of padded length ``L`` (:func:`padfree.model.packed.bucket_length`, ``L < 1.25 n`` above 32):
 
-================  =============================================================  ==========================================
-name              computation                                                    extra memory per layer call
-================  =============================================================  ==========================================
-``padfree_sdpa``  one ``scaled_dot_product_attention`` per bucket (``is_causal``  gathered q/k/v (``3 x`` the layer input);
-                  or an ``L x L`` window mask); eager math per bucket for          scores only on the math path:
-                  softcapping or sinks, which SDPA cannot express                  ``H x sum(L_i^2)`` floats
-``padfree_eager`` transformers' eager formula (scale, softcap, mask, sinks,      ``H x sum(L_i^2)`` floats — never
-                  fp32 softmax, dropout) per bucket                               ``H x T^2``
-``padfree_flex``  ``flex_attention`` with a ``BlockMask`` from segment ids       the BlockMask: ``O(B x (T/128)^2)`` ints
-``padfree_varlen`` CUDA only: ``torch.nn.attention.varlen.varlen_attn`` over      none beyond the flat views
-                  the flattened stream with ``cu_seqlens``
-================  =============================================================  ==========================================
+- ``padfree_sdpa`` — one ``scaled_dot_product_attention`` per bucket (``is_causal``, or an ``L x L`` window mask);
+  eager math per bucket where the layer softcaps or has sinks (SDPA cannot express them). Extra memory per layer
+  call: the gathered q/k/v (3 x the layer input); scores only on the math path, ``H x sum(L_i^2)`` floats.
+- ``padfree_eager`` — transformers' eager formula (scale, softcap, mask, sinks, fp32 softmax, dropout) per bucket:
+  ``H x sum(L_i^2)`` floats of scores, never ``H x T^2``.
+- ``padfree_flex`` — ``flex_attention`` with a ``BlockMask`` built from the segment ids: ``O(B x (T/128)^2)`` ints.
+  (torch has no flex backward on the CPU: there it serves evaluation only.)
+- ``padfree_varlen`` — CUDA only: ``torch.nn.attention.varlen.varlen_attn`` over the flattened stream with
+  ``cu_seqlens``; nothing beyond flat views.
 
 A dense block-diagonal mask would cost ``B x T^2`` booleans plus ``B x H x T^2`` scores on the math path; the bucket
 form costs ``sum(L_i^2)``, which for 32 sequences in an 8k row is about 1/25 of it.
@@ -48,7 +45,7 @@ import torch.nn.functional as F
 from padfree.errors import BackendUnavailableError, PackingDisabledError
 from padfree.model.packed import PackedLayout
 
-__all__ = ["BACKENDS", "Backend", "LAYOUT_KWARG", "packed_forward", "register_backends"]
+__all__ = ["BACKENDS", "LAYOUT_KWARG", "Backend", "packed_forward", "register_backends"]
 
 LAYOUT_KWARG = "padfree_layout"
 """Name of the keyword argument that carries the :class:`PackedLayout` from the model's forward hook to attention."""
@@ -124,7 +121,7 @@ def _bucketed(
     sinks: torch.Tensor | None,
 ) -> torch.Tensor:
     """Exact attention of every segment on its own: ``(B, H, T, D)`` q/k/v in, ``(B, T, H, D)`` out."""
-    batch, heads, seq_len, dim = query.shape
+    batch, heads, seq_len, _ = query.shape
     flat = [x.transpose(1, 2).reshape(batch * seq_len, x.shape[1], x.shape[3]) for x in (query, key, value)]
     pieces, dest = [], []
     math = math or softcap is not None or sinks is not None
@@ -167,7 +164,7 @@ def _varlen(module, query, key, value, lay, *, scaling, dropout, sliding_window,
             f"{type(module).__name__} needs softcapping, sinks or attention dropout, which varlen_attn does not "
             f"offer; configure the model with backend='padfree_sdpa'"
         )
-    batch, heads, seq_len, dim = query.shape
+    batch, heads, seq_len, _ = query.shape
     flat = [x.transpose(1, 2).reshape(batch * seq_len, x.shape[1], x.shape[3]) for x in (query, key, value)]
     cu, longest = lay.cu_seqlens, lay.max_seqlen
     window = (sliding_window - 1, 0) if sliding_window is not None else (-1, 0)

@@ -74,14 +74,14 @@ SUPPORTED_MODEL_TYPES: dict[str, str] = {
     "qwen3": "",
     "qwen3_moe": "",
     "gemma": "",
-    "gemma2": "logit softcapping and sliding window (eager math on the SDPA backend)",
+    "gemma2": "logit softcapping and sliding window; sdpa resolves to padfree_eager (no SDPA path in transformers)",
     "gemma3_text": "sliding window layers",
     "phi3": "",
     "olmo2": "",
     "olmo": "",
     "granite": "custom attention scaling",
     "starcoder2": "",
-    "gpt_oss": "attention sinks (eager math on the SDPA backend; no flex on CPU)",
+    "gpt_oss": "attention sinks; sdpa resolves to padfree_eager; flex refused on the CPU (no sinks there)",
     "granitemoehybrid": "attention layers (its Mamba layers: see the mixers)",
     "cohere": "",
     "glm": "",
@@ -208,14 +208,18 @@ def _check_model(model: Any) -> tuple[torch.nn.Module, str]:
             f"model must be a transformers PreTrainedModel (a causal LM such as LlamaForCausalLM), got "
             f"{describe(model, 40)}"
         )
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, MODEL_MAPPING_NAMES
+
     config = model.config
-    name = type(model).__name__
-    if getattr(config, "is_encoder_decoder", False) or not (name.endswith("ForCausalLM") or name.endswith("Model")):
+    name, model_type = type(model).__name__, str(config.model_type)
+    causal = set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
+    base = model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES and MODEL_MAPPING_NAMES.get(model_type) == name
+    if getattr(config, "is_encoder_decoder", False) or not (name in causal or base):
         raise UnsupportedModelError(
             f"model is a {name}: configure_packing makes decoder-only causal LMs packing-exact (a *ForCausalLM or "
             f"its base *Model); packing does not apply to encoder-decoder, classification or vision-language heads"
         )
-    return config, str(config.model_type)
+    return config, model_type
 
 
 def _scan(model: torch.nn.Module) -> tuple[list[tuple[str, torch.nn.Module]], list[tuple[str, torch.nn.Module]]]:

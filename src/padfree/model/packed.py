@@ -94,7 +94,7 @@ class PackedLayout:
 
     @classmethod
     def from_position_ids(cls, position_ids: torch.Tensor) -> PackedLayout:
-        """From ``(B, T)`` position ids restarting at 0 at every sequence; anything else is :class:`InvalidLayoutError`."""
+        """From ``(B, T)`` position ids restarting at 0 at every sequence; anything else is InvalidLayoutError."""
         seg = layout.position_ids_to_segment_ids(position_ids)
         return cls._build(seg, position_ids.to(torch.int64), "position_ids")
 

@@ -1,0 +1,224 @@
+"""``verify(model, data)``: prove, on your own model and data, that a packed step equals the per-sequence steps.
+
+One packed forward (and backward) against one forward (and backward) per sequence, on the same weights, compared
+three ways: the logits of every sequence, the token-mean cross-entropy, and every parameter's gradient. The loss is
+the mean over every next-token target of every sequence in both runs, so the gradients are directly comparable.
+
+>>> import torch, transformers
+>>> from padfree import configure_packing, verify
+>>> cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+...                                num_attention_heads=4, num_key_value_heads=2)
+>>> model = transformers.LlamaForCausalLM(cfg)
+>>> _ = configure_packing(model)
+>>> report = verify(model, [[5, 6, 7, 8], [9, 10, 11], [12, 13, 14, 15, 16]])
+>>> report.ok, report.num_sequences
+(True, 3)
+>>> report.max_logit_diff < 1e-5, report.max_grad_diff < 1e-5
+(True, True)
+>>> report.raise_for_mismatch()  # silent when ok; raises PackingMismatchError with the table otherwise
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from padfree.data.batch import PackedBatch, pack_result_to_tensors
+from padfree.errors import InvalidArgumentError, InvalidTokensError, PackingMismatchError, describe
+from padfree.packing.inputs import as_positive_int
+from padfree.packing.strategies import pack_sequences
+
+__all__ = ["SequenceCheck", "VerifyReport", "verify"]
+
+
+@dataclasses.dataclass(frozen=True)
+class SequenceCheck:
+    """One sequence of the packed batch: where it sits and how far the packed run is from running it alone."""
+
+    row: int
+    offset: int
+    length: int
+    max_logit_diff: float
+    loss_packed: float
+    loss_separate: float
+
+
+@dataclasses.dataclass
+class VerifyReport:
+    """Packed vs per-sequence comparison (see :func:`verify`).
+
+    Attributes:
+        sequences: one :class:`SequenceCheck` per sequence.
+        max_logit_diff: the largest ``|packed - separate|`` over every logit of every sequence.
+        loss_packed, loss_separate: token-mean cross-entropy over every next-token target.
+        max_grad_diff: the largest ``|packed - separate|`` over every parameter gradient (None without grads).
+        worst_parameter: the parameter where that maximum is.
+        atol: the tolerance of ``ok``.
+        backend: the model's ``config._attn_implementation`` during the check.
+    """
+
+    sequences: list[SequenceCheck]
+    max_logit_diff: float
+    loss_packed: float
+    loss_separate: float
+    max_grad_diff: float | None
+    worst_parameter: str | None
+    atol: float
+    backend: str
+    rows: int
+
+    @property
+    def num_sequences(self) -> int:
+        return len(self.sequences)
+
+    @property
+    def loss_diff(self) -> float:
+        return abs(self.loss_packed - self.loss_separate)
+
+    @property
+    def ok(self) -> bool:
+        """Logits, loss and (when checked) gradients all agree within ``atol``."""
+        grads_ok = self.max_grad_diff is None or self.max_grad_diff <= self.atol
+        return self.max_logit_diff <= self.atol and self.loss_diff <= self.atol and grads_ok
+
+    def raise_for_mismatch(self) -> None:
+        """Raise :class:`PackingMismatchError` (with the table) unless :attr:`ok`."""
+        if not self.ok:
+            raise PackingMismatchError(f"packed and per-sequence runs differ beyond atol={self.atol:g}:\n{self}")
+
+    def __str__(self) -> str:
+        head = f"{'row':>4} {'offset':>7} {'length':>7} {'max |Δlogit|':>13} {'loss packed':>12} {'loss alone':>12}"
+        lines = [f"verify: {self.num_sequences} sequences in {self.rows} rows, backend {self.backend}", head]
+        for s in self.sequences:
+            lines.append(f"{s.row:>4} {s.offset:>7} {s.length:>7} {s.max_logit_diff:>13.2e} "
+                         f"{s.loss_packed:>12.6f} {s.loss_separate:>12.6f}")
+        grads = ("not checked" if self.max_grad_diff is None
+                 else f"{self.max_grad_diff:.2e} (worst: {self.worst_parameter})")
+        lines += [
+            f"max |Δlogit| {self.max_logit_diff:.2e}   |Δloss| {self.loss_diff:.2e}   max |Δgrad| {grads}",
+            f"{'OK' if self.ok else 'MISMATCH'} at atol={self.atol:g}",
+        ]
+        return "\n".join(lines)
+
+
+def _as_batch(data: Any, capacity: int | None) -> PackedBatch:
+    if isinstance(data, PackedBatch):
+        if capacity is not None:
+            raise InvalidArgumentError("capacity applies to a list of sequences; a PackedBatch is already packed")
+        return data
+    if isinstance(data, (str, bytes)) or not isinstance(data, Sequence) or not data:
+        raise InvalidTokensError(
+            f"data must be a PackedBatch or a non-empty list of token-id sequences, got {describe(data)}")
+    seqs = [np.asarray(s.cpu() if isinstance(s, torch.Tensor) else s) for s in data]
+    for i, s in enumerate(seqs):
+        if s.ndim != 1 or s.size < 2 or not np.issubdtype(s.dtype, np.integer):
+            raise InvalidTokensError(
+                f"data[{i}] must be a 1-D sequence of at least 2 integer token ids, got {describe(data[i])}")
+    lengths = np.array([s.size for s in seqs])
+    cap = int(lengths.sum()) if capacity is None else as_positive_int(capacity, "capacity")
+    return pack_result_to_tensors(pack_sequences(lengths, cap), seqs, pad_to="longest")
+
+
+def _grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _ce_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.float(), targets, ignore_index=-100, reduction="sum")
+
+
+def verify(
+    model: torch.nn.Module, data: Any, *, atol: float = 1e-5, check_grads: bool = True, capacity: int | None = None,
+) -> VerifyReport:
+    """Run ``model`` packed and per sequence on the same weights and compare logits, loss and gradients.
+
+    Args:
+        model: a causal LM returning ``.logits`` (normally after :func:`padfree.configure_packing`; an
+            unconfigured model can be checked too, to see whether — and how much — it leaks).
+        data: a list of token-id sequences (each ``(n_i,)``, ``n_i >= 2``), packed here into rows of ``capacity``
+            tokens (default: all in one row), or a :class:`~padfree.PackedBatch` (its real sequences are checked;
+            padding tails are not sequences).
+        atol: tolerance of :attr:`VerifyReport.ok` for logits, loss and gradients (fp32: 1e-5).
+        check_grads: also run both backwards and compare every parameter gradient (the model's existing ``.grad``
+            are kept and restored).
+        capacity: row length when ``data`` is a list.
+
+    The model runs in eval mode (dropout would make the runs differ) and is put back in its mode afterwards. The
+    packed run feeds ``PackedBatch.model_inputs()``; each sequence alone gets its own ids with positions ``0..n-1``
+    and no mask. Cost: one packed and ``n`` single forwards (and backwards).
+    """
+    if not (isinstance(atol, (int, float)) and math.isfinite(atol) and atol >= 0):
+        raise InvalidArgumentError(f"atol must be a finite number >= 0, got {describe(atol)}")
+    batch = _as_batch(data, capacity)
+    device = next(model.parameters()).device
+    batch = batch.to(device) if hasattr(batch, "to") else batch
+    was_training = model.training
+    saved = {n: p.grad for n, p in model.named_parameters()}
+    model.eval()
+    try:
+        with torch.set_grad_enabled(check_grads):
+            for p in model.parameters():
+                p.grad = None
+            logits = model(**batch.model_inputs(include_labels=False)).logits
+            ids, labels = batch.input_ids, batch.labels
+            n_targets = int((labels[:, 1:] != -100).sum())
+            loss = _ce_sum(logits[:, :-1].reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1)) / max(n_targets, 1)
+            if check_grads:
+                loss.backward()
+                packed_grads = _grads(model)
+                for p in model.parameters():
+                    p.grad = None
+            checks, total = [], 0.0
+            rows = np.repeat(np.arange(len(batch.seqs_per_row)), batch.seqs_per_row.cpu().numpy())
+            cols = _columns(batch)
+            for i, n in enumerate(batch.seq_lens.tolist()):
+                r, c = int(rows[i]), int(cols[i])
+                seq = ids[r, c:c + n][None]
+                alone = model(input_ids=seq, position_ids=torch.arange(n, device=device)[None],
+                              use_cache=False).logits[0]
+                target = labels[r, c + 1:c + n]
+                ce_alone = _ce_sum(alone[:-1], target)
+                if check_grads:
+                    (ce_alone / max(n_targets, 1)).backward()
+                packed_part = logits[r, c:c + n]
+                ce_packed = _ce_sum(packed_part[:-1], target)
+                count = max(int((target != -100).sum()), 1)
+                checks.append(SequenceCheck(r, c, n, float((packed_part - alone).detach().abs().max()),
+                                            float(ce_packed.detach()) / count, float(ce_alone.detach()) / count))
+                total += float(ce_alone.detach())
+        worst, worst_name = None, None
+        if check_grads:
+            worst = 0.0
+            alone_grads = _grads(model)
+            for name, g in packed_grads.items():
+                other = alone_grads.get(name, torch.zeros_like(g))
+                d = float((g - other).abs().max())
+                if d > worst or worst_name is None:
+                    worst, worst_name = d, name
+    finally:
+        for n, p in model.named_parameters():
+            p.grad = saved[n]
+        model.train(was_training)
+    return VerifyReport(
+        sequences=checks, max_logit_diff=max(s.max_logit_diff for s in checks), loss_packed=float(loss.detach()),
+        loss_separate=total / max(n_targets, 1), max_grad_diff=worst, worst_parameter=worst_name, atol=float(atol),
+        backend=str(getattr(getattr(model, "config", None), "_attn_implementation", "?")),
+        rows=int(batch.input_ids.shape[0]),
+    )
+
+
+def _columns(batch: PackedBatch) -> np.ndarray:
+    """Column where every real sequence starts inside its row."""
+    lens = batch.seq_lens.cpu().numpy()
+    per_row = batch.seqs_per_row.cpu().numpy()
+    first = np.cumsum(np.concatenate([[0], per_row]))[:-1]
+    ends = np.cumsum(lens)
+    starts = ends - lens
+    row_of = np.repeat(np.arange(per_row.size), per_row)
+    return starts - starts[first[row_of]] if lens.size else starts
