@@ -35,6 +35,7 @@ import dataclasses
 import importlib.util
 import logging
 import re
+import sys
 import warnings
 from typing import Any
 
@@ -377,6 +378,9 @@ def unconfigure_packing(model: torch.nn.Module) -> bool:
         return False
     for handle in state.handles:
         handle.remove()
+    mixers = sys.modules.get("padfree.model.mixers")
+    if mixers is not None:
+        mixers.uninstall(model)
     attn, use_cache = state.previous
     model.set_attn_implementation(attn)
     if use_cache is not None:
