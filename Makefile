@@ -16,3 +16,4 @@ bench: setup
 	.venv/bin/python benchmarks/bench_packing.py
 	.venv/bin/python benchmarks/bench_datasets.py
 	.venv/bin/python benchmarks/bench_collate.py
+	.venv/bin/python benchmarks/bench_attention.py

@@ -17,8 +17,11 @@ row of 8,192 tokens** holding 4, 32 or 128 sequences, for
 - padded: the same sequences as an ordinary padded batch (``B`` = number of sequences, ``T`` = the longest, 0/1
   ``attention_mask``, right padding), ``sdpa``.
 
-Model: a random-weight ``LlamaForCausalLM`` (vocab 32000, hidden 256, MLP 688, 2 layers, 4 heads, 2 KV heads),
-fp32. Lengths: the lognormal(0, 0.75) quantiles at ``(i + 1/2) / k`` scaled to sum to 8,192 (``--sigma``).
+Model: a random-weight ``LlamaForCausalLM`` (vocab 32000, hidden 256, MLP 688, 1 decoder layer, 4 heads, 2 KV
+heads), fp32. One layer, not more, to keep the run within minutes: transformers' dense paths take several seconds
+per layer and step at 8k tokens on two cores; every figure except transformers' once-per-forward mask building
+scales with the number of layers. Lengths: the lognormal(0, 0.75) quantiles at ``(i + 1/2) / k`` scaled to sum to
+8,192 (``--sigma``).
 
 The step: ``hidden = model.model(**inputs).last_hidden_state`` (embedding, decoder layers, final norm) and
 ``(hidden * G).sum().backward()`` with one fixed random upstream gradient ``G`` per real token (zero on padding),
@@ -27,12 +30,13 @@ the cross-entropy are left out of the timed step: they cost the same per token f
 hide the attention (at vocab 32k they are most of a small model's step); their cost at 8,192 positions is measured
 once and reported beside the table (a padded batch pays it on ``B x T`` positions).
 
-Per contender and row: one untimed warm-up step under ``torch.profiler(profile_memory=True)`` — the peak of live
-tensor bytes above the step's start (torch's CPU allocator has no cache, so this is what the step allocates) and
-self CPU time per op category — then up to ``--runs`` timed steps, round robin over the contenders, a contender
-stopping early once its timed steps on the row exceed ``--budget`` seconds (the dense 8k x 8k paths take tens of
-seconds a step here). Timed steps also record the peak RSS growth (a ``psutil`` sampler thread every 0.5 ms, after
-``malloc_trim(0)``). Medians are reported.
+Protocol: one untimed warm-up step per contender (on the first row; flex_attention compiles there), then per
+row ``--runs`` timed steps round robin over the contenders (a contender whose first step on the row took more than
+``--slow`` seconds takes two), medians reported. The first timed step of each contender and row runs under
+``torch.profiler(profile_memory=True)`` (its overhead, a few thousand op events in a multi-second step, is below the
+run-to-run noise): the peak of live tensor bytes above the step's start (torch's CPU allocator has no cache, so
+this is what the step allocates) and self CPU time per op category. Every timed step also records the peak RSS
+growth (a ``psutil`` sampler thread every 0.5 ms, after ``malloc_trim(0)``).
 
 Exactness: the final hidden states, the logits (``lm_head`` applied to them, in chunks) and all parameter gradients
 of every contender are compared with transformers' own packed sdpa path; the max abs differences are printed and
@@ -40,8 +44,8 @@ written to the table.
 
 Run it (from the repository root, in the project's virtual environment)::
 
-    python benchmarks/bench_attention.py            # full run: ~5 min on 2 idle cores, ~5 GB of RAM at the peak
-    python benchmarks/bench_attention.py --quick    # one row (32 sequences), one timed step, no flex / eager
+    python benchmarks/bench_attention.py            # full run: ~5 min on 2 quiet cores, ~3 GB of RAM at the peak
+    python benchmarks/bench_attention.py --quick    # one row (32 sequences), two timed steps, no flex / eager
 
 Only the section between ``<!-- bench_attention:start -->`` and ``<!-- bench_attention:end -->`` of the output file
 is replaced (appended after the existing sections the first time).
@@ -71,7 +75,7 @@ REPO = Path(__file__).resolve().parents[1]
 START_MARK = "<!-- bench_attention:start -->"
 END_MARK = "<!-- bench_attention:end -->"
 TOKENS = 8192
-MODEL = dict(vocab_size=32000, hidden_size=256, intermediate_size=688, num_hidden_layers=2, num_attention_heads=4,
+MODEL = dict(vocab_size=32000, hidden_size=256, intermediate_size=688, num_hidden_layers=1, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=TOKENS, attention_dropout=0.0)
 REFERENCE = "transformers sdpa (position_ids)"
 HF_EAGER = "transformers eager (position_ids)"
@@ -236,8 +240,7 @@ class Result:
     memory: list[int] = field(default_factory=list)  # RSS growth of the timed steps
     tensor_peak: float = float("nan")  # torch allocator peak of the profiled step
     breakdown: dict[str, float] = field(default_factory=dict)  # category -> self CPU s of the profiled step
-    profiled: float = float("nan")  # wall time of the profiled warm-up step
-    first_call: float = float("nan")  # flex: the compiling first call
+    profiled: float = float("nan")  # wall time of the profiled (first timed) step
     hidden: Any = None  # (TOKENS, hidden) of the last step, packed order
     grads: dict[str, Any] | None = None
     d_hidden: float = float("nan")
@@ -335,12 +338,12 @@ def _category(name: str) -> str:
 
 
 def profiled_step(c: Contender, row: Row, res: Result) -> None:
-    """An untimed step (it also warms the contender up for the row) under ``torch.profiler`` with memory
-    profiling: the torch allocator's peak above the step's start, and self CPU time per op category."""
+    """The first timed step of a contender on a row, under ``torch.profiler`` with memory profiling: also the torch
+    allocator's peak above the step's start, and self CPU time per op category."""
     import torch
 
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
-        res.profiled = run_step(c, row)
+        res.profiled = run_step(c, row, res, keep=True)
     try:
         events = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
                         key=lambda e: e.start_ns())
@@ -396,22 +399,26 @@ def lm_head_cost(runs: int) -> float:
     return statistics.median(times)
 
 
-def measure_row(contenders: list[Contender], row: Row, args: argparse.Namespace, first: bool) -> dict[str, Result]:
-    res = {c.name: Result() for c in contenders}
+def warm_up(contenders: list[Contender], row: Row) -> dict[str, float]:
+    """One untimed step per contender (flex_attention compiles here); returns the seconds each took."""
+    first = {}
     for c in contenders:
-        if first and c.name == FLEX:  # compile outside the profiler
-            res[c.name].first_call = run_step(c, row)
-            log(f"  {c.name}: first call (torch.compile included) {res[c.name].first_call:.1f} s")
-        profiled_step(c, row, res[c.name])
-        r = res[c.name]
-        log(f"  profiled warm-up {c.name}: {r.profiled:.2f} s, tensor peak {_mib(r.tensor_peak)} MiB")
-    # timed steps round robin; a contender stops after --runs steps, or earlier once its timed steps on this row
-    # exceed --budget seconds (always at least one), so the dense 8k x 8k paths do not take the whole run
-    spent = {c.name: 0.0 for c in contenders}
+        first[c.name] = run_step(c, row)
+        log(f"  warm-up {c.name}: {first[c.name]:.2f} s")
+    return first
+
+
+def measure_row(contenders: list[Contender], row: Row, args: argparse.Namespace) -> dict[str, Result]:
+    """``--runs`` timed steps per contender, round robin (two for a contender slower than ``--slow`` s a step); the
+    first one of each contender profiled. Then the exactness check."""
+    res = {c.name: Result() for c in contenders}
     for i in range(args.runs):
         for c in contenders:
-            if i == 0 or spent[c.name] <= args.budget:
-                spent[c.name] += run_step(c, row, res[c.name], keep=True)
+            r = res[c.name]
+            if i == 0:
+                profiled_step(c, row, r)
+            elif i < 2 or r.step[0] <= args.slow:
+                run_step(c, row, r, keep=True)
     check_exact(contenders, res)
     return res
 
@@ -419,6 +426,11 @@ def measure_row(contenders: list[Contender], row: Row, args: argparse.Namespace,
 # ------------------------------------------------------------------------------------------------------------------
 # Report
 # ------------------------------------------------------------------------------------------------------------------
+
+
+def _layers() -> str:
+    n = MODEL["num_hidden_layers"]
+    return f"{'one' if n == 1 else n} decoder layer{'' if n == 1 else 's'}"
 
 
 def _mib(b: float) -> str:
@@ -430,8 +442,8 @@ def _ratio(a: float, b: float) -> str:
 
 
 def render(args: argparse.Namespace, info: dict[str, str], before: str, after: str, rows: list[Row],
-           contenders: list[Contender], results: dict[int, dict[str, Result]], lm: float | None,
-           elapsed: float) -> str:
+           contenders: list[Contender], results: dict[int, dict[str, Result]], first_calls: dict[str, float],
+           lm: float | None, elapsed: float) -> str:
     names = [c.name for c in contenders]
     headers = ["sequences", "contender", "positions (B×T)", "fwd s", "fwd+bwd s", "steps", "tensor peak MiB",
                "RSS growth MiB", "vs transformers sdpa", "vs transformers eager", "vs padded", "max abs Δ logits",
@@ -485,12 +497,14 @@ def render(args: argparse.Namespace, info: dict[str, str], before: str, after: s
         "between runs; the ratios, from steps taken round robin in one process on the same inputs, are the "
         "figures to trust.",
         f"- Model: `LlamaForCausalLM` with random weights ({cfg}; head dim 64), fp32, CPU, `model.train()`, "
-        "attention dropout 0.",
+        f"attention dropout 0. {_layers().capitalize()}, to keep the run within minutes (transformers' dense paths "
+        "take seconds per layer and step at 8k tokens on two cores); every figure except transformers' "
+        "once-per-forward mask building scales with the number of layers.",
         f"- Rows: one row of {TOKENS:,} tokens holding k sequences; lengths = the lognormal(0, {args.sigma}) "
         f"quantiles at (i + ½)/k (a typical sample, not a random draw), scaled to sum to {TOKENS:,} and shuffled; "
         "random token ids.",
         "- Step: `h = model.model(**inputs).last_hidden_state; (h * G).sum().backward()` — embedding, "
-        f"{MODEL['num_hidden_layers']} decoder layers and final norm, forward + backward, with one fixed random "
+        f"{_layers()} and final norm, forward + backward, with one fixed random "
         "upstream gradient G per real token (zero on padding) so that every contender does the same backward. "
         "The lm_head and the loss are left out of the step: the same per-token cost for every packed contender, "
         f"and at vocab {MODEL['vocab_size']:,} most of a model this small{lm_text}.",
@@ -501,11 +515,12 @@ def render(args: argparse.Namespace, info: dict[str, str], before: str, after: s
         "attention_mask (exact in transformers 5.x for one row: its mask builder turns the restarts into a dense "
         "block-diagonal T×T mask); **padded** = the same sequences as a right-padded batch (B = k, T = longest, "
         "0/1 attention_mask), sdpa.",
-        f"- Timing: per contender and row, one untimed warm-up step under `torch.profiler` (memory and op "
-        f"breakdown below), then up to {args.runs} timed steps round robin (`time.perf_counter`), a contender "
-        f"stopping early once its timed steps on the row exceed {args.budget:.0f} s (column *steps*); medians.",
+        f"- Timing: one untimed warm-up step per contender (first row), then per row {args.runs} timed steps "
+        f"round robin over the contenders (`time.perf_counter`; two for a contender whose first step on the row "
+        f"took more than {args.slow:.0f} s: column *steps*); medians. The first timed step of each contender and "
+        "row runs under `torch.profiler` for the memory and the op breakdown (overhead below the noise here).",
         "- Memory, two figures: *tensor peak* = the peak of live tensor bytes above the step's start, from "
-        "`torch.profiler(profile_memory=True)` allocation events of the warm-up step (what the step itself "
+        "`torch.profiler(profile_memory=True)` allocation events of the profiled step (what the step itself "
         "allocates: saved activations, masks, scores, gradients); *RSS growth* = the peak process RSS during a "
         "timed step minus the RSS at its start (background `psutil` sampler every 0.5 ms, after `gc.collect()` + "
         "`malloc_trim(0)`), median over the timed steps — what the OS sees, i.e. the tensor peak plus glibc's "
@@ -523,12 +538,19 @@ def render(args: argparse.Namespace, info: dict[str, str], before: str, after: s
         table(headers, main_rows, "llrrrrrrrrrrr"),
         "",
         "Ratios divide the contender's fwd+bwd median by the other's on the same row (below 1 = faster).",
+        "",
+        "Reading it: transformers' packed path hands SDPA (or eager) one dense block-diagonal T×T mask, and the "
+        "padded batch a B×1×T×T padding mask; with an explicit mask the CPU SDPA kernel computes every entry of "
+        "the grid, the causal upper half included, so both pay the dense score area whatever k is (the padded "
+        "batch pays B×T² and, in its linear layers, B×T positions). padfree's buckets call SDPA with "
+        "`is_causal=True` on the bucketed area only, and never build a T×T mask. Once the rows hold a few dozen "
+        "sequences, attention is a small part of padfree's step (see the breakdown below): the linear layers, the "
+        "elementwise ops and padfree's own per-bucket gather/scatter are what remain.",
     ]
     if FLEX in names:
-        r0 = results[rows[0].k][FLEX]
         lines += ["", f"¹ {next(c.note for c in contenders if c.name == FLEX)}; compare its forward with the other "
-                  f"rows' fwd column (which is taken with autograd recording). The first call of the run, "
-                  f"`torch.compile` of flex_attention included, took {r0.first_call:.1f} s."]
+                  f"rows' fwd column (which is taken with autograd recording). Its warm-up call, `torch.compile` "
+                  f"of flex_attention included, took {first_calls[FLEX]:.1f} s."]
     else:
         lines += ["", "flex_attention is not in this run (`--quick` or `--no-flex`); torch has no flex_attention "
                   "backward on the CPU, so it could only be timed forward."]
@@ -538,8 +560,8 @@ def render(args: argparse.Namespace, info: dict[str, str], before: str, after: s
         lines += ["", "Skipped: " + "; ".join(args.skipped) + "."]
     lines += [
         "",
-        "Where the time goes: self CPU seconds per op category in the profiled warm-up step (first step of the "
-        "contender on the row; profiler on, so slightly slower than the timed steps). *gather / scatter* = "
+        "Where the time goes: self CPU seconds per op category in the profiled step (the first timed step of "
+        "the contender on the row; *step s* is its wall time). *gather / scatter* = "
         "`index`, `index_put_` (the backward of an index), `index_copy`, `cat`, `nonzero`; *zero-fill + grad "
         "accumulation* = `fill_`, `zero_`, `add_`; *attention kernels* = SDPA forward/backward, `bmm`, softmax, "
         "`masked_fill`, flex's compiled kernel; *mask building* = the elementwise comparisons that build masks "
@@ -559,10 +581,10 @@ def render(args: argparse.Namespace, info: dict[str, str], before: str, after: s
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true",
-                        help="a smoke test: one row (32 sequences), one timed step, no flex, no transformers eager")
+                        help="a smoke test: one row (32 sequences), two timed steps, no flex, no transformers eager")
     parser.add_argument("--runs", type=int, default=None, help="timed steps per contender and row (default 3)")
-    parser.add_argument("--budget", type=float, default=15.0,
-                        help="stop timing a contender on a row once its timed steps exceed this many seconds")
+    parser.add_argument("--slow", type=float, default=8.0,
+                        help="a contender whose first step on a row takes longer gets two timed steps (default 8 s)")
     parser.add_argument("--counts", type=str, default=None, help="sequences per row, comma-separated (4,32,128)")
     parser.add_argument("--sigma", type=float, default=0.75, help="lognormal sigma of the sequence lengths")
     parser.add_argument("--no-flex", dest="flex", action="store_false", help="leave out flex_attention")
@@ -575,7 +597,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     args.argv = [a for a in (sys.argv[1:] if argv is None else argv) if a != "--no-write"]
     if args.runs is None:
-        args.runs = 1 if args.quick else 3
+        args.runs = 2 if args.quick else 3
     if args.counts is None:
         args.counts = "32" if args.quick else "4,32,128"
     args.counts = [int(x) for x in args.counts.split(",")]
@@ -609,17 +631,21 @@ def main(argv: list[str] | None = None) -> None:
         rows.append(row)
         log(f"{k} sequences: lengths {int(row.lengths.min())}..{int(row.lengths.max())}, {row.buckets} buckets, "
             f"padded {k} x {int(row.lengths.max())}")
-        res = measure_row(contenders, row, args, first=i == 0)
+        if i == 0:
+            first_calls = warm_up(contenders, row)
+        res = measure_row(contenders, row, args)
         for c in contenders:
             r = res[c.name]
             log(f"  {c.name:34s} fwd {r.med('forward'):6.2f} s  step {r.med('step'):6.2f} s ({len(r.step)})  "
                 f"tensor peak {_mib(r.tensor_peak):>6s} MiB  RSS {_mib(r.med('memory')):>6s} MiB  "
-                f"max|Δ| hidden {r.d_hidden:.1e} logits {r.d_logits:.1e} grads {r.d_grads:.1e}")
+                f"max|Δ| hidden {r.d_hidden:.1e} logits {r.d_logits:.1e} grads {r.d_grads:.1e}  "
+                f"steps {' '.join(f'{t:.2f}' for t in r.step)}")
             r.hidden = r.grads = None
         results[k] = res
-    lm = None if args.quick else lm_head_cost(2)
+    lm = None if args.quick else lm_head_cost(1)
     after = load_snapshot()
-    section = render(args, info, before, after, rows, contenders, results, lm, time.perf_counter() - t_start)
+    section = render(args, info, before, after, rows, contenders, results, first_calls, lm,
+                     time.perf_counter() - t_start)
     if args.no_write:
         print(section)
     else:

@@ -122,7 +122,8 @@ def test_every_sequence_comes_back_exactly_once(seqs, capacity, policy, strategy
 @given(seqs=sequences, capacity=st.integers(1, 40), mask=st.sampled_from(["binary", "segments", None]))
 @settings(max_examples=60, deadline=None)
 def test_same_rows_as_packed_rows_padded(seqs, capacity, mask):
-    """The Arrow writer and :meth:`padfree.rows.PackedRows.padded` are two implementations of one layout."""
+    """The Arrow writer and :meth:`padfree.rows.PackedRows.padded` agree (both run :func:`padfree.rows.fill_rows`,
+    one over the input, one over already packed flat rows)."""
     plan = pack_sequences([len(s) for s in seqs], capacity, overlong="split")
     ds = pack_dataset_from_result(plan, seqs, padding_value=7, attention_mask=mask, chunk_tokens=3)
     want = packed_rows(plan, seqs).padded("capacity", padding_value=7, attention_mask=mask)
@@ -148,18 +149,56 @@ def test_chunk_size_and_file_never_change_the_result(tmp_path):
     assert not [p for p in os.listdir(tmp_path) if p.endswith(".tmp")]  # written atomically, nothing left over
 
 
-def test_direct_and_page_cache_writers_write_the_same_bytes(tmp_path, monkeypatch):
+@pytest.mark.parametrize(("big_ids", "mask"), [(False, "binary"), (True, "segments")])
+def test_direct_and_page_cache_writers_write_the_same_bytes(tmp_path, monkeypatch, big_ids, mask):
+    """Three writers, one file: rows laid out in place inside hand-made IPC messages (O_DIRECT), pyarrow's messages
+    copied into the same staging buffers (O_DIRECT, should the message layout not be trusted), and pyarrow's own
+    stream writer (page cache). Every column type is there: int8/int32 masks, int32/int64 ids, int64 sequence ids."""
     from padfree.data import hf
 
     rng = np.random.default_rng(1)
     seqs = [rng.integers(0, 32_000, n).tolist() for n in rng.integers(1, 300, 3_000)]
+    if big_ids:
+        seqs[7][3] = 2**40
     paths = {}
-    for direct in (True, False):
-        monkeypatch.setattr(hf, "_DIRECT_IO", direct)
-        paths[direct] = tmp_path / f"direct={direct}.arrow"
-        ds = pack_dataset(seqs, 512, columns=ALL, chunk_tokens=5_000, cache_file_name=paths[direct])
+    for writer in ("in place", "pyarrow, direct", "page cache"):
+        monkeypatch.setattr(hf, "_DIRECT_IO", writer != "page cache")
+        if writer == "pyarrow, direct":
+            monkeypatch.setattr(hf._MessageLayout, "of", classmethod(lambda cls, *args: None))
+        paths[writer] = tmp_path / f"{writer}.arrow"
+        ds = pack_dataset(seqs, 512, columns=ALL, attention_mask=mask, chunk_tokens=5_000,
+                          cache_file_name=paths[writer])
         assert sorted(unpack(ds)) == list(range(len(seqs)))
-    assert paths[True].read_bytes() == paths[False].read_bytes()
+        assert (str(ds.data.schema.field("input_ids").type) == "list<item: int64>") == big_ids
+    assert paths["in place"].read_bytes() == paths["page cache"].read_bytes()
+    assert paths["pyarrow, direct"].read_bytes() == paths["page cache"].read_bytes()
+
+
+def test_message_layout_reproduces_pyarrow_for_every_size():
+    from padfree.data import hf
+
+    schema = pa.schema([("a", pa.list_(pa.int8())), ("b", pa.list_(pa.int32())), ("c", pa.list_(pa.int64()))])
+    header = schema.serialize().to_pybytes()
+    layout = hf._MessageLayout.of(schema, header)
+    assert layout is not None
+    rng = np.random.default_rng(0)
+    for rows in (1, 2, 7, 1_000):
+        lengths = [rng.integers(0, 20, rows) for _ in range(3)]
+        lengths[0][0] = 1  # sizes whose padding differs column by column
+        arrays = [pa.ListArray.from_arrays(pa.array(np.concatenate(([0], np.cumsum(n))), pa.int32()),
+                                           pa.array(rng.integers(0, 100, int(n.sum())), f.type.value_type))
+                  for n, f in zip(lengths, schema, strict=True)]
+        sink = pa.BufferOutputStream()
+        with pa.ipc.new_stream(sink, schema) as writer:
+            writer.write_batch(pa.RecordBatch.from_arrays(arrays, schema=schema))
+        want = sink.getvalue().to_pybytes()[len(header) : -8]
+        head, spans, body = layout.message(rows, [int(n.sum()) for n in lengths])
+        got = bytearray(len(head) + body)
+        got[: len(head)] = head
+        for k, array in enumerate(arrays):
+            for (start, length), buf in zip(spans[4 * k : 4 * k + 4], array.buffers(), strict=True):
+                got[len(head) + start : len(head) + start + length] = buf.to_pybytes()[:length] if length else b""
+        assert bytes(got) == want
 
 
 @pytest.mark.parametrize("direct", [True, False])
@@ -168,15 +207,15 @@ def test_a_failed_write_leaves_no_file(tmp_path, monkeypatch, direct):
 
     monkeypatch.setattr(hf, "_DIRECT_IO", direct)
     calls = []
-    original = hf._Builder.batch
+    original = hf._Builder.fill
 
-    def failing(self, a, b, buffers):
+    def failing(self, a, b, out):
         calls.append(a)
         if len(calls) == 3:
             raise RuntimeError("disk on fire")
-        return original(self, a, b, buffers)
+        return original(self, a, b, out)
 
-    monkeypatch.setattr(hf._Builder, "batch", failing)
+    monkeypatch.setattr(hf._Builder, "fill", failing)
     with pytest.raises(RuntimeError, match="disk on fire"):
         pack_dataset([[1, 2, 3]] * 100, 8, chunk_tokens=16, cache_file_name=tmp_path / "out.arrow")
     assert os.listdir(tmp_path) == []

@@ -128,6 +128,32 @@ def test_arrow_and_csr_inputs_are_read_without_python_lists():
     assert unsigned["input_ids"].dtype == np.int64
 
 
+@pytest.mark.parametrize("dtype", [np.int8, np.uint16, np.int32, np.int64, np.uint64])
+def test_any_integer_dtype_and_strided_buffers_give_the_same_rows(dtype):
+    """The layout kernel copies pieces with memcpy when source and output agree, element by element otherwise
+    (another dtype, a strided view): both give the same rows."""
+    rng = np.random.default_rng(0)
+    seqs = [rng.integers(0, 100, n).tolist() for n in rng.integers(1, 30, 50)]
+    labels = [[t if t % 3 else -100 for t in s] for s in seqs]
+    plan = pack_sequences([len(s) for s in seqs], 64, overlong="split")
+    want = packed_rows(plan, seqs, labels=labels)
+    flat = as_token_buffers(seqs)
+    strided = np.zeros(2 * flat.values.shape[0], dtype)[::2]  # every other element: not contiguous
+    strided[:] = flat.values
+    label_flat = as_token_buffers(labels)
+    for values in (flat.values.astype(dtype), strided):
+        got = packed_rows(plan, (values, flat.offsets), labels=(label_flat.values.astype(np.int32), label_flat.offsets))
+        assert got.input_ids.dtype == dtype
+        assert got.input_ids.tolist() == want.input_ids.tolist()
+        assert np.array_equal(got.labels, want.labels) and np.array_equal(got.position_ids, want.position_ids)
+        for mask in ("binary", "segments"):
+            a = got.padded(attention_mask=mask, shift_labels=True)
+            b = want.padded(attention_mask=mask, shift_labels=True)
+            assert all(np.array_equal(a[k], b[k]) and a[k].dtype == np.int64 for k in b)
+    padded = want.padded("longest", attention_mask="segments")["attention_mask"]
+    assert np.array_equal(want.segment_ids(), padded[padded > 0])  # flat and padded: the same segment ids
+
+
 def test_real_text_round_trip():
     pytest.importorskip("transformers")
     records = json.loads((DATA / "gsm8k_train.json").read_text())[:300]

@@ -1,4 +1,4 @@
-"""PackResult + token ids -> packed rows: one vectorized gather over flat buffers.
+"""PackResult + token ids -> packed rows: one compiled gather over flat buffers.
 
 Conventions (shared with :mod:`padfree.layout`):
 
@@ -25,11 +25,15 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+from llvmlite import ir
+from numba import njit, types
+from numba.core import cgutils
+from numba.extending import intrinsic, overload
 
 from padfree.errors import InvalidArgumentError, InvalidTokensError, describe
 from padfree.packing.result import PackResult
 
-__all__ = ["PackedRows", "TokenBuffers", "as_token_buffers", "packed_rows"]
+__all__ = ["PackedRows", "TokenBuffers", "as_token_buffers", "fill_rows", "mask_labels", "packed_rows"]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -126,6 +130,145 @@ def _raise_non_integer(tokens: Sequence[Any], name: str) -> None:
 
 
 # --------------------------------------------------------------------------------------------------
+# The layout kernel: the one implementation of every rule above, used by packed_rows, PackedRows.padded,
+# PackedRows.segment_ids and padfree.data.hf (which runs it in threads, straight into its disk buffers)
+# --------------------------------------------------------------------------------------------------
+
+
+@intrinsic
+def _memcpy(typingctx, dst, d, src, s, n):  # pragma: no cover - compiled
+    """``dst[d:d + n] = src[s:s + n]`` as one ``llvm.memcpy`` (same dtype, contiguous arrays).
+
+    numba compiles a slice assignment into an element loop with index arithmetic: 2x slower than libc's memcpy on
+    the pieces of a packed row (hundreds of tokens each).
+    """
+    sig = types.void(dst, d, src, s, n)
+
+    def codegen(context, builder, signature, args):
+        dst_type, _, src_type, _, n_type = signature.args
+        dst_ptr = builder.gep(context.make_array(dst_type)(context, builder, args[0]).data, [args[1]])
+        src_ptr = builder.gep(context.make_array(src_type)(context, builder, args[2]).data, [args[3]])
+        count = context.cast(builder, args[4], n_type, types.intp)
+        itemsize = context.get_abi_sizeof(context.get_data_type(dst_type.dtype))
+        cgutils.raw_memcpy(builder, dst_ptr, src_ptr, count, itemsize)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@intrinsic
+def _prefetch(typingctx, array, i):  # pragma: no cover - compiled
+    """Ask the CPU to start loading ``array[i]`` (``llvm.prefetch``; never faults, whatever the address)."""
+    sig = types.void(array, i)
+
+    def codegen(context, builder, signature, args):
+        data = context.make_array(signature.args[0])(context, builder, args[0]).data
+        ptr = builder.bitcast(builder.gep(data, [args[1]]), cgutils.voidptr_t)
+        i32 = ir.IntType(32)
+        fnty = ir.FunctionType(ir.VoidType(), [cgutils.voidptr_t, i32, i32, i32])
+        fn = builder.module.declare_intrinsic("llvm.prefetch", [cgutils.voidptr_t], fnty)
+        builder.call(fn, [ptr, ir.Constant(i32, 0), ir.Constant(i32, 3), ir.Constant(i32, 1)])  # read, keep, data
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+def _copy(dst, d, src, s, n):  # pragma: no cover - the Python stand-in of the overload below
+    dst[d : d + n] = src[s : s + n]
+
+
+@overload(_copy, inline="always")
+def _copy_overload(dst, d, src, s, n):  # pragma: no cover - compiled
+    if dst.dtype == src.dtype and dst.layout == "C" and src.layout == "C":
+        def impl(dst, d, src, s, n):
+            _memcpy(dst, d, src, s, n)
+    else:  # a conversion (int32 ids into int64 labels, ...) or a strided array: one element at a time
+        def impl(dst, d, src, s, n):
+            for k in range(n):
+                dst[d + k] = src[s + k]
+    return impl
+
+
+#: Pieces ahead whose first tokens are prefetched: a piece starts at a random place of the input (one cache and
+#: TLB miss each); asking for it while the pieces before it are copied overlaps that latency (~15% on 1M pieces).
+_PREFETCH_AHEAD = 16
+
+
+@njit(cache=True, nogil=True)
+def fill_rows(ids_src, ids_start, label_src, label_start, piece_len, piece_offsets, row_offsets, ramp,
+              out_ids, out_labels, out_pos, out_mask, padding_value, label_pad, segments):  # pragma: no cover
+    """Lay out the pieces of every row, then its padding tail: the row layout of this module, in one pass.
+
+    Args:
+        ids_src: ``(span,)`` flat source token ids; piece ``p`` is ``ids_src[ids_start[p]:ids_start[p] +
+            piece_len[p]]``.
+        ids_start, piece_len: ``(pieces,)`` integers.
+        label_src, label_start: the same for the source labels, or ``(None, None)``: labels are the token ids.
+        piece_offsets, row_offsets: ``(rows + 1,)`` — row ``r`` holds pieces ``piece_offsets[r]:piece_offsets[r + 1]``
+            and output slots ``row_offsets[r]:row_offsets[r + 1]`` (its tokens, then padding). Either may be a
+            window of a larger CSR: only differences and absolute indices are used.
+        ramp: ``(longest piece or tail,)`` 0, 1, 2, ... in ``out_pos``'s dtype: positions are copied from it.
+        out_ids, out_labels, out_pos, out_mask: ``(slots,)`` outputs, or None (not written; compiled out).
+        padding_value, label_pad: written into the padding of ``out_ids`` / ``out_labels``; ``label_pad`` also on
+            the first label of every piece, so that no token is predicted from the previous sequence.
+        segments: ``out_mask`` holds the 1-based index of the piece in its row (True) or 1 (False); 0 on padding.
+
+    Positions restart at 0 at every piece and count 0, 1, ... over the padding tail, as if it were one more
+    sequence.
+    """
+    num_rows = row_offsets.shape[0] - 1
+    end_piece = piece_offsets[num_rows]
+    for r in range(num_rows):
+        d = row_offsets[r]
+        first = piece_offsets[r]
+        for p in range(first, piece_offsets[r + 1]):
+            ahead = p + _PREFETCH_AHEAD
+            if ahead < end_piece:
+                if out_ids is not None or (out_labels is not None and label_src is None):
+                    _prefetch(ids_src, ids_start[ahead])
+                if out_labels is not None and label_src is not None:
+                    _prefetch(label_src, label_start[ahead])
+            n = piece_len[p]
+            if out_ids is not None:
+                _copy(out_ids, d, ids_src, ids_start[p], n)
+            if out_labels is not None:
+                if label_src is None:
+                    _copy(out_labels, d, ids_src, ids_start[p], n)
+                else:
+                    _copy(out_labels, d, label_src, label_start[p], n)
+                out_labels[d] = label_pad
+            if out_pos is not None:
+                _copy(out_pos, d, ramp, 0, n)
+            if out_mask is not None:
+                out_mask[d : d + n] = p - first + 1 if segments else 1
+            d += n
+        end = row_offsets[r + 1]
+        if out_ids is not None:
+            out_ids[d:end] = padding_value
+        if out_labels is not None:
+            out_labels[d:end] = label_pad
+        if out_pos is not None:
+            _copy(out_pos, d, ramp, 0, end - d)
+        if out_mask is not None:
+            out_mask[d:end] = 0
+
+
+@njit(cache=True, nogil=True)
+def mask_labels(mask_src, mask_start, piece_len, piece_offsets, row_offsets, out_labels,
+                label_pad):  # pragma: no cover
+    """Set ``out_labels`` to ``label_pad`` wherever the piece's 0/1 mask is 0 (the layout of :func:`fill_rows`)."""
+    num_rows = row_offsets.shape[0] - 1
+    for r in range(num_rows):
+        d = row_offsets[r]
+        for p in range(piece_offsets[r], piece_offsets[r + 1]):
+            s = mask_start[p]
+            for k in range(piece_len[p]):
+                if mask_src[s + k] == 0:
+                    out_labels[d + k] = label_pad
+            d += piece_len[p]
+
+
+# --------------------------------------------------------------------------------------------------
 # Rows
 # --------------------------------------------------------------------------------------------------
 
@@ -183,17 +326,21 @@ class PackedRows:
 
         The last token of every piece (and so of every row) has no target within its sequence.
         """
-        out = np.full_like(self.labels, self.label_padding_value)
-        out[:-1] = self.labels[1:]
-        # labels[t + 1] is already masked at every piece start, so only row ends need masking
-        out[self.row_offsets[1:] - 1] = self.label_padding_value
-        return out
+        return _shifted(self.labels, self.row_offsets[1:], self.label_padding_value)
 
     def segment_ids(self) -> np.ndarray:
         """``(total,) int64`` — 1-based index of the piece within its row (the LLaMA-Factory mask values)."""
-        pieces_per_row = np.diff(self.piece_offsets)
-        rank_in_row = np.arange(self.seq_lens.shape[0]) - np.repeat(self.piece_offsets[:-1], pieces_per_row)
-        return np.repeat(rank_in_row + 1, self.seq_lens)
+        out = np.empty(self.input_ids.shape[0], np.int64)
+        starts = self._piece_starts()
+        fill_rows(self.input_ids, starts, None, None, self.seq_lens, self.piece_offsets, self.row_offsets,
+                  _ramp(0), None, None, None, out, 0, self.label_padding_value, True)
+        return out
+
+    def _piece_starts(self) -> np.ndarray:
+        """``(num_pieces,) int64`` — where each piece starts in the flat arrays."""
+        starts = np.zeros(self.seq_lens.shape[0], np.int64)
+        np.cumsum(self.seq_lens[:-1], out=starts[1:])
+        return starts
 
     def padded(
         self,
@@ -230,31 +377,28 @@ class PackedRows:
         [[1, 1, 1, 2, 2, 0], [1, 1, 0, 0, 0, 0]]
         """
         width = self._row_width(pad_to, pad_to_multiple_of)
-        rows = np.repeat(np.arange(self.num_rows), self.row_lengths)
-        cols = np.arange(self.input_ids.shape[0]) - np.repeat(self.row_offsets[:-1], self.row_lengths)
+        if attention_mask not in (None, "binary", "segments"):
+            raise InvalidArgumentError(
+                f"attention_mask must be 'binary', 'segments' or None, got {describe(attention_mask)}"
+            )
         shape = (self.num_rows, width)
-        out: dict[str, np.ndarray] = {}
         # int64 whatever the source dtype: result_type(uint64, int64) would be float64
-        out["input_ids"] = np.full(shape, padding_value, dtype=np.int64)
-        out["input_ids"][rows, cols] = self.input_ids
-        out["labels"] = np.full(shape, self.label_padding_value, np.int64)
-        out["labels"][rows, cols] = self.labels
-        # the padding tail counts 0, 1, ... like one more sequence (see the module docstring)
-        tail = np.arange(width)[None, :] - self.row_lengths[:, None]
-        out["position_ids"] = np.where(tail >= 0, tail, 0)
-        out["position_ids"][rows, cols] = self.position_ids
-        if attention_mask is not None:
-            if attention_mask not in ("binary", "segments"):
-                raise InvalidArgumentError(
-                    f"attention_mask must be 'binary', 'segments' or None, got {describe(attention_mask)}"
-                )
-            mask = np.zeros(shape, np.int64)
-            mask[rows, cols] = 1 if attention_mask == "binary" else self.segment_ids()
+        out = {"input_ids": np.empty(shape, np.int64), "labels": np.empty(shape, np.int64),
+               "position_ids": np.empty(shape, np.int64)}
+        mask = np.empty(shape, np.int64) if attention_mask is not None else None
+        # the rows are laid out again from the pieces, by the kernel that laid them out flat: the padding rules
+        # (tail positions 0, 1, ..., masked labels, mask 0) live there and only there; the first label of every
+        # piece, already masked in self.labels, is masked again
+        fill_rows(self.input_ids, self._piece_starts(), self.labels, self._piece_starts(), self.seq_lens,
+                  self.piece_offsets, np.arange(self.num_rows + 1, dtype=np.int64) * width, _ramp(width),
+                  out["input_ids"].reshape(-1), out["labels"].reshape(-1), out["position_ids"].reshape(-1),
+                  None if mask is None else mask.reshape(-1), padding_value, self.label_padding_value,
+                  attention_mask == "segments")
+        if mask is not None:
             out["attention_mask"] = mask
-        if shift_labels:
-            shifted = np.full(shape, self.label_padding_value, np.int64)
-            shifted[rows, cols] = self.shift_labels()
-            out["shift_labels"] = shifted
+        if shift_labels:  # the padded rows shifted as one flat buffer, each padded row ending where its slots do
+            ends = np.arange(1, self.num_rows + 1, dtype=np.int64) * width
+            out["shift_labels"] = _shifted(out["labels"].reshape(-1), ends, self.label_padding_value).reshape(shape)
         return out
 
     def _row_width(self, pad_to: int | str, multiple: int | None) -> int:
@@ -295,8 +439,8 @@ def packed_rows(
         bins: a contiguous range of bins (``slice(start, stop)``, step 1) to lay out instead of all of them, so
             that a large dataset can be written chunk by chunk with bounded memory.
 
-    Cost: O(tokens laid out) in a handful of numpy passes — no Python loop over sequences or tokens — plus one
-    O(num_sequences) check that the token lengths match the plan.
+    Cost: O(tokens laid out) in one pass of :func:`fill_rows` (a memcpy per piece) — no Python loop over sequences
+    or tokens — plus one O(num_sequences) check that the token lengths match the plan.
 
     >>> from padfree import pack_sequences
     >>> plan = pack_sequences([5, 2], capacity=4, overlong="split")
@@ -332,34 +476,48 @@ def packed_rows(
     p0, p1 = int(result.bin_offsets[first]), int(result.bin_offsets[last])
     seq = result.order[p0:p1]
     piece_len = result.placed_lengths[p0:p1]
-    piece_start = result.piece_starts[p0:p1] if result.piece_starts is not None else np.zeros_like(seq)
-    total = int(piece_len.sum())
-    dst_start = np.zeros(seq.shape[0], np.int64)
-    np.cumsum(piece_len[:-1], out=dst_start[1:])
-    within = np.arange(total, dtype=np.int64) - np.repeat(dst_start, piece_len)
-    src = np.repeat(tokens.offsets[:-1][seq] + piece_start, piece_len) + within
-
-    input_ids = tokens.values[src]
-    if label_buf is None:
-        out_labels = input_ids.astype(np.int64, copy=True)
-    else:
-        src_l = np.repeat(label_buf.offsets[:-1][seq] + piece_start, piece_len) + within
-        out_labels = label_buf.values[src_l].astype(np.int64)
-    if total:
-        out_labels[dst_start] = label_padding_value
+    piece_start = result.piece_starts[p0:p1] if result.piece_starts is not None else 0
+    piece_offsets = result.bin_offsets[first : last + 1] - p0
     row_offsets = np.zeros(last - first + 1, np.int64)
     np.cumsum(result.bin_fill[first:last], out=row_offsets[1:])
+    total = int(row_offsets[-1])
+    input_ids = np.empty(total, tokens.values.dtype)
+    out_labels = np.empty(total, np.int64)
+    position_ids = np.empty(total, np.int64)
+    label_values = label_start = None
+    if label_buf is not None:
+        label_values, label_start = label_buf.values, label_buf.offsets[:-1][seq] + piece_start
+    ramp = _ramp(int(piece_len.max(initial=0)))
+    fill_rows(tokens.values, tokens.offsets[:-1][seq] + piece_start, label_values, label_start, piece_len,
+              piece_offsets, row_offsets, ramp, input_ids, out_labels, position_ids, None, 0, label_padding_value,
+              False)
     return PackedRows(
         input_ids=input_ids,
         labels=out_labels,
-        position_ids=within,
+        position_ids=position_ids,
         row_offsets=row_offsets,
         seq_lens=piece_len,
-        piece_offsets=result.bin_offsets[first : last + 1] - p0,
+        piece_offsets=piece_offsets,
         sequence_ids=seq,
         capacity=result.capacity,
         label_padding_value=label_padding_value,
     )
+
+
+def _shifted(labels: np.ndarray, row_ends: np.ndarray, label_padding_value: int) -> np.ndarray:
+    """Pre-shifted targets of flat rows ending at ``row_ends``: ``out[t] = labels[t + 1]``, masked at every row end.
+
+    ``labels[t + 1]`` is already masked at every piece start, so only row ends need masking.
+    """
+    out = np.empty_like(labels)
+    out[:-1] = labels[1:]
+    out[row_ends - 1] = label_padding_value
+    return out
+
+
+def _ramp(n: int) -> np.ndarray:
+    """``(n,) int64`` — 0, 1, ..., n - 1: the positions :func:`fill_rows` copies from."""
+    return np.arange(n, dtype=np.int64)
 
 
 def _bin_range(bins: slice | None, num_bins: int) -> tuple[int, int]:

@@ -63,11 +63,13 @@ Memory and disk
     written to an Arrow file that the returned dataset memory-maps: ``cache_file_name`` if given, else next to the
     input dataset's own cache files (as ``datasets.Dataset.map`` does; ``padfree-pack-<fingerprint>.arrow``), else
     in ``datasets``' temporary directory, which is deleted when the Python session ends (``save_to_disk`` the
-    result to keep it). The file is written while the next chunk is built, with ``O_DIRECT`` where the filesystem
-    allows it (the output is written once, read later, and has no business in the page cache), and atomically: a
-    failed call leaves no file. Peak memory grows by the input pages the gather reads (1x the token bytes at most)
-    plus a working set that does not grow with the data — two chunks of rows and two staging buffers for the disk,
-    ~0.35 GB with the defaults — never by the size of the output.
+    result to keep it). The file is written while the next chunks are built, with ``O_DIRECT`` where the filesystem
+    allows it (the output is written once, read later, and has no business in the page cache; the rows are then
+    laid out right inside the Arrow messages in the disk's buffers, so no output byte is copied after the gather),
+    and atomically: a failed call leaves no file. Peak memory grows by the input pages the gather reads (1x the
+    token bytes at most) plus a working set that does not grow with the data — two staging buffers for the disk of
+    64 MB plus a chunk each, ~0.25 GB with the defaults (without ``O_DIRECT``: two chunks of rows more) — never by
+    the size of the output.
 
 The plan
     ``return_result=True`` returns ``(dataset, result)``: the :class:`~padfree.PackResult` whose bins are the
@@ -96,7 +98,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-from numba import njit
 
 from padfree.errors import (
     BackendUnavailableError,
@@ -108,7 +109,7 @@ from padfree.errors import (
 )
 from padfree.packing import DEFAULT_STRATEGY, PackResult, pack_sequences
 from padfree.packing.inputs import OVERLONG_POLICIES, as_capacity, as_choice, as_positive_int
-from padfree.rows import TokenBuffers, as_token_buffers
+from padfree.rows import TokenBuffers, as_token_buffers, fill_rows, mask_labels
 
 __all__ = [
     "COLUMNS",
@@ -216,7 +217,7 @@ def _one_view(arrays: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
         view.flags.writeable = False
         return view, first
     item = dtype.itemsize
-    addresses = [a.ctypes.data for a in arrays]
+    addresses = [a.__array_interface__["data"][0] for a in arrays]
     low = min(addresses)
     high = max(addr + a.nbytes for addr, a in zip(addresses, arrays, strict=True))
     if any((addr - low) % item for addr in addresses) or any(not a.flags.c_contiguous for a in arrays):
@@ -230,41 +231,63 @@ def _one_view(arrays: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _arrow_source(column: Any, name: str, *, mask: bool = False) -> _Source:
-    """A :class:`_Source` over a pyarrow (chunked) list array: offsets read per chunk, values never copied."""
+    """A :class:`_Source` over a pyarrow (chunked) list array: offsets read per chunk, values never copied.
+
+    A dataset on disk is a thousand chunks or more: each is read straight from its Arrow buffers (a few
+    microseconds), and everything per row is then computed once over all chunks.
+    """
     _, pa = _import_hf()
     chunks = column.chunks if isinstance(column, pa.ChunkedArray) else [column]
-    values, starts, lengths = [], [], []
     accepted = "0/1 integers or booleans" if mask else "integer token ids"
-    for chunk in chunks:
-        kind = chunk.type
-        if pa.types.is_list(kind) or pa.types.is_large_list(kind):
-            offsets = chunk.offsets.to_numpy().astype(np.int64)
-        elif pa.types.is_fixed_size_list(kind):
-            offsets = (np.arange(len(chunk) + 1, dtype=np.int64) + chunk.offset) * kind.list_size
-        else:
+    for kind in {chunk.type for chunk in chunks}:
+        if not (pa.types.is_list(kind) or pa.types.is_large_list(kind) or pa.types.is_fixed_size_list(kind)):
             raise InvalidTokensError(f"{name} must hold one list of {accepted} per row, got Arrow type {kind}")
         value_type = kind.value_type
         if not (pa.types.is_integer(value_type) or (mask and pa.types.is_boolean(value_type))):
             raise InvalidTokensError(f"{name} must hold {accepted}, got Arrow type {kind}")
-        if len(chunk) == 0:
+    # per type (one for a whole column): the list's offset dtype (None: fixed size), the values' (None: booleans)
+    types = {kind: (None if pa.types.is_fixed_size_list(kind) else
+                    np.dtype(np.int64 if pa.types.is_large_list(kind) else np.int32),
+                    np.dtype(kind.value_type.to_pandas_dtype()) if pa.types.is_integer(kind.value_type) else None)
+             for kind in {chunk.type for chunk in chunks}}
+    values, offsets, nulls = [], [], []
+    rows = 0
+    for chunk in chunks:
+        n = len(chunk)
+        if n == 0:
             continue
+        offset_type, value_type = types[chunk.type]
+        if offset_type is None:
+            offsets.append((np.arange(n + 1, dtype=np.int64) + chunk.offset) * chunk.type.list_size)
+        else:
+            offsets.append(np.frombuffer(chunk.buffers()[1], offset_type, n + 1, chunk.offset * offset_type.itemsize))
         child = chunk.values
         if child.null_count:
             raise InvalidTokensError(f"{name} holds {child.null_count} null values inside its lists; every token "
                                      "must be an integer")
-        length = np.diff(offsets)
         if chunk.null_count:
-            length[chunk.is_null().to_numpy(zero_copy_only=False)] = -1
-        array = child.to_numpy(zero_copy_only=False)  # zero-copy for integers; booleans are unpacked to bytes
-        values.append(array)
-        starts.append(offsets[:-1])
-        lengths.append(length)
+            nulls.append(rows + np.flatnonzero(chunk.is_null().to_numpy(zero_copy_only=False)))
+        if value_type is not None:  # zero-copy, straight from the buffer
+            values.append(np.frombuffer(child.buffers()[1], value_type, len(child), child.offset * value_type.itemsize))
+        else:  # booleans are unpacked to bytes
+            values.append(child.to_numpy(zero_copy_only=False))
+        rows += n
     if not values:
         empty = np.zeros(0, np.int64)
         return _Source(name, empty, empty, empty, ())
     view, first = _one_view(values)
-    starts = [s + f for s, f in zip(starts, first.tolist(), strict=True)]
-    return _Source(name, view, np.concatenate(starts), np.concatenate(lengths), tuple(values))
+    # every chunk's n + 1 offsets, back to back: row i's start and end are neighbours, except across chunks
+    flat = np.concatenate(offsets).astype(np.int64)
+    ends = np.cumsum([o.shape[0] for o in offsets])
+    first_of_chunk, last_of_chunk = np.zeros(flat.shape[0], bool), np.zeros(flat.shape[0], bool)
+    first_of_chunk[np.concatenate(([0], ends[:-1]))] = True
+    last_of_chunk[ends - 1] = True
+    starts = flat[~last_of_chunk]
+    lengths = flat[~first_of_chunk] - starts
+    starts += np.repeat(first, [o.shape[0] - 1 for o in offsets])
+    if nulls:
+        lengths[np.concatenate(nulls)] = -1
+    return _Source(name, view, starts, lengths, tuple(values))
 
 
 def _buffer_source(tokens: Any, name: str, *, mask: bool = False) -> _Source:
@@ -677,6 +700,7 @@ class _Plan:
     schema: Any
     bytes_estimate: int
     max_batch_bytes: int  # an upper bound on one serialized chunk
+    columns: tuple[str, ...]  # what each column of the schema holds (COLUMNS names)
 
 
 def _plan(result: PackResult, source: _Data, opts: _Options) -> _Plan:
@@ -709,7 +733,7 @@ def _plan(result: PackResult, source: _Data, opts: _Options) -> _Plan:
     max_batch = int(chunk_bytes.max(initial=0)) + 128 * len(opts.columns) + (1 << 16)
     ramp = np.arange(int(widths.max()) if widths.size else 0, dtype=np.int32)
     return _Plan(ids_dtype, labels_dtype, mask_dtype, row_offsets, ramp, chunks, max_slots, schema, estimate,
-                 max_batch)
+                 max_batch, tuple(what for what, _ in opts.columns))
 
 
 class _Buffers:
@@ -721,21 +745,36 @@ class _Buffers:
         self.positions = np.empty(size, np.int32) if opts.wants("position_ids") else None
         self.mask = np.empty(size, plan.mask_dtype) if opts.wants("attention_mask") else None
 
+    def window(self, slots: int) -> dict[str, np.ndarray]:
+        arrays = {"input_ids": self.ids, "labels": self.labels, "position_ids": self.positions,
+                  "attention_mask": self.mask}
+        return {what: array[:slots] for what, array in arrays.items() if array is not None}
+
+
+#: The columns with one value per row slot (the others have one per piece).
+_TOKEN_COLUMNS = ("input_ids", "attention_mask", "labels", "position_ids")
+
 
 class _Builder:
-    """Builds the record batch of a range of bins; the rows of a chunk are split between ``threads`` threads.
+    """Lays out the rows of a range of bins; the rows of a chunk are split between ``threads`` threads.
 
-    Each thread lays out its own rows (the kernels release the GIL): the gather from the input is bound by the
-    latency of random reads (one per piece), which several threads overlap.
+    Each thread lays out its own rows with :func:`padfree.rows.fill_rows` (which releases the GIL): the gather from
+    the input is bound by the latency of random reads (one per piece), which several threads overlap.
     """
 
     def __init__(self, result: PackResult, source: _Data, opts: _Options, plan: _Plan, pool: Any, threads: int):
         self.result, self.source, self.opts, self.plan, self.pool, self.threads = result, source, opts, plan, pool, \
             threads
 
-    def batch(self, a: int, b: int, buffers: _Buffers) -> Any:
-        """Build the rows of bins ``[a, b)`` in ``buffers`` and return them as an Arrow record batch (no copy)."""
-        _, pa = _import_hf()
+    def counts(self, a: int, b: int) -> tuple[int, int, int]:
+        """``(rows, slots, pieces)`` of bins ``[a, b)``."""
+        pieces = int(self.result.bin_offsets[b] - self.result.bin_offsets[a])
+        return b - a, int(self.plan.row_offsets[b] - self.plan.row_offsets[a]), pieces
+
+    def fill(self, a: int, b: int, out: Mapping[str, np.ndarray]) -> None:
+        """Lay out the rows of bins ``[a, b)`` into ``out``: ``{column: (slots,) array}`` for the per-token columns
+        of the output (``input_ids``, ``labels``, ``position_ids``, ``attention_mask``; absent ones are not
+        written)."""
         result, source, opts, plan = self.result, self.source, self.opts, self.plan
         p0, p1 = int(result.bin_offsets[a]), int(result.bin_offsets[b])
         seq = result.order[p0:p1]
@@ -745,12 +784,8 @@ class _Builder:
         row_offsets = plan.row_offsets[a : b + 1] - plan.row_offsets[a]
         slots = int(row_offsets[-1])
         skip = result.piece_starts[p0:p1] if result.piece_starts is not None else 0
-
-        def window(array: np.ndarray | None) -> np.ndarray | None:
-            return None if array is None else array[:slots]
-
-        ids, labels = window(buffers.ids), window(buffers.labels)
-        positions, mask = window(buffers.positions), window(buffers.mask)
+        ids, labels = out.get("input_ids"), out.get("labels")
+        positions, mask = out.get("position_ids"), out.get("attention_mask")
         ids_start = source.ids.starts[physical] + skip
         label_values = label_start = None
         if labels is not None and source.labels is not None:
@@ -759,11 +794,11 @@ class _Builder:
 
         def fill(x: int, y: int) -> None:  # rows [x, y) of the chunk
             pieces, rows = piece_offsets[x : y + 1], row_offsets[x : y + 1]
-            _fill_rows(source.ids.values, ids_start, label_values, label_start, piece_len, pieces, rows, plan.ramp,
-                       ids, labels, positions, mask, opts.padding_value, opts.label_padding_value,
-                       opts.attention_mask == "segments")
+            fill_rows(source.ids.values, ids_start, label_values, label_start, piece_len, pieces, rows, plan.ramp,
+                      ids, labels, positions, mask, opts.padding_value, opts.label_padding_value,
+                      opts.attention_mask == "segments")
             for m, starts in zip(source.masks, mask_starts, strict=False):
-                _mask_labels(m.values, starts, piece_len, pieces, rows, labels, opts.label_padding_value)
+                mask_labels(m.values, starts, piece_len, pieces, rows, labels, opts.label_padding_value)
 
         parts = self.threads if slots >= _MIN_SLOTS_PER_THREAD * self.threads else 1
         cuts = np.searchsorted(row_offsets, np.arange(1, parts) * (slots // parts))
@@ -775,18 +810,32 @@ class _Builder:
             for future in [self.pool.submit(fill, x, y) for x, y in jobs]:
                 future.result()
 
-        token_offsets = pa.array(row_offsets.astype(np.int32))
-        piece_offsets32 = pa.array(piece_offsets.astype(np.int32))
+    def offsets(self, a: int, b: int) -> dict[str, np.ndarray]:
+        """The per-row and per-piece arrays of bins ``[a, b)``: ``tokens`` and ``pieces`` (``(rows + 1,)`` list
+        offsets, int32), ``seq_lens`` (int32) and ``sequence_ids`` (int64), one per piece."""
+        result = self.result
+        p0, p1 = int(result.bin_offsets[a]), int(result.bin_offsets[b])
+        return {
+            "tokens": (self.plan.row_offsets[a : b + 1] - self.plan.row_offsets[a]).astype(np.int32),
+            "pieces": (result.bin_offsets[a : b + 1] - p0).astype(np.int32),
+            "seq_lens": result.placed_lengths[p0:p1].astype(np.int32),
+            "sequence_ids": result.order[p0:p1].astype(np.int64, copy=False),
+        }
+
+    def batch(self, a: int, b: int, buffers: _Buffers) -> Any:
+        """Build the rows of bins ``[a, b)`` in ``buffers`` and return them as an Arrow record batch (no copy)."""
+        _, pa = _import_hf()
+        flat = buffers.window(self.counts(a, b)[1])
+        self.fill(a, b, flat)
+        small = self.offsets(a, b)
+        token_offsets, piece_offsets = pa.array(small["tokens"]), pa.array(small["pieces"])
         arrays = []
-        for what, _ in opts.columns:
-            if what == "seq_lens":
-                arrays.append(pa.ListArray.from_arrays(piece_offsets32, pa.array(piece_len.astype(np.int32))))
-            elif what == "sequence_ids":
-                arrays.append(pa.ListArray.from_arrays(piece_offsets32, pa.array(seq.astype(np.int64, copy=False))))
+        for what, _ in self.opts.columns:
+            if what in _TOKEN_COLUMNS:
+                arrays.append(pa.ListArray.from_arrays(token_offsets, pa.array(flat[what])))
             else:
-                flat = {"input_ids": ids, "labels": labels, "position_ids": positions, "attention_mask": mask}[what]
-                arrays.append(pa.ListArray.from_arrays(token_offsets, pa.array(flat)))
-        return pa.RecordBatch.from_arrays(arrays, schema=plan.schema)
+                arrays.append(pa.ListArray.from_arrays(piece_offsets, pa.array(small[what])))
+        return pa.RecordBatch.from_arrays(arrays, schema=self.plan.schema)
 
 
 def _fingerprint(result: PackResult, source: _Data, opts: _Options) -> str:
@@ -859,36 +908,49 @@ def _memory_mapped_table(path: str) -> Any:
 def _write_file(path: str, builder: _Builder) -> None:
     """Write every chunk to an Arrow stream file at ``path`` (atomically), overlapping writing with building.
 
-    Two sets of buffers alternate: while a thread writes chunk ``k`` (pyarrow and ``os.write`` release the GIL),
-    the kernels (``nogil``) build chunk ``k + 1`` in the other set; a set is reused only once its write is done.
+    With ``O_DIRECT`` the rows are laid out straight into the buffers the disk reads (see
+    :meth:`_DirectStream.write_rows`). Otherwise two sets of buffers alternate: while a thread writes chunk ``k``
+    (pyarrow and ``os.write`` release the GIL), the kernels (``nogil``) build chunk ``k + 1`` in the other set; a
+    set is reused only once its write is done.
     """
-    plan, opts = builder.plan, builder.opts
+    plan = builder.plan
     directory = os.path.dirname(os.path.abspath(path))
     os.makedirs(directory, exist_ok=True)
     tmp = os.path.join(directory, f".{os.path.basename(path)}.{uuid.uuid4().hex[:12]}.tmp")
-    pending: list[Future | None] = [None, None]
-    sets: list[_Buffers | None] = [None, None]
     try:
-        with _open_stream(tmp, plan) as stream, \
-                ThreadPoolExecutor(max_workers=1, thread_name_prefix="padfree-write") as pool:
-            for k, (a, b) in enumerate(plan.chunks):
-                slot = k % 2
-                if pending[slot] is not None:
-                    pending[slot].result()  # that set's write is done: its buffers are free again
-                if sets[slot] is None:
-                    sets[slot] = _Buffers(plan, opts, plan.max_slots)
-                batch = builder.batch(a, b, sets[slot])
-                pending[slot] = pool.submit(stream.write_batch, batch)
-                del batch
-            for future in pending:
-                if future is not None:
-                    future.result()
+        with _open_stream(tmp, plan) as stream:
+            if getattr(stream, "layout", None) is not None:
+                for a, b in plan.chunks:  # built straight into the disk buffers: nothing to overlap but the disk
+                    stream.write_rows(builder, a, b)
+            else:
+                _write_batches(stream, builder)
         _cache_message_headers(tmp, stream.messages)
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):
             os.remove(tmp)
         raise
+
+
+def _write_batches(stream: _DirectStream | _BufferedStream, builder: _Builder) -> None:
+    """Build record batches and hand them to ``stream.write_batch``, building chunk ``k + 1`` while ``k`` is
+    written."""
+    plan, opts = builder.plan, builder.opts
+    pending: list[Future | None] = [None, None]
+    sets: list[_Buffers | None] = [None, None]
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="padfree-write") as pool:
+        for k, (a, b) in enumerate(plan.chunks):
+            slot = k % 2
+            if pending[slot] is not None:
+                pending[slot].result()  # that set's write is done: its buffers are free again
+            if sets[slot] is None:
+                sets[slot] = _Buffers(plan, opts, plan.max_slots)
+            batch = builder.batch(a, b, sets[slot])
+            pending[slot] = pool.submit(stream.write_batch, batch)
+            del batch
+        for future in pending:
+            if future is not None:
+                future.result()
 
 
 def _cache_message_headers(path: str, offsets: list[int]) -> None:
@@ -934,10 +996,13 @@ class _DirectStream:
     fresh memory is slow to fault in, several times that). The file holds exactly the bytes pyarrow's stream writer
     would write: the schema message, one message per batch, the end-of-stream marker.
 
-    Each batch is serialized into the current staging buffer right after the bytes still pending there (less than
-    one block); a fresh stream writer over that spot puts its schema message before the batch, so the few bytes it
-    covers are saved and put back. Its whole blocks then go to disk on a thread of their own while the remainder
-    moves to the front of the other buffer, where the next batch goes: serializing overlaps with the disk.
+    Each record batch goes into the current staging buffer right after the bytes still pending there (less than
+    one block): :meth:`write_rows` lays its rows out right there, inside the message (see :class:`_MessageLayout`),
+    so that no byte of the output is copied after the gather. Once enough bytes have accumulated, their whole
+    blocks go to disk on a thread of their own while the remainder moves to the front of the other buffer, where
+    the next batch goes: building overlaps with the disk. (Where the message layout cannot be trusted,
+    :meth:`write_batch` has pyarrow serialize a batch built elsewhere into the same spot instead; a fresh stream
+    writer there puts its schema message before the batch, so the few bytes it covers are saved and put back.)
     """
 
     def __init__(self, path: str, plan: _Plan) -> None:
@@ -948,8 +1013,10 @@ class _DirectStream:
         self.margin = -(-len(self.header) // _BLOCK) * _BLOCK
         # disks write large requests much faster (virtio: 1.7 GB/s at 16 MB, ~3 GB/s at 64-128 MB): batches
         # accumulate up to this many bytes before they go; 1/32 of the output at most, so small outputs stay small
-        self.threshold = max(_BLOCK, min(_WRITE_BYTES, plan.bytes_estimate // 32))
-        size = -(-(self.margin + self.threshold + plan.max_batch_bytes + 64) // _BLOCK) * _BLOCK
+        self.largest = max(_BLOCK, min(_WRITE_BYTES, plan.bytes_estimate // 32))
+        # ... but the disk idles until the first write: the first ones are small, then each is twice the last
+        self.threshold = max(_BLOCK, self.largest // 16)
+        size = -(-(self.margin + self.largest + plan.max_batch_bytes + 64) // _BLOCK) * _BLOCK
         self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o644)
         try:
             self.stages = [mmap.mmap(-1, size), mmap.mmap(-1, size)]  # anonymous memory: page-aligned
@@ -960,6 +1027,8 @@ class _DirectStream:
         except OSError:
             os.close(self.fd)
             raise
+        self.arrays = [np.frombuffer(m, np.uint8) for m in self.stages]
+        self.layout = _MessageLayout.of(plan.schema, self.header, plan.columns)
         self.disk = ThreadPoolExecutor(max_workers=1, thread_name_prefix="padfree-disk")
         self.busy: list[Future | None] = [None, None]  # the disk write still reading each buffer
         self.current = 0
@@ -973,6 +1042,40 @@ class _DirectStream:
         self.views[self.current][at : at + len(data)] = data
         self.pending += len(data)
         self.size += len(data)
+
+    def write_rows(self, builder: _Builder, a: int, b: int) -> None:
+        """Lay out the rows of bins ``[a, b)`` as one record batch message, in place in the staging buffer."""
+        layout = self.layout
+        rows, slots, pieces = builder.counts(a, b)
+        head, buffers, body = layout.message(rows, [slots if what in _TOKEN_COLUMNS else pieces
+                                                    for what in layout.columns])
+        at = self.margin + self.pending
+        stage = self.arrays[self.current]
+        if at + len(head) + body > stage.shape[0]:  # pragma: no cover - max_batch_bytes bounds every message
+            raise AssertionError(f"a record batch of {len(head) + body} bytes overflows the staging buffer")
+        stage[at : at + len(head)] = np.frombuffer(head, np.uint8)
+        base = at + len(head)
+        small = builder.offsets(a, b)
+        out = {}
+        for k, what in enumerate(layout.columns):
+            per_token = what in _TOKEN_COLUMNS
+            (offsets_at, offsets_len), (values_at, values_len) = buffers[4 * k + 1], buffers[4 * k + 3]
+            stage[base + offsets_at : base + offsets_at + offsets_len].view(np.int32)[:] = small[
+                "tokens" if per_token else "pieces"]
+            values = stage[base + values_at : base + values_at + values_len].view(layout.dtypes[k])
+            if per_token:
+                out[what] = values
+            else:
+                values[:] = small[what]
+            for start, length in (buffers[4 * k + 1], buffers[4 * k + 3]):  # the zero padding after each buffer
+                stage[base + start + length : base + start + _padded(length)] = 0
+        builder.fill(a, b, out)
+        del out, stage
+        self.messages.append(self.size)
+        self.pending += len(head) + body
+        self.size += len(head) + body
+        if self.pending >= self.threshold:
+            self._ship()
 
     def write_batch(self, batch: Any) -> None:
         _, pa = _import_hf()
@@ -1007,6 +1110,7 @@ class _DirectStream:
             self.views[other][margin : margin + rest] = view[margin + whole : margin + whole + rest]
         if whole:
             self.busy[self.current] = self.disk.submit(self._write, view, margin, margin + whole)
+            self.threshold = min(self.largest, 2 * self.threshold)
         self.current, self.pending = other, rest
 
     def _write(self, view: memoryview, start: int, end: int) -> None:
@@ -1029,15 +1133,139 @@ class _DirectStream:
             self.disk.shutdown(wait=True)  # no DMA may still read the buffers released below
             os.close(self.fd)
             self.fd = -1
+            self.arrays = []
             for view, stage in zip(self.views, self.stages, strict=True):
                 view.release()
-                stage.close()
+                # after an error, the traceback's frames may still hold views of a buffer: it is unmapped with them
+                with contextlib.suppress(BufferError):
+                    stage.close()
 
     def __enter__(self) -> _DirectStream:
         return self
 
     def __exit__(self, kind: object, *exc: object) -> None:
         self.close(complete=kind is None)
+
+
+_ALIGNMENT = 8  # Arrow IPC pads every buffer of a message body to a multiple of this
+
+
+def _padded(length: int) -> int:
+    return -(-length // _ALIGNMENT) * _ALIGNMENT
+
+
+def _flat_field(meta: bytes, table: int, index: int) -> int | None:
+    """Where field ``index`` of the flatbuffer table at ``table`` lies in ``meta``; None when it is absent."""
+    vtable = table - int.from_bytes(meta[table : table + 4], "little", signed=True)
+    if 4 + 2 * index + 2 > int.from_bytes(meta[vtable : vtable + 2], "little"):
+        return None
+    offset = int.from_bytes(meta[vtable + 4 + 2 * index : vtable + 6 + 2 * index], "little")
+    return table + offset if offset else None
+
+
+def _flat_target(meta: bytes, at: int) -> int:
+    """The table or vector an offset field at ``at`` points to."""
+    return at + int.from_bytes(meta[at : at + 4], "little")
+
+
+class _MessageLayout:
+    """Arrow IPC record batch messages of one schema of list columns without nulls, for any sizes, without pyarrow.
+
+    A message is an 8-byte prefix, a flatbuffer of metadata (``Message`` holding a ``RecordBatch``: its row count,
+    one ``FieldNode`` per array and one ``Buffer`` (offset, length) per buffer, and the body length), then the body:
+    the buffers of every column back to back — list validity (empty), list offsets (int32), values validity
+    (empty), values — each padded to 8 bytes with zeros. Only numbers change from one batch to the next, in
+    fields a flatbuffer stores at fixed places; so one message that pyarrow serializes is a template, patched for
+    other sizes, and :meth:`_DirectStream.write_rows` lays the rows out right where the body will hold them.
+
+    :meth:`of` checks the result against pyarrow on a second batch, byte for byte (and returns None, so that the
+    writer lets pyarrow serialize, should a future pyarrow write messages another way).
+    """
+
+    def __init__(self, schema: Any, prefix: bytes, meta: bytes, patch: dict[str, Any]) -> None:
+        self.columns = [f.name for f in schema]  # renamed below to what each column holds
+        self.dtypes = [np.dtype(f.type.value_type.to_pandas_dtype()) for f in schema]
+        self.prefix, self.meta, self.patch = prefix, meta, patch
+
+    @classmethod
+    def of(cls, schema: Any, header: bytes, columns: Sequence[str] | None = None) -> _MessageLayout | None:
+        """The layout of ``schema`` (whose stream header is ``header``); ``columns`` names what each column holds
+        (default: the schema's names). None when the template cannot be read or does not reproduce pyarrow."""
+        _, pa = _import_hf()
+        if not all(pa.types.is_list(f.type) for f in schema):
+            return None
+
+        def message(batch: Any) -> bytes:
+            sink = pa.BufferOutputStream()
+            with pa.ipc.new_stream(sink, schema) as writer:
+                writer.write_batch(batch)
+            data = sink.getvalue().to_pybytes()
+            return data[len(header) : -8]  # neither the schema message nor the end-of-stream marker
+
+        def batch(offsets: list[int]) -> Any:
+            arrays = [pa.ListArray.from_arrays(pa.array(offsets, pa.int32()),
+                                               pa.array(np.arange(offsets[-1]) % 100 + 1, f.type.value_type))
+                      for f in schema]
+            return pa.RecordBatch.from_arrays(arrays, schema=schema)
+
+        try:
+            template = message(batch([0, 1]))  # every number nonzero: no field left out as a default
+            if template[:4] != b"\xff\xff\xff\xff":
+                return None
+            size = int.from_bytes(template[4:8], "little")
+            meta = template[8 : 8 + size]
+            root = int.from_bytes(meta[0:4], "little")
+            kind, body, header_at = (_flat_field(meta, root, i) for i in (1, 3, 2))
+            if kind is None or meta[kind] != 3 or body is None or header_at is None:  # 3: RecordBatch
+                return None
+            record = _flat_target(meta, header_at)
+            rows, nodes, buffers = (_flat_field(meta, record, i) for i in (0, 1, 2))
+            if rows is None or nodes is None or buffers is None or any(
+                    _flat_field(meta, record, i) is not None for i in (3, 4)):  # compression, variadic counts
+                return None
+            nodes, buffers = _flat_target(meta, nodes), _flat_target(meta, buffers)
+            n = len(schema)
+            if (int.from_bytes(meta[nodes : nodes + 4], "little") != 2 * n
+                    or int.from_bytes(meta[buffers : buffers + 4], "little") != 4 * n):
+                return None
+            layout = cls(schema, template[:8], meta, {"rows": rows, "body": body, "nodes": nodes + 4,
+                                                      "buffers": buffers + 4})
+            check = [0, 3, 3, 8]  # 3 rows, 8 values: a padded tail in every buffer of every type
+            head, spans, body_len = layout.message(3, [8] * n)
+            out = bytearray(len(head) + body_len)
+            out[: len(head)] = head
+            for k, array in enumerate(batch(check).columns):
+                for (start, length), buf in zip(spans[4 * k : 4 * k + 4], array.buffers(), strict=True):
+                    if length:
+                        out[len(head) + start : len(head) + start + length] = buf.to_pybytes()[:length]
+            if bytes(out) != message(batch(check)):
+                return None
+        except (ValueError, IndexError, TypeError):  # pragma: no cover - an unreadable template
+            return None
+        if columns is not None:
+            layout.columns = list(columns)
+        return layout
+
+    def message(self, rows: int, values: Sequence[int]) -> tuple[bytes, list[tuple[int, int]], int]:
+        """The prefix and metadata of a batch of ``rows`` rows with ``values[k]`` values in column ``k``; the
+        ``(offset, length)`` of every buffer in the body; the body length."""
+        spans, at = [], 0
+        for count, dtype in zip(values, self.dtypes, strict=True):
+            for length in (0, 4 * (rows + 1), 0, count * dtype.itemsize):
+                spans.append((at, length))
+                at += _padded(length)
+        meta = bytearray(self.meta)
+        patch = self.patch
+        meta[patch["rows"] : patch["rows"] + 8] = rows.to_bytes(8, "little")
+        meta[patch["body"] : patch["body"] + 8] = at.to_bytes(8, "little")
+        for k, count in enumerate(values):
+            for j, length in enumerate((rows, count)):  # (length, null_count = 0) per array
+                node = patch["nodes"] + 16 * (2 * k + j)
+                meta[node : node + 16] = length.to_bytes(8, "little") + bytes(8)
+        for j, (start, length) in enumerate(spans):
+            buffer = patch["buffers"] + 16 * j
+            meta[buffer : buffer + 16] = start.to_bytes(8, "little") + length.to_bytes(8, "little")
+        return self.prefix + bytes(meta), spans, at
 
 
 class _BufferedStream:
@@ -1090,66 +1318,3 @@ class _BufferedStream:
 
     def __exit__(self, kind: object, *exc: object) -> None:
         self.close(complete=kind is None)
-
-
-# --------------------------------------------------------------------------------------------------
-# Kernels (one pass over a chunk's rows; None arguments are compiled out)
-# --------------------------------------------------------------------------------------------------
-
-
-@njit(cache=True, nogil=True)
-def _fill_rows(ids_src, ids_start, label_src, label_start, piece_len, piece_offsets, row_offsets, ramp,
-               out_ids, out_labels, out_pos, out_mask, padding_value, label_pad, segments):  # pragma: no cover
-    """Lay the pieces of every row out, then the padding tail.
-
-    ``ids_src``/``label_src``: flat source values; ``*_start: (pieces,) int64`` where each piece starts in them
-    (``label_src`` None: labels are the token ids); ``piece_len: (pieces,)``; ``piece_offsets``/``row_offsets``:
-    ``(rows + 1,)`` CSR of pieces and of output slots per row; ``ramp: (longest row,) int32`` = 0, 1, 2, ...
-    (positions are copied from it: a memcpy instead of a counting loop); ``out_*: (slots,)`` or None (column not
-    written).
-    """
-    num_rows = row_offsets.shape[0] - 1
-    for r in range(num_rows):
-        d = row_offsets[r]
-        first = piece_offsets[r]
-        for p in range(first, piece_offsets[r + 1]):
-            n = piece_len[p]
-            s = ids_start[p]
-            if out_ids is not None:
-                out_ids[d : d + n] = ids_src[s : s + n]
-            if out_labels is not None:
-                if label_src is None:
-                    out_labels[d : d + n] = ids_src[s : s + n]
-                else:
-                    t = label_start[p]
-                    out_labels[d : d + n] = label_src[t : t + n]
-                out_labels[d] = label_pad
-            if out_pos is not None:
-                out_pos[d : d + n] = ramp[:n]
-            if out_mask is not None:
-                out_mask[d : d + n] = p - first + 1 if segments else 1
-            d += n
-        end = row_offsets[r + 1]
-        if out_ids is not None:
-            out_ids[d:end] = padding_value
-        if out_labels is not None:
-            out_labels[d:end] = label_pad
-        if out_pos is not None:
-            out_pos[d:end] = ramp[: end - d]
-        if out_mask is not None:
-            out_mask[d:end] = 0
-
-
-@njit(cache=True, nogil=True)
-def _mask_labels(mask_src, mask_start, piece_len, piece_offsets, row_offsets, out_labels,
-                 label_pad):  # pragma: no cover
-    """Set ``out_labels`` to ``label_pad`` wherever the piece's mask value is 0 (same layout as :func:`_fill_rows`)."""
-    num_rows = row_offsets.shape[0] - 1
-    for r in range(num_rows):
-        d = row_offsets[r]
-        for p in range(piece_offsets[r], piece_offsets[r + 1]):
-            s = mask_start[p]
-            for k in range(piece_len[p]):
-                if mask_src[s + k] == 0:
-                    out_labels[d + k] = label_pad
-            d += piece_len[p]
