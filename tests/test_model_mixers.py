@@ -180,6 +180,20 @@ def test_packed_equals_separate(model_type, backend):
         assert max_diff(leaky, alone) > 1e-4
 
 
+@pytest.mark.parametrize("formulation", ["masked", "per-segment"])
+def test_both_gated_delta_rule_formulations_in_a_model(formulation):
+    model = tiny("qwen3_5_text")
+    ids, pos, seqs = batch(ROWS)
+    alone, alone_grads = separate(model, seqs)
+    configure_packing(model)
+    state = configure.packing_state(model)
+    for layer in (model.model.layers[0].linear_attn, model.model.layers[2].linear_attn):
+        assert f"({formulation})" in mixers.install(layer, state, formulation=formulation)
+    out, grads = packed(model, ids, pos, seqs)
+    assert max_diff(out, alone) <= 1e-5
+    assert grad_diff(grads, alone_grads) <= 1e-5
+
+
 @pytest.mark.parametrize("model_type", ["qwen3_5_text", "granitemoehybrid", "jamba"])
 def test_segment_mask_with_trailing_padding(model_type):
     """LLaMA-Factory masks ``[1, 1, 2, 2, 2, 0]``: the padding run is a segment of its own and leaks into nothing."""
@@ -489,6 +503,49 @@ def test_kernel_path_is_used_when_usable(fresh_kernels):
     assert calls and calls[0] == [0, 1, 4, 74, 83, 85, 125, 155, 166]
     packed_seqs = [out[b, start:start + len(s)] for b, start, s in seqs]
     assert max_diff([x.float() for x in packed_seqs], [x.float() for x in alone]) <= 0.1  # bf16 noise, no leak
+
+
+def _runs(seq_idx_row):
+    """``[(start, end)]`` of the equal-value runs of a 1-D ``seq_idx``."""
+    cut = (torch.nonzero(seq_idx_row[1:] != seq_idx_row[:-1]).reshape(-1) + 1).tolist()
+    return list(itertools.pairwise([0, *cut, seq_idx_row.numel()]))
+
+
+def test_mamba_ssm_and_causal_conv1d_kernel_paths(fresh_kernels):
+    """The causal-conv1d and mamba_ssm calls follow those kernels' contracts (channels-last ``x`` with ``seq_idx``;
+    ``seq_idx`` of the flat stream): fakes that honour the contracts with transformers' reference give exact numbers."""
+    from transformers.models.bamba.modeling_bamba import causal_conv1d_fn, mamba2_chunk_scan
+
+    calls = {"conv": 0, "scan": 0}
+
+    def fake_conv(x, weight, bias=None, seq_idx=None, initial_states=None, return_final_states=False,
+                  final_states_out=None, activation=None):
+        assert x.stride(1) == 1 and seq_idx.dtype == torch.int32 and seq_idx.shape == (x.shape[0], x.shape[2])
+        calls["conv"] += 1
+        return torch.cat([torch.cat([causal_conv1d_fn(x[b:b + 1, :, s:e], weight, bias, activation=activation)
+                                     for s, e in _runs(seq_idx[b])], dim=2) for b in range(x.shape[0])])
+
+    def fake_scan(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None, initial_states=None, seq_idx=None,
+                  dt_softplus=False, dt_limit=(0.0, float("inf")), return_final_states=False):
+        assert z is None and initial_states is None and not return_final_states
+        calls["scan"] += 1
+        opts = dict(D=D, dt_bias=dt_bias, dt_softplus=dt_softplus, dt_limit=dt_limit)
+        return torch.cat([torch.cat([mamba2_chunk_scan(x[b:b + 1, s:e], dt[b:b + 1, s:e], A, B[b:b + 1, s:e],
+                                                       C[b:b + 1, s:e], chunk_size, **opts)
+                                     for s, e in _runs(seq_idx[b])], dim=1) for b in range(x.shape[0])])
+
+    fresh_kernels.setitem(mixers._loaded, "causal_conv1d", (fake_conv, ""))
+    fresh_kernels.setitem(mixers._loaded, "mamba_ssm", (fake_scan, ""))
+    fresh_kernels.setattr(mixers, "_on_accelerator", lambda t: True)
+    model = tiny("bamba")
+    ids, pos, seqs = batch(ROWS)
+    alone, _ = separate(model, seqs)
+    report = configure_packing(model)
+    assert all("mamba_chunk_scan_combined with seq_idx" in d and "causal-conv1d with seq_idx" in d
+               for d in report.mixers.values())
+    out, _ = packed(model, ids, pos, seqs, grad=False)
+    assert calls == {"conv": 2, "scan": 2}
+    assert max_diff(out, alone) <= 1e-5
 
 
 def test_a_kernel_that_fails_at_its_first_call_falls_back_to_the_reference(fresh_kernels, caplog):

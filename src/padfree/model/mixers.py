@@ -28,6 +28,9 @@ Kernels are used when importable *and* runnable (CUDA tensors, and the dtypes th
 call that fails falls back to the exact reference with a logged reason — never a crash mid-training, never a leak.
 No kernel is imported without CUDA (a broken triton then cannot even be touched).
 
+The references never build denormal floats (decay factors below ``exp(DECAY_FLOOR)`` are exact zeros, far below fp32
+resolution), so their speed does not depend on a global flush-denormal mode, which padfree never touches.
+
 Recognised classes (class name -> family): see :data:`MIXER_CLASSES`; decoder-layer containers that
 ``configure_packing`` classifies as mixers (:data:`CONTAINER_CLASSES`) are made exact by patching the one mixer they
 hold and refusing anything else stateful inside.
@@ -190,7 +193,7 @@ def segment_causal_conv1d(
     Returns:
         ``(B, C, T)`` in ``x``'s dtype. One ``F.conv1d`` over the whole row (what transformers computes), then the
         at most ``K - 1`` first outputs of each segment are recomputed from their own segment only — cheaper than
-        masking every tap, and the other outputs are bit-identical to the unpacked call.
+        masking every tap, and every other output is transformers' own computation.
     """
     _, channels, seq_len = x.shape
     width = weight.shape[-1]
@@ -228,8 +231,9 @@ def _conv_kernel(x, weight, bias, activation, lay):
 
 # Log-decays below this are exact zeros in the references: a factor under exp(-30) ~ 1e-13 is six orders of magnitude
 # below the fp32 resolution of the sums it enters (each of which holds its own undecayed term), and cutting it keeps
-# every intermediate out of the denormal range, where x86 CPUs run 10-100x slower (a leaky or per-segment call was
-# measured at 90 ms or 5.8 s on the same shape depending on the data). No global floating-point mode is touched.
+# every intermediate out of the denormal range, where x86 CPUs run 10-100x slower (before the floor, one GatedDeltaNet
+# layer took 83 ms or 5.8 s fwd+bwd on the same shape, depending on the data). No global floating-point mode is
+# touched. The Mamba-1 scan keeps transformers' exact arithmetic: its decay only ever multiplies the running state.
 DECAY_FLOOR = -30.0
 
 
@@ -519,7 +523,7 @@ def segment_selective_scan(
         ``(b, d, l)``: transformers' sequential scan, with the state's decay ``exp(A * dt)`` set to exactly 0 at
         every segment start — ``0 * state + dt B x`` is bit-for-bit the fresh state a lone sequence starts from.
     """
-    batch, channels, length = hidden_states.shape
+    batch, channels, _ = hidden_states.shape
     input_dtype = hidden_states.dtype
     if delta_bias is not None:
         dt = dt + delta_bias.to(dt.dtype)[..., None]
@@ -532,9 +536,12 @@ def segment_selective_scan(
     delta_b_u = dt[:, :, :, None] * B[:, None, :, :].float() * hidden_states[:, :, :, None].float()
     state = torch.zeros(batch, channels, A.shape[-1], dtype=input_dtype, device=hidden_states.device)
     outs = []
-    for i in range(length):  # transformers' reference recurrence, one step per token
-        state = discrete_a[:, :, i] * state + delta_b_u[:, :, i]
-        outs.append(torch.matmul(state.to(input_dtype), C[:, i, :].unsqueeze(-1))[:, :, 0])
+    # transformers' recurrence, one step per token, on unbound slices: indexing ``x[:, :, i]`` in the loop would make
+    # autograd write a full-size zero gradient per step (quadratic in the length); unbind's backward stacks once
+    steps = zip(discrete_a.unbind(2), delta_b_u.unbind(2), C.unsqueeze(-1).unbind(1), strict=True)
+    for decay, update, read in steps:
+        state = decay * state + update
+        outs.append(torch.matmul(state.to(input_dtype), read)[:, :, 0])
     y = torch.stack(outs, dim=-1)
     if D is not None:
         y = y + hidden_states * D[None, :, None]
@@ -626,9 +633,10 @@ def _no_decode(*args, **kwargs):
 
 @dataclasses.dataclass(frozen=True)
 class _Family:
-    """One kind of mixer: the global functions its forward must call (``required``), may call (``allowed``: per-token
-    helpers), and the packed replacement of each sequence primitive (``replace``), with the parameter names the
-    replaced function must have for the replacement to be a drop-in."""
+    """One kind of mixer: the packed replacement of each sequence primitive its forward may call (``replace``), the
+    leading parameter names transformers' primitive must have for the replacement to be a drop-in (``signatures``),
+    the primitives its forward must call (``required``), and the kernels that may serve its conv and its scan.
+    Any other global function the forward calls must be a per-token helper (``_PER_TOKEN_GLOBALS``) or a class."""
 
     name: str
     replace: dict[str, Callable]
@@ -932,8 +940,8 @@ def uninstall(module: torch.nn.Module) -> bool:
 def _register() -> None:
     for cls in (*MIXER_CLASSES, *CONTAINER_CLASSES):
         configure.MIXER_HANDLERS[cls] = install
-    for model_type, what in MODEL_TYPES.items():
-        configure.SUPPORTED_MODEL_TYPES[model_type] = what
+    for model_type, what in MODEL_TYPES.items():  # an entry configure.py already has keeps its words
+        configure.SUPPORTED_MODEL_TYPES.setdefault(model_type, what)
 
 
 _register()
