@@ -104,7 +104,8 @@ def _trim() -> None:
 
 
 class PeakRSS:
-    """``with PeakRSS() as m: ...`` then ``m.growth``: the peak RSS during the block minus the RSS at its start."""
+    """``with PeakRSS() as m: ...`` then ``m.growth``: the peak RSS during the block minus the RSS at its start, and
+    ``m.sampler_cpu``: the CPU seconds the sampler thread itself used (to subtract from the process's CPU time)."""
 
     def __init__(self, interval: float = 0.0005) -> None:
         import psutil
@@ -113,13 +114,16 @@ class PeakRSS:
         self._interval = interval
         self._stop = threading.Event()
         self.base = self.peak = 0
+        self.sampler_cpu = 0.0
 
     def _sample(self) -> None:
+        start = time.thread_time()
         while not self._stop.is_set():
             rss = self._proc.memory_info().rss
             if rss > self.peak:
                 self.peak = rss
             time.sleep(self._interval)
+        self.sampler_cpu = time.thread_time() - start
 
     def __enter__(self) -> PeakRSS:
         _trim()
@@ -237,6 +241,7 @@ class Contender:
 class Result:
     forward: list[float] = field(default_factory=list)
     step: list[float] = field(default_factory=list)
+    cpu: list[float] = field(default_factory=list)  # process CPU seconds of the step (all threads but the sampler)
     memory: list[int] = field(default_factory=list)  # RSS growth of the timed steps
     tensor_peak: float = float("nan")  # torch allocator peak of the profiled step
     breakdown: dict[str, float] = field(default_factory=dict)  # category -> self CPU s of the profiled step
@@ -295,6 +300,7 @@ def run_step(c: Contender, row: Row, res: Result | None = None, keep: bool = Fal
     for p in c.model.parameters():
         p.grad = None
     with PeakRSS() as mem:
+        c0 = time.process_time()
         t0 = time.perf_counter()
         if c.backward:
             hidden = c.model.model(**inputs).last_hidden_state
@@ -305,9 +311,11 @@ def run_step(c: Contender, row: Row, res: Result | None = None, keep: bool = Fal
                 hidden = c.model.model(**inputs).last_hidden_state
             t1 = time.perf_counter()
         t2 = time.perf_counter()
+        c2 = time.process_time()
     if res is not None:
         res.forward.append(t1 - t0)
         res.step.append(t2 - t0)
+        res.cpu.append(c2 - c0 - mem.sampler_cpu)
         res.memory.append(mem.growth)
         if keep:
             h = hidden.detach().reshape(-1, hidden.shape[-1])
@@ -445,32 +453,35 @@ def render(args: argparse.Namespace, info: dict[str, str], before: str, after: s
            contenders: list[Contender], results: dict[int, dict[str, Result]], first_calls: dict[str, float],
            lm: float | None, elapsed: float) -> str:
     names = [c.name for c in contenders]
-    headers = ["sequences", "contender", "positions (B×T)", "fwd s", "fwd+bwd s", "steps", "tensor peak MiB",
-               "RSS growth MiB", "vs transformers sdpa", "vs transformers eager", "vs padded", "max abs Δ logits",
-               "max abs Δ grads"]
-    main_rows, break_rows = [], []
+    time_headers = ["sequences", "contender", "positions (B×T)", "fwd s", "fwd+bwd s", "fwd+bwd CPU s", "steps",
+                    "vs transformers sdpa", "vs transformers eager", "vs padded"]
+    mem_headers = ["sequences", "contender", "tensor peak MiB", "RSS growth MiB", "max abs Δ hidden",
+                   "max abs Δ logits", "max abs Δ grads"]
+    time_rows, mem_rows, break_rows = [], [], []
     cats = [*CATEGORIES, "other"]
+
+    def vs(r: Result, other: str, res: dict[str, Result]) -> str:
+        if other not in res or r is res[other]:
+            return "1.00×" if other in res else "–"
+        o = res[other]
+        return f"{_ratio(r.med('step'), o.med('step'))} ({_ratio(r.med('cpu'), o.med('cpu'))})"
+
     for row in rows:
         res = results[row.k]
-        hf_sdpa = res[REFERENCE].med("step")
-        hf_eager = res[HF_EAGER].med("step") if HF_EAGER in res else float("nan")
-        padded = res[PADDED].med("step")
         for name in names:
             r = res[name]
             fwd_only = name == FLEX
-            step = r.med("step")
-            main_rows.append([
-                str(row.k), name + (" ¹" if fwd_only else ""),
-                f"{row.padded_tokens:,}" if name == PADDED else f"{TOKENS:,}",
-                f"{r.med('forward'):.2f}", "–" if fwd_only else f"{step:.2f}", str(len(r.step)),
-                _mib(r.tensor_peak), _mib(r.med("memory")),
-                "–" if fwd_only else _ratio(step, hf_sdpa),
-                "–" if fwd_only else _ratio(step, hf_eager),
-                "–" if fwd_only else _ratio(step, padded),
-                f"{r.d_logits:.1e}", "–" if fwd_only else f"{r.d_grads:.1e}",
+            label = name + (" ¹" if fwd_only else "")
+            time_rows.append([
+                str(row.k), label, f"{row.padded_tokens:,}" if name == PADDED else f"{TOKENS:,}",
+                f"{r.med('forward'):.2f}", "–" if fwd_only else f"{r.med('step'):.2f}",
+                f"{r.med('cpu'):.2f}" + (" (fwd)" if fwd_only else ""), str(len(r.step)),
+                *(["–"] * 3 if fwd_only else [vs(r, REFERENCE, res), vs(r, HF_EAGER, res), vs(r, PADDED, res)]),
             ])
+            mem_rows.append([str(row.k), label, _mib(r.tensor_peak), _mib(r.med("memory")), f"{r.d_hidden:.1e}",
+                             f"{r.d_logits:.1e}", "–" if fwd_only else f"{r.d_grads:.1e}"])
             total = sum(r.breakdown.values())
-            break_rows.append([str(row.k), name + (" ¹" if fwd_only else ""), f"{r.profiled:.2f}",
+            break_rows.append([str(row.k), label, f"{r.profiled:.2f}",
                                *[f"{r.breakdown.get(cat, 0.0):.2f}" for cat in cats], f"{total:.2f}"])
     lay_rows = [[str(r.k), f"{int(r.lengths.min())} / {int(np.median(r.lengths))} / {int(r.lengths.max())}",
                  f"{r.padded_tokens:,} ({r.padded_tokens / TOKENS:.2f}×)", str(r.buckets),
@@ -516,7 +527,8 @@ def render(args: argparse.Namespace, info: dict[str, str], before: str, after: s
         "block-diagonal T×T mask); **padded** = the same sequences as a right-padded batch (B = k, T = longest, "
         "0/1 attention_mask), sdpa.",
         f"- Timing: one untimed warm-up step per contender (first row), then per row {args.runs} timed steps "
-        f"round robin over the contenders (`time.perf_counter`; two for a contender whose first step on the row "
+        f"round robin over the contenders (`time.perf_counter`, and `time.process_time` for the CPU time; two "
+        f"for a contender whose first step on the row "
         f"took more than {args.slow:.0f} s: column *steps*); medians. The first timed step of each contender and "
         "row runs under `torch.profiler` for the memory and the op breakdown (overhead below the noise here).",
         "- Memory, two figures: *tensor peak* = the peak of live tensor bytes above the step's start, from "
@@ -535,9 +547,19 @@ def render(args: argparse.Namespace, info: dict[str, str], before: str, after: s
         table(["sequences", "length min / median / max", "padded positions B×T", "padfree buckets",
                "exact score area", "bucketed score area"], lay_rows),
         "",
-        table(headers, main_rows, "llrrrrrrrrrrr"),
+        "Time (medians; ratios = this contender's fwd+bwd wall time / the other's on the same row, below 1 = "
+        "faster, with the same ratio of CPU time in parentheses):",
         "",
-        "Ratios divide the contender's fwd+bwd median by the other's on the same row (below 1 = faster).",
+        table(time_headers, time_rows, "llrrrrrrrr"),
+        "",
+        "CPU time = the process's CPU seconds during the step (both torch threads, the memory sampler's own time "
+        "subtracted). Other processes on this VM stretch wall times by up to 2-3× from one step to the next, "
+        "but barely change how much CPU a step needs, so where the two ratios differ the CPU ratio is the "
+        "steadier estimate of the work.",
+        "",
+        "Memory and exactness (max abs differences against transformers' sdpa packed path):",
+        "",
+        table(mem_headers, mem_rows, "llrrrrr"),
         "",
         "Reading it: transformers' packed path hands SDPA (or eager) one dense block-diagonal T×T mask, and the "
         "padded batch a B×1×T×T padding mask; with an explicit mask the CPU SDPA kernel computes every entry of "
