@@ -83,7 +83,7 @@ SUPPORTED_MODEL_TYPES: dict[str, str] = {
     "granite": "custom attention scaling",
     "starcoder2": "",
     "gpt_oss": "attention sinks; sdpa resolves to padfree_eager; flex refused on the CPU (no sinks there)",
-    "granitemoehybrid": "attention layers (its Mamba layers: see the mixers)",
+    "granitemoehybrid": "attention and Mamba-2 layers: conv taps and SSD state restart per sequence",
     "cohere": "",
     "glm": "",
     "helium": "",
