@@ -207,11 +207,11 @@ def make_row(k: int, sigma: float, hidden: int) -> Row:
     upstream_padded[valid] = upstream[0]
     lay = PackedLayout.from_position_ids(batch.position_ids)
     buckets = lay.buckets()
-    area = sum(b.gather.shape[0] * b.length**2 for b in buckets) / TOKENS**2
+    area = sum(m * n**2 for m, n in zip(buckets.counts, buckets.lengths, strict=True)) / TOKENS**2
     return Row(
         k=k, lengths=lengths, ids=ids, packed=packed, hf=hf,
         padded={"input_ids": pad_ids, "attention_mask": mask, "use_cache": False}, valid=valid,
-        upstream=upstream, upstream_padded=upstream_padded.view(k, longest, hidden), buckets=len(buckets),
+        upstream=upstream, upstream_padded=upstream_padded.view(k, longest, hidden), buckets=len(buckets.lengths),
         bucket_area=area, exact_area=float((lengths.astype(np.float64) ** 2).sum() / TOKENS**2),
         padded_tokens=k * longest,
     )

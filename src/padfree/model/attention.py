@@ -122,26 +122,25 @@ def _bucketed(
 ) -> torch.Tensor:
     """Exact attention of every segment on its own: ``(B, H, T, D)`` q/k/v in, ``(B, T, H, D)`` out."""
     batch, heads, seq_len, _ = query.shape
+    plan = lay.buckets()
     flat = [x.transpose(1, 2).reshape(batch * seq_len, x.shape[1], x.shape[3]) for x in (query, key, value)]
-    pieces, dest = [], []
+    parts = [x.index_select(0, plan.slots).split(plan.sizes) for x in flat]  # one gather per tensor
+    outs = []
     math = math or softcap is not None or sinks is not None
-    for bucket in lay.buckets():
-        q, k, v = (x[bucket.gather].transpose(1, 2) for x in flat)  # (m, H, L, D)
+    for i, (length, count) in enumerate(zip(plan.lengths, plan.counts, strict=True)):
+        q, k, v = (p[i].view(count, length, *p[i].shape[1:]).transpose(1, 2) for p in parts)  # (m, H, L, D)
         if math:
-            allowed = lay.local_mask(bucket.length, sliding_window)
+            allowed = lay.local_mask(length, sliding_window)
             out = _eager_block(q, k, v, allowed, scaling=scaling, dropout=dropout, training=module.training,
                                softcap=softcap, sinks=sinks)
         else:
-            mask = None if sliding_window is None else lay.local_mask(bucket.length, sliding_window)
+            mask = None if sliding_window is None else lay.local_mask(length, sliding_window)
             out = F.scaled_dot_product_attention(
                 q, k, v, attn_mask=mask, dropout_p=dropout if module.training else 0.0, is_causal=mask is None,
                 scale=scaling, enable_gqa=q.shape[1] != k.shape[1],
             )
-        pieces.append(out.transpose(1, 2).reshape(-1, heads, value.shape[3])[bucket.valid])
-        dest.append(bucket.dest)
-    result = query.new_empty(batch * seq_len, heads, value.shape[3])
-    result = result.index_copy(0, torch.cat(dest), torch.cat(pieces))
-    return result.view(batch, seq_len, heads, value.shape[3])
+        outs.append(out.transpose(1, 2).reshape(count * length, heads, value.shape[3]))
+    return torch.cat(outs).index_select(0, plan.inverse).view(batch, seq_len, heads, value.shape[3])
 
 
 def _flex(module, query, key, value, lay, *, scaling, dropout, sliding_window, softcap, sinks, kwargs):

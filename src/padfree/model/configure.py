@@ -44,10 +44,12 @@ import torch
 from padfree.errors import (
     BackendUnavailableError,
     InvalidArgumentError,
+    InvalidLayoutError,
     PackingDisabledError,
     UnsupportedModelError,
     describe,
 )
+from padfree.layout import position_ids_to_segment_ids
 from padfree.model.attention import BACKENDS, LAYOUT_KWARG, PACKED_FORWARD, register_backends
 from padfree.model.packed import PackedLayout
 
@@ -406,7 +408,7 @@ def _fix(what: str) -> str:
             f"PackedBatch.model_inputs() builds exactly that")
 
 
-def _layout(config: Any, args: tuple, kwargs: dict[str, Any]) -> PackedLayout | None:
+def _layout(args: tuple, kwargs: dict[str, Any]) -> PackedLayout | None:
     ids = kwargs.get("input_ids", args[0] if args else None)
     ref = ids if ids is not None else kwargs.get("inputs_embeds")
     if ref is None or ref.dim() < 2:
@@ -435,18 +437,14 @@ def _layout(config: Any, args: tuple, kwargs: dict[str, Any]) -> PackedLayout | 
     else:
         return None
     if pos is not None and lay.source != "position_ids":
-        from padfree.layout import position_ids_to_segment_ids
-
         agree = position_ids_to_segment_ids(pos, attention_mask=mask if segments else None)
         if not torch.equal(agree, lay.segment_ids.to(agree.dtype)):
-            from padfree.errors import InvalidLayoutError
-
             raise InvalidLayoutError(f"position_ids and {lay.source} disagree on where the sequences start")
     return lay
 
 
 def _before(state: _State, config: Any, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]]:
-    lay = _layout(config, args, kwargs)
+    lay = _layout(args, kwargs)
     if lay is None or (not lay.is_packed and lay.source != "attention_mask"):
         state.layout = None
         state.tokens.append(PACKED_FORWARD.set(False))

@@ -28,7 +28,7 @@ import torch
 from padfree import layout
 from padfree.errors import InvalidLayoutError
 
-__all__ = ["Bucket", "PackedLayout", "bucket_length"]
+__all__ = ["Buckets", "PackedLayout", "bucket_length"]
 
 
 def bucket_length(n: np.ndarray) -> np.ndarray:
@@ -48,21 +48,30 @@ def bucket_length(n: np.ndarray) -> np.ndarray:
 
 
 @dataclasses.dataclass(frozen=True)
-class Bucket:
-    """Segments of one padded length ``L``, laid out for one batched attention call.
+class Buckets:
+    """The segments grouped by padded length, laid out for one batched attention call per group.
+
+    Bucket ``i`` holds ``counts[i]`` segments padded to ``lengths[i]`` tokens; their slots are consecutive in
+    ``slots``, bucket after bucket, segment after segment. One gather over ``slots`` feeds every bucket and one
+    gather over ``inverse`` puts the outputs back, so the backward is one scatter-add per tensor, not one per bucket.
 
     Attributes:
-        length: ``L``, the padded length.
-        gather: ``(m, L) int64`` — flat ``B·T`` token index of every slot; slots past a segment's end repeat its
-            last token (never read by a valid query: they come after it, and attention is causal).
-        valid: ``(m * L,) bool`` — which slots hold a real token of their segment.
-        dest: ``(n_b,) int64`` — flat token index of every valid slot, in slot order (where outputs go back).
+        lengths: ``L`` of every bucket, longest first.
+        counts: ``m`` of every bucket.
+        slots: ``(sum(m * L),) int64`` — flat ``B·T`` token index of every slot; slots past a segment's end repeat
+            its last token (never read by a valid query: they come after it, and attention is causal).
+        inverse: ``(B·T,) int64`` — the slot that holds each token.
     """
 
-    length: int
-    gather: torch.Tensor
-    valid: torch.Tensor
-    dest: torch.Tensor
+    lengths: tuple[int, ...]
+    counts: tuple[int, ...]
+    slots: torch.Tensor
+    inverse: torch.Tensor
+
+    @property
+    def sizes(self) -> list[int]:
+        """Slots per bucket, ``m * L`` (the split sizes of a gather over :attr:`slots`)."""
+        return [m * n for m, n in zip(self.counts, self.lengths, strict=True)]
 
 
 @dataclasses.dataclass(eq=False)
@@ -171,28 +180,29 @@ class PackedLayout:
         return self._cached("seq_idx", lambda: torch.from_numpy(
             np.repeat(np.arange(self.num_segments, dtype=np.int32), self.lengths)).to(self.device).view(self.shape))
 
-    def buckets(self) -> list[Bucket]:
-        """The segments grouped by :func:`bucket_length`, longest first (see :class:`Bucket`)."""
+    def buckets(self) -> Buckets:
+        """The segments grouped by :func:`bucket_length`, longest first (see :class:`Buckets`)."""
         return self._cached("buckets", self._make_buckets)
 
-    def _make_buckets(self) -> list[Bucket]:
+    def _make_buckets(self) -> Buckets:
         lengths = self.lengths
         starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
         padded = bucket_length(lengths)
-        out = []
+        sizes, counts, slots, inverse = [], [], [], np.empty(int(lengths.sum()), dtype=np.int64)
+        base = 0
         for size in np.unique(padded)[::-1]:
             members = np.flatnonzero(padded == size)
             col = np.arange(size)
             n = lengths[members, None]
             gather = starts[members, None] + np.minimum(col, n - 1)
             valid = col < n
-            out.append(Bucket(
-                int(size),
-                torch.from_numpy(gather).to(self.device),
-                torch.from_numpy(valid.reshape(-1)).to(self.device),
-                torch.from_numpy(gather[valid]).to(self.device),
-            ))
-        return out
+            inverse[gather[valid]] = base + np.flatnonzero(valid.reshape(-1))
+            sizes.append(int(size))
+            counts.append(int(members.size))
+            slots.append(gather.reshape(-1))
+            base += gather.size
+        return Buckets(tuple(sizes), tuple(counts), torch.from_numpy(np.concatenate(slots)).to(self.device),
+                       torch.from_numpy(inverse).to(self.device))
 
     def local_mask(self, length: int, sliding_window: int | None) -> torch.Tensor:
         """``(L, L) bool`` causal mask of one bucket slot (True = may attend), with ``q - k < sliding_window``."""
