@@ -331,7 +331,7 @@ CATEGORIES = {
     "attention kernels": ("aten::_scaled_dot_product", "aten::bmm", "aten::_softmax", "aten::masked_fill",
                           "aten::flex_attention", "## Call CompiledFxGraph", "Torch-Compiled Region"),
     "gather / scatter": ("aten::index", "aten::_index_put_impl_", "aten::index_put", "aten::index_copy",
-                         "aten::cat", "aten::nonzero"),
+                         "aten::index_select", "aten::index_add_", "aten::cat", "aten::nonzero"),
     "zero-fill + grad accumulation": ("aten::fill_", "aten::zero_", "aten::add_"),
     "mask building": ("aten::where", "aten::eq", "aten::le", "aten::ge", "aten::lt", "aten::gt",
                       "aten::bitwise_and", "aten::bitwise_or", "aten::bitwise_not", "aten::logical_and"),
@@ -567,7 +567,7 @@ def render(args: argparse.Namespace, info: dict[str, str], before: str, after: s
         "batch pays B×T² and, in its linear layers, B×T positions). padfree's buckets call SDPA with "
         "`is_causal=True` on the bucketed area only, and never build a T×T mask. Once the rows hold a few dozen "
         "sequences, attention is a small part of padfree's step (see the breakdown below): the linear layers, the "
-        "elementwise ops and padfree's own per-bucket gather/scatter are what remain.",
+        "elementwise ops and padfree's own gather into and out of the buckets are what remain.",
     ]
     if FLEX in names:
         lines += ["", f"¹ {next(c.note for c in contenders if c.name == FLEX)}; compare its forward with the other "
@@ -584,7 +584,8 @@ def render(args: argparse.Namespace, info: dict[str, str], before: str, after: s
         "",
         "Where the time goes: self CPU seconds per op category in the profiled step (the first timed step of "
         "the contender on the row; *step s* is its wall time). *gather / scatter* = "
-        "`index`, `index_put_` (the backward of an index), `index_copy`, `cat`, `nonzero`; *zero-fill + grad "
+        "`index`, `index_put_` (the backward of an index), `index_copy`, `index_select`, `index_add_` (its "
+        "backward), `cat`, `nonzero`; *zero-fill + grad "
         "accumulation* = `fill_`, `zero_`, `add_`; *attention kernels* = SDPA forward/backward, `bmm`, softmax, "
         "`masked_fill`, flex's compiled kernel; *mask building* = the elementwise comparisons that build masks "
         "(transformers' dense T×T mask; flex's `create_block_mask`, which evaluates its mask_mod over the T×T "
