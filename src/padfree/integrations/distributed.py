@@ -1,0 +1,453 @@
+"""Data-parallel training on packed rows: every rank the same number of steps, balanced tokens and Σ len².
+
+:class:`DistributedPackedBatchSampler` packs the per-sample lengths (or takes a plan, or a
+:class:`~padfree.data.datasets.PackingDataset`'s plan), arranges the bins into steps with
+:func:`padfree.balance_bins` and yields, for its rank, one list of indices per micro-batch — a ``batch_sampler``
+for a plain ``torch.utils.data.DataLoader``. Why not ``DistributedSampler`` over packed rows: it shards rows by
+count, so one rank may get the rows full of long sequences (attention cost grows with Σ len²) and wait at every
+step for nothing; and a sampler whose ranks disagree on the number of batches hangs the last all-reduce of the
+epoch. Here every rank computes the same schedule from the same lengths and seed, with no communication, and takes
+its column of it.
+
+>>> lengths = [4000, 96, 2000, 2000, 1000, 1000, 1000, 1000, 4096, 3000]
+>>> ranks = [DistributedPackedBatchSampler(lengths, 4096, num_replicas=2, rank=r, seed=0) for r in (0, 1)]
+>>> [list(s) for s in ranks]  # per rank: the sample indices of each micro-batch (here one packed row each)
+[[[0], [5, 6, 7], [9, 4, 1]], [[8], [5, 6, 7], [2, 3]]]
+>>> ranks[0].repeated_samples.tolist()  # 5 rows for 2 ranks: the cheapest row is scheduled twice
+[5, 6, 7]
+>>> print(ranks[0].summary())
+epoch 0: 5 rows of 10 samples -> 3 steps x 2 ranks x 1 rows; 0 rows dropped, 1 repeated (3 samples, 3000 tokens);
+idle from imbalance: tokens 0.865%, attention cost 4.907%
+>>> ranks[0].set_epoch(1)
+>>> list(ranks[0])  # another epoch: another order of the steps, and of the ranks within a step
+[[5, 6, 7], [9, 4, 1], [8]]
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+
+from padfree.errors import BackendUnavailableError, InvalidArgumentError, InvalidLengthsError, describe
+from padfree.packing.balance import REMAINDER_POLICIES, BalancedSteps, balance_bins
+from padfree.packing.inputs import OVERLONG_POLICIES, as_choice, as_int, as_lengths, as_positive_int, as_seed
+from padfree.packing.result import PackResult
+from padfree.packing.strategies import DEFAULT_STRATEGY, STRATEGIES, Packer
+
+try:
+    import torch
+    import torch.distributed as dist
+    from torch.utils.data import Sampler
+except ImportError as exc:  # pragma: no cover - torch is installed wherever this module is used
+    raise BackendUnavailableError(
+        "padfree.integrations.distributed needs torch, which is not installed; pip install 'padfree[torch]'"
+    ) from exc
+
+__all__ = ["DistributedPackedBatchSampler"]
+
+logger = logging.getLogger("padfree")
+
+_SEED_PACK, _SEED_STEPS = 11, 12  # purposes of the seeds derived from (seed, epoch)
+
+
+def _derived_seed(seed: int, epoch: int, purpose: int) -> int:
+    """A seed for ``purpose`` in ``epoch``: independent streams, identical in every process."""
+    return int(np.random.SeedSequence([seed, epoch, purpose]).generate_state(1, np.uint32)[0])
+
+
+def _process_group(num_replicas: Any, rank: Any, all_ranks: bool) -> tuple[int, int]:
+    """``(num_replicas, rank)``: explicit values win; missing ones come from an initialised process group."""
+    initialised = dist.is_available() and dist.is_initialized()
+    if num_replicas is None:
+        if initialised:
+            num_replicas = dist.get_world_size()
+        else:
+            env = os.environ.get("WORLD_SIZE", "1")
+            if env.strip() not in ("", "1"):
+                # a launcher started several processes but none has joined a process group yet: defaulting to one
+                # replica would silently train every rank on all the data
+                raise InvalidArgumentError(
+                    f"num_replicas is None and torch.distributed is not initialised, but WORLD_SIZE={env!r}; call "
+                    f"torch.distributed.init_process_group() (or create the Accelerator / TrainingArguments) before "
+                    f"building the sampler, or pass num_replicas= and rank= explicitly"
+                )
+            num_replicas = 1
+    num_replicas = as_positive_int(num_replicas, "num_replicas")
+    if rank is None:
+        if all_ranks:
+            rank = 0  # unused: every rank's micro-batches are yielded
+        elif initialised:
+            rank = dist.get_rank()
+        elif num_replicas == 1:
+            rank = 0
+        else:
+            raise InvalidArgumentError(
+                f"rank is None with num_replicas={num_replicas} and torch.distributed is not initialised; pass "
+                f"rank= (an integer in [0, {num_replicas})) or initialise the process group first"
+            )
+    rank = as_int(rank, "rank", minimum=0)
+    if rank >= num_replicas:  # type: ignore[operator]
+        raise InvalidArgumentError(f"rank must be an integer in [0, {num_replicas}) (num_replicas={num_replicas}), "
+                                   f"got {rank}")
+    return num_replicas, rank  # type: ignore[return-value]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Epoch:
+    """What one epoch's iteration needs, computed once per epoch."""
+
+    epoch: int
+    plan: PackResult
+    schedule: BalancedSteps
+    row_of_bin: np.ndarray | None  # rows mode: dataset index of every bin; None: yield sample ids
+
+
+class DistributedPackedBatchSampler(Sampler[list[int]]):
+    """A batch sampler that gives every data-parallel rank the same number of balanced packed micro-batches.
+
+    Every rank builds the same sampler (same data, same arguments); each yields its own share: per step, one
+    micro-batch of ``micro_batch_size`` packed rows (bins), chosen by :func:`padfree.balance_bins` so that the ranks
+    of a step carry nearly equal tokens and Σ len² (attention cost). No communication is needed, and nothing is
+    left to chance: the schedule is a function of ``(data, seed, epoch)``.
+
+    Args:
+        data: what to schedule, one of
+            - per-sample lengths (a list, numpy array, CPU tensor): packed here into rows of ``capacity`` tokens;
+              the sampler yields **sample indices**, row after row — pair it with a collator that packs them
+              (:func:`padfree.packed_collate_fn`, see "Collators" below);
+            - a :class:`~padfree.PackResult` over the samples (a plan you made), yielding sample indices;
+            - a :class:`~padfree.PackingDataset`: its plan of the current epoch; the sampler yields **row indices**
+              of the dataset (each row is one packed bin) and forwards :meth:`set_epoch` to it. With
+              ``persistent_workers=True`` build the dataset with ``shuffle=False`` and a deterministic strategy (this
+              sampler shuffles): the workers' copies keep the epoch they started with, hence its row order.
+        capacity: tokens per packed row; required for lengths, checked against a plan or a dataset otherwise.
+        num_replicas: data-parallel world size. ``None``: ``torch.distributed.get_world_size()`` when a process
+            group is initialised, else 1 (refused when ``WORLD_SIZE`` says a launcher started several processes).
+        rank: this process's rank. ``None``: ``torch.distributed.get_rank()`` when initialised (0 for a single
+            replica). Explicit values win over the process group (e.g. data-parallel groups smaller than the world).
+        micro_batch_size: packed rows per rank per step.
+        seed: the schedule's seed; with ``shuffle``, each epoch draws its order from ``(seed, epoch)``.
+        shuffle: shuffle the order of the steps and, within each step, which rank gets which micro-batch (the
+            balance of a step is unchanged by either). ``False``: steps from cheapest to most expensive.
+        remainder: when the rows do not fill the last step (``num_rows % (num_replicas * micro_batch_size)``):
+            ``"repeat"`` (default, like ``DistributedSampler``) schedules the cheapest rows a second time —
+            :attr:`repeated_samples` lists them, and they are logged at INFO; ``"drop"`` leaves the cheapest rows out
+            of the epoch — :attr:`dropped_samples` lists them, and they are logged as a WARNING. Fewer than
+            ``num_replicas * micro_batch_size`` rows are ever repeated or dropped.
+        strategy, overlong, max_sequences_per_bin: how lengths are packed (see :func:`padfree.pack_sequences`); only
+            for lengths. A randomized strategy (``ffs``) repacks every epoch with a seed drawn from ``(seed, epoch)``
+            (the number of steps may then change between epochs, equally on every rank); a deterministic one packs
+            once, so the rows keep their samples and only their order changes. ``overlong="split"`` is refused
+            (a sample index cannot name a piece of a sample: use a :class:`~padfree.PackingDataset` with it);
+            ``"truncate"`` needs a collator that truncates the same way; ``"drop"`` samples are never yielded
+            (counted in ``plan.dropped`` and logged).
+        all_ranks: yield the micro-batches of **every** rank, interleaved step by step (step 0 rank 0, step 0
+            rank 1, ..., step 1 rank 0, ...), for loaders that shard a batch sampler themselves: ``accelerate``'s
+            ``prepare`` (hence the Hugging Face ``Trainer``) wraps it in a ``BatchSamplerShard`` that gives process
+            ``p`` the batches ``p, p + W, p + 2W, ...`` — exactly rank ``p``'s micro-batches. ``rank`` is then unused.
+
+    Collators. With lengths (sample indices), a micro-batch of one row holds samples whose tokens fit ``capacity``,
+    so ``packed_collate_fn(capacity)`` packs it back into that one row. With ``micro_batch_size > 1`` use
+    ``packed_collate_fn(capacity, strategy="nf")`` — next fit over the samples, which arrive row after row, never
+    needs more rows than the schedule's (greedy filling is optimal for a sequence cut into consecutive groups) —
+    or :class:`~padfree.PaddingFreeCollator` (one row of all the micro-batch's tokens, no padding at all). With a
+    :class:`~padfree.PackingDataset` (row indices), either collator keeps the rows' sequence boundaries
+    (they read ``seq_lens``). Pass ``return_dict=True`` for the ``Trainer``.
+
+    A plain ``DataLoader`` with DDP or FSDP (``torch.distributed`` initialised first)::
+
+        sampler = DistributedPackedBatchSampler(lengths, capacity=4096, seed=0)
+        loader = DataLoader(samples, batch_sampler=sampler, collate_fn=packed_collate_fn(4096), num_workers=2)
+        for epoch in range(epochs):
+            sampler.set_epoch(epoch)  # before iterating, as with DistributedSampler
+            for batch in loader:
+                loss = ddp_model(**batch.model_inputs()).loss  # ...
+
+    Every rank gets ``len(sampler)`` micro-batches, so no rank waits forever in the last all-reduce (or FSDP
+    all-gather) of an epoch; the ranks of a step differ in tokens, which DDP and FSDP do not mind. Normalise the
+    loss by the tokens of the whole step across ranks when it must not depend on how the tokens were split.
+
+    With ``accelerate`` (and the ``Trainer``), build the sampler with ``all_ranks=True``: ``accelerator.prepare``
+    re-shards every batch sampler, so a sampler that already yields one rank's batches would be cut again — each
+    process would keep every ``W``-th of its own micro-batches and silently lose the rest. The interleaved stream is
+    what ``BatchSamplerShard`` expects; its length is a multiple of ``W``, so ``even_batches`` adds nothing. Keep
+    the defaults ``split_batches=False`` (a sampler without a ``batch_size`` cannot be split; accelerate refuses)
+    and ``dispatch_batches=False`` (the default for map-style datasets; dispatching would concatenate the ranks'
+    differently shaped packed batches on process 0). The prepared loader forwards ``set_epoch`` to this sampler
+    (through :attr:`sampler`), and advances it by itself at every pass. With the Trainer, override
+    ``get_train_dataloader``::
+
+        class PackedTrainer(transformers.Trainer):
+            def get_train_dataloader(self):
+                sampler = DistributedPackedBatchSampler(lengths, 4096, num_replicas=self.accelerator.num_processes,
+                                                        all_ranks=True, seed=self.args.seed)
+                loader = DataLoader(self.train_dataset, batch_sampler=sampler, num_workers=...,
+                                    collate_fn=packed_collate_fn(4096, return_dict=True))
+                return self.accelerator.prepare(loader)
+
+    The Trainer then counts ``len(sampler) / W`` steps per epoch and calls ``set_epoch(epoch)`` itself.
+    """
+
+    def __init__(
+        self,
+        data: Any,
+        capacity: int | None = None,
+        *,
+        num_replicas: int | None = None,
+        rank: int | None = None,
+        micro_batch_size: int = 1,
+        seed: int = 0,
+        shuffle: bool = True,
+        remainder: str = "repeat",
+        strategy: str | None = None,
+        overlong: str | None = None,
+        max_sequences_per_bin: int | None = None,
+        all_ranks: bool = False,
+    ) -> None:
+        if not isinstance(all_ranks, (bool, np.bool_)):
+            raise InvalidArgumentError(f"all_ranks must be True or False, got {describe(all_ranks)}")
+        if not isinstance(shuffle, (bool, np.bool_)):
+            raise InvalidArgumentError(f"shuffle must be True or False, got {describe(shuffle)}")
+        self.all_ranks = bool(all_ranks)
+        self.shuffle = bool(shuffle)
+        self.num_replicas, self.rank = _process_group(num_replicas, rank, self.all_ranks)
+        self.micro_batch_size: int = as_positive_int(micro_batch_size, "micro_batch_size")  # type: ignore[assignment]
+        if seed is None:  # every rank must draw the same schedule: a fresh random seed per process would hang
+            raise InvalidArgumentError("seed must be an integer >= 0, got None; every rank needs the same seed")
+        self.seed: int = as_seed(seed)  # type: ignore[assignment]
+        self.remainder = as_choice(remainder, "remainder", REMAINDER_POLICIES)
+        self.epoch = 0
+        self._cache: _Epoch | None = None
+        self._dataset: Any = None
+        self._plan: PackResult | None = None
+        self._packer: Packer | None = None
+        self._read_data(data, capacity, strategy, overlong, max_sequences_per_bin)
+
+    # ---- the data ----------------------------------------------------------------------------------
+
+    def _read_data(self, data: Any, capacity: Any, strategy: Any, overlong: Any, max_items: Any) -> None:
+        from padfree.data.datasets import PackingDataset
+
+        given = [name for name, value in (("strategy", strategy), ("overlong", overlong),
+                                          ("max_sequences_per_bin", max_items)) if value is not None]
+        if isinstance(data, (PackResult, PackingDataset)):
+            kind = "a PackResult" if isinstance(data, PackResult) else "a PackingDataset"
+            if given:
+                raise InvalidArgumentError(
+                    f"{', '.join(given)} apply only when data is per-sample lengths; data is {kind}, which was "
+                    f"packed already: leave them out (or pass the lengths instead)"
+                )
+            own = data.capacity if isinstance(data, PackResult) else data.max_length
+            if capacity is not None and as_positive_int(capacity, "capacity") != own:
+                raise InvalidArgumentError(f"capacity={capacity} differs from the capacity {own} of {kind}; leave "
+                                           f"capacity out or pass {own}")
+            self.capacity: int = own
+            if isinstance(data, PackingDataset):
+                self._dataset = data
+                self.epoch = data.epoch  # adopt it: setting ours on the dataset would clear its resume point
+            else:
+                if data.piece_starts is not None:
+                    raise InvalidArgumentError(
+                        "data is a PackResult with sequences split across rows (overlong='split'); sample indices "
+                        "cannot name a piece of a sample: pass a PackingDataset built with overlong='split' instead"
+                    )
+                self._plan = data
+            return
+        if isinstance(data, torch.utils.data.Dataset) or hasattr(data, "column_names"):
+            raise InvalidArgumentError(
+                f"data is a dataset of samples ({describe(data)}); pass its per-sample lengths (e.g. "
+                f"[len(ids) for ids in ds['input_ids']]) and give the dataset to the DataLoader, or pass a "
+                f"PackingDataset"
+            )
+        try:
+            lengths = as_lengths(data, "data")
+        except InvalidLengthsError as exc:
+            raise InvalidLengthsError(f"{exc}; data must be per-sample lengths, a PackResult or a PackingDataset") \
+                from None
+        if capacity is None:
+            raise InvalidArgumentError("capacity is required when data is per-sample lengths: pass the tokens per "
+                                       "packed row, e.g. capacity=4096")
+        overlong = "error" if overlong is None else as_choice(overlong, "overlong", OVERLONG_POLICIES)
+        if overlong == "split":
+            raise InvalidArgumentError(
+                "overlong='split' cannot be used with sample indices (a sample index cannot name a piece of a "
+                "sample); pass 'error', 'truncate' or 'drop', or a PackingDataset built with overlong='split'"
+            )
+        self._packer = Packer(capacity, DEFAULT_STRATEGY if strategy is None else strategy, overlong=overlong,
+                              max_sequences_per_bin=max_items)
+        self.capacity = self._packer.capacity
+        self._lengths = lengths
+        if not STRATEGIES[self._packer.strategy].randomized:
+            self._plan = self._packer.pack(lengths)
+            self._log_overlong(self._plan)
+
+    def _log_overlong(self, plan: PackResult) -> None:
+        if self._logs() and (plan.truncated_tokens or plan.num_dropped):
+            logger.warning(
+                "DistributedPackedBatchSampler: overlong=%r truncated %d tokens in %d samples and dropped %d samples "
+                "(%d tokens) longer than capacity=%d", self._packer.overlong if self._packer else None,
+                plan.truncated_tokens, plan.num_truncated, plan.num_dropped, plan.dropped_tokens, self.capacity,
+            )
+
+    def _logs(self) -> bool:
+        return self.all_ranks or self.rank == 0  # one process reports what every process computes identically
+
+    # ---- epochs ----------------------------------------------------------------------------------
+
+    @property
+    def sampler(self) -> DistributedPackedBatchSampler:
+        """This sampler itself. accelerate's prepared loader forwards ``set_epoch`` to
+        ``batch_sampler.batch_sampler.sampler`` (the ``BatchSampler`` convention); without this attribute the epoch
+        of a sampler wrapped in its ``BatchSamplerShard`` would never advance."""
+        return self
+
+    def set_epoch(self, epoch: int) -> None:
+        """Use the schedule of ``epoch`` (deterministic in ``(seed, epoch)``); call it on every rank before iterating.
+
+        A :class:`~padfree.PackingDataset` given as ``data`` is moved to the same epoch.
+        """
+        self.epoch = as_int(epoch, "epoch", minimum=0)  # type: ignore[assignment]
+        if self._dataset is not None:
+            self._dataset.set_epoch(self.epoch)
+
+    def _current(self) -> _Epoch:
+        plan = self._plan_of_epoch()
+        cache = self._cache
+        if cache is not None and cache.epoch == self.epoch and cache.plan is plan:
+            return cache
+        shuffle_seed = _derived_seed(self.seed, self.epoch, _SEED_STEPS) if self.shuffle else None
+        schedule = balance_bins(plan, self.num_replicas, micro_batch_size=self.micro_batch_size,
+                                remainder=self.remainder, seed=shuffle_seed)
+        if shuffle_seed is not None and schedule.num_steps:
+            # which rank takes which micro-batch of a step: balance_bins deals them by load, so without this the
+            # same rank would always get the heaviest one of its step
+            rng = np.random.default_rng(_derived_seed(self.seed, self.epoch, _SEED_STEPS + 1))
+            perm = np.argsort(rng.random((schedule.num_steps, self.num_replicas)), axis=1)
+            schedule = dataclasses.replace(schedule, steps=np.take_along_axis(schedule.steps, perm[:, :, None], 1))
+        row_of_bin = None
+        if self._dataset is not None:
+            row_of_bin = np.empty(plan.num_bins, np.int64)
+            row_of_bin[self._dataset.order] = np.arange(plan.num_bins, dtype=np.int64)  # inverse of row -> bin
+        self._cache = _Epoch(self.epoch, plan, schedule, row_of_bin)
+        self._log_remainder(self._cache)
+        return self._cache
+
+    def _plan_of_epoch(self) -> PackResult:
+        if self._dataset is not None:
+            ds = self._dataset
+            if ds.epoch != self.epoch:
+                ds.set_epoch(self.epoch)
+            if len(ds) != ds.plan.num_bins:
+                raise InvalidArgumentError(
+                    f"the PackingDataset was resumed with load_state_dict ({ds.plan.num_bins - len(ds)} rows of epoch "
+                    f"{ds.epoch} skipped), which renumbers its rows; with this sampler resume by skipping batches "
+                    f"(the Trainer and accelerate.skip_first_batches do) over a dataset that was not resumed"
+                )
+            return ds.plan
+        if self._packer is not None and STRATEGIES[self._packer.strategy].randomized:
+            seed = _derived_seed(self.seed, self.epoch, _SEED_PACK)
+            if self._plan is None or self._plan.seed != seed:
+                self._plan = self._packer.pack(self._lengths, seed=seed)
+                self._log_overlong(self._plan)
+        return self._plan
+
+    def _log_remainder(self, ep: _Epoch) -> None:
+        if not self._logs():
+            return
+        s = ep.schedule
+        for bins, what, level in ((s.dropped_bins, "left out", logging.WARNING),
+                                  (s.repeated_bins, "scheduled a second time", logging.INFO)):
+            if bins.size:
+                logger.log(
+                    level, "DistributedPackedBatchSampler: remainder=%r %s %d of %d rows (%d samples, %d tokens) in "
+                    "epoch %d so that all %d ranks get %d steps of %d rows", self.remainder, what, bins.size,
+                    ep.plan.num_bins, self._samples_of(ep.plan, bins).size, int(s.tokens[bins].sum()), ep.epoch,
+                    self.num_replicas, s.num_steps, self.micro_batch_size,
+                )
+
+    # ---- what the epoch is made of ---------------------------------------------------------------
+
+    @property
+    def plan(self) -> PackResult:
+        """The packing plan of the current epoch (bins of sample ids)."""
+        return self._current().plan
+
+    @property
+    def schedule(self) -> BalancedSteps:
+        """The current epoch's steps: ``schedule.steps[s, r]`` are the bins of rank ``r`` in step ``s``, with the
+        imbalance metrics of :class:`~padfree.BalancedSteps`."""
+        return self._current().schedule
+
+    @property
+    def dropped_samples(self) -> np.ndarray:
+        """``(d,) int64`` — sample ids in the rows that ``remainder="drop"`` leaves out of the current epoch."""
+        ep = self._current()
+        return self._samples_of(ep.plan, ep.schedule.dropped_bins)
+
+    @property
+    def repeated_samples(self) -> np.ndarray:
+        """``(r,) int64`` — sample ids in the rows that ``remainder="repeat"`` schedules twice in the current epoch
+        (once per repeat; a sample split into pieces appears once per repeated piece)."""
+        ep = self._current()
+        return self._samples_of(ep.plan, ep.schedule.repeated_bins)
+
+    @staticmethod
+    def _samples_of(plan: PackResult, bins: np.ndarray) -> np.ndarray:
+        """Sample ids of ``bins`` (in that order), bin after bin: one gather, no loop over samples."""
+        starts = plan.bin_offsets[bins]
+        sizes = plan.bin_offsets[bins + 1] - starts
+        offsets = np.cumsum(sizes) - sizes
+        return plan.order[np.repeat(starts - offsets, sizes) + np.arange(int(sizes.sum()), dtype=np.int64)]
+
+    def summary(self) -> str:
+        """The current epoch in two lines: rows, steps, what was dropped or repeated, and the imbalance left."""
+        ep = self._current()
+        s = ep.schedule
+        rest = (f"{s.dropped_bins.size} rows dropped ({self.dropped_samples.size} samples, "
+                f"{int(s.tokens[s.dropped_bins].sum())} tokens), {s.repeated_bins.size} repeated"
+                if s.dropped_bins.size else
+                f"0 rows dropped, {s.repeated_bins.size} repeated ({self.repeated_samples.size} samples, "
+                f"{int(s.tokens[s.repeated_bins].sum())} tokens)")
+        return (
+            f"epoch {ep.epoch}: {ep.plan.num_bins} rows of {ep.plan.num_sequences} samples -> {s.num_steps} steps x "
+            f"{self.num_replicas} ranks x {self.micro_batch_size} rows; {rest};\nidle from imbalance: tokens "
+            f"{100 * s.token_imbalance:.3f}%, attention cost {100 * s.cost_imbalance:.3f}%"
+        )
+
+    # ---- iteration -------------------------------------------------------------------------------
+
+    def __len__(self) -> int:
+        """Micro-batches this sampler yields in the current epoch: the same on every rank (``num_replicas`` times
+        more with ``all_ranks``)."""
+        steps = self._current().schedule.num_steps
+        return steps * self.num_replicas if self.all_ranks else steps
+
+    def __iter__(self) -> Iterator[list[int]]:
+        ep = self._current()
+        steps = ep.schedule.steps  # (num_steps, num_replicas, micro_batch_size)
+        # step-major, rank-minor: the order BatchSamplerShard deals back out to the processes
+        bins = steps.reshape(-1, self.micro_batch_size) if self.all_ranks else steps[:, self.rank, :]
+        if ep.row_of_bin is not None:
+            yield from ep.row_of_bin[bins].tolist()
+            return
+        flat = bins.reshape(-1)
+        indices = self._samples_of(ep.plan, flat)
+        sizes = (ep.plan.bin_offsets[flat + 1] - ep.plan.bin_offsets[flat]).reshape(bins.shape).sum(axis=1)
+        offsets = np.concatenate(([0], np.cumsum(sizes))).tolist()
+        for a, b in itertools.pairwise(offsets):  # one slice per micro-batch
+            yield indices[a:b].tolist()
+
+    def __repr__(self) -> str:
+        source = "PackingDataset" if self._dataset is not None else "lengths" if self._packer else "PackResult"
+        return (
+            f"DistributedPackedBatchSampler(data={source}, capacity={self.capacity}, num_replicas={self.num_replicas}"
+            f", rank={'all' if self.all_ranks else self.rank}, micro_batch_size={self.micro_batch_size}, "
+            f"seed={self.seed}, shuffle={self.shuffle}, remainder={self.remainder!r}, epoch={self.epoch})"
+        )
+

@@ -1,0 +1,465 @@
+"""DistributedPackedBatchSampler: two real gloo processes (equal steps, disjoint and complete coverage, reruns
+identical, a DDP step on a tiny Llama), coverage over random lengths and world sizes, accelerate's re-sharding,
+PackingDataset rows, one clear error per bad argument."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import logging
+import os
+import pickle
+import socket
+import time
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+torch = pytest.importorskip("torch")
+
+import torch.distributed as dist  # noqa: E402
+import torch.multiprocessing as mp  # noqa: E402
+from torch.nn.parallel import DistributedDataParallel  # noqa: E402
+from torch.utils.data import DataLoader  # noqa: E402
+
+import padfree  # noqa: E402
+from padfree import InvalidArgumentError, InvalidLengthsError, Packer, pack_sequences  # noqa: E402
+from padfree.data.batch import packed_collate_fn  # noqa: E402
+from padfree.data.datasets import PackingDataset  # noqa: E402
+from padfree.integrations.distributed import DistributedPackedBatchSampler  # noqa: E402
+from zoo import tiny_model  # noqa: E402
+
+DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
+CAPACITY = 2048
+SEED = 7
+
+
+def _gsm8k_lengths() -> np.ndarray:
+    """Characters of every GSM8K record (instruction + input + output): 7,473 real, long-tailed lengths."""
+    records = json.loads((DATA / "gsm8k_train.json").read_text())
+    return np.array([len(r["instruction"]) + len(r["input"]) + len(r["output"]) for r in records], np.int64)
+
+
+def _samplers(lengths, capacity, world, **kwargs):
+    return [DistributedPackedBatchSampler(lengths, capacity, num_replicas=world, rank=r, **kwargs)
+            for r in range(world)]
+
+
+def _idle(per_step_rank: np.ndarray) -> float:
+    """``Σ_steps max_rank / Σ_steps mean_rank - 1`` over a ``(steps, ranks)`` load matrix."""
+    return float(per_step_rank.max(axis=1).sum() / per_step_rank.mean(axis=1).sum() - 1.0)
+
+
+# --------------------------------------------------------------------------------------------------
+# Two real processes on the gloo backend
+# --------------------------------------------------------------------------------------------------
+
+
+def _ddp_samples(n: int = 40) -> list[dict]:
+    """Real text as byte-level token ids (the tiny model's vocabulary is 96): GSM8K records cut to <= 120 tokens."""
+    records = json.loads((DATA / "gsm8k_train.json").read_text())[:n]
+    out = []
+    for r in records:
+        raw = np.frombuffer((r["instruction"] + "\n" + r["output"]).encode(), np.uint8)
+        out.append({"input_ids": torch.from_numpy(3 + raw[: max(8, min(120, raw.size // 4))] % 93).long()})
+    return out
+
+
+def _train(samples: list[dict], sampler: DistributedPackedBatchSampler) -> tuple[list[float], list[int], float]:
+    """One epoch of DDP over gloo: ``(losses, real tokens per step on this rank, parameter checksum)``."""
+
+
+    model = tiny_model("llama", seed=0)
+    padfree.configure_packing(model)
+    ddp = DistributedDataParallel(model)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
+    # micro_batch_size=2: next fit keeps every micro-batch within 2 rows; the ranks' batches differ in shape
+    loader = DataLoader(samples, batch_sampler=sampler, collate_fn=packed_collate_fn(128, strategy="nf"))
+    losses, tokens = [], []
+    for batch in loader:
+        loss = ddp(**batch.model_inputs()).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+        tokens.append(batch.num_tokens)
+    checksum = float(sum(p.detach().double().sum() for p in model.parameters()))
+    return losses, tokens, checksum
+
+
+def _worker(rank: int, world: int, tmp: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=90))
+    try:
+        lengths = np.load(f"{tmp}/lengths.npy")
+        out: dict = {}
+        for remainder, mbs in (("repeat", 1), ("drop", 2)):
+            sampler = DistributedPackedBatchSampler(lengths, CAPACITY, micro_batch_size=mbs, remainder=remainder,
+                                                    seed=SEED)  # rank and world size from the process group
+            out[remainder, "group"] = (sampler.rank, sampler.num_replicas)
+            for epoch in (0, 1):
+                sampler.set_epoch(epoch)
+                out[remainder, epoch] = list(sampler)
+                out[remainder, epoch, "len"] = len(sampler)
+                out[remainder, epoch, "special"] = (sampler.dropped_samples, sampler.repeated_samples)
+            again = DistributedPackedBatchSampler(lengths, CAPACITY, micro_batch_size=mbs, remainder=remainder,
+                                                  seed=SEED)
+            again.set_epoch(1)
+            out[remainder, "rerun"] = list(again)
+        samples = _ddp_samples()
+        runs = []
+        for _ in range(2):  # the whole epoch twice: a rerun gives the same losses, bit for bit
+            sampler = DistributedPackedBatchSampler([len(s["input_ids"]) for s in samples], 128, micro_batch_size=2,
+                                                    seed=SEED)
+            runs.append(_train(samples, sampler))
+        checksums = [None] * world
+        dist.all_gather_object(checksums, runs[0][2])
+        out["train"] = runs
+        out["checksums"] = checksums
+        with open(f"{tmp}/rank{rank}.pkl", "wb") as f:
+            pickle.dump(out, f)
+    finally:
+        dist.destroy_process_group()
+
+
+def _run_two(fn, tmp: Path, *args) -> list[dict]:
+    """Run ``fn(rank, 2, tmp, *args)`` on 2 forked processes; fail, never hang, if they do not finish in time.
+
+    Forked, like DataLoader workers on Linux, so the children start with this process's imports (spawning two
+    interpreters that import torch and transformers costs ~20 s on 2 cores); each child uses one thread."""
+    ctx = mp.start_processes(fn, args=(2, str(tmp), *args), nprocs=2, join=False, start_method="fork")
+    deadline = time.monotonic() + 150
+    while not ctx.join(timeout=1):
+        if time.monotonic() > deadline:
+            for p in ctx.processes:
+                p.terminate()
+            pytest.fail("the 2-process gloo run did not finish within 150 s (a hang)")
+    return [pickle.loads((tmp / f"rank{r}.pkl").read_bytes()) for r in range(2)]
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    """:func:`_worker` on 2 processes over gloo."""
+    tmp = tmp_path_factory.mktemp("gloo")
+    np.save(tmp / "lengths.npy", _gsm8k_lengths())
+    # warm up here what both children need (transformers' Llama modules, the packing and row kernels): forked
+    # children inherit it instead of each paying for it
+    tiny_model("llama")
+    packed_collate_fn(128, strategy="nf")(_ddp_samples(4))
+    return _run_two(_worker, tmp)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("remainder", ["repeat", "drop"])
+def test_two_gloo_ranks_cover_the_data_once_in_equal_steps(two_ranks, remainder):
+    lengths = _gsm8k_lengths()
+    assert [r[remainder, "group"] for r in two_ranks] == [(0, 2), (1, 2)]
+    for epoch in (0, 1):
+        got = [r[remainder, epoch] for r in two_ranks]
+        assert len(got[0]) == len(got[1]) == two_ranks[0][remainder, epoch, "len"] > 400
+        dropped, repeated = two_ranks[0][remainder, epoch, "special"]
+        seen = Counter(i for rank in got for batch in rank for i in batch)
+        if remainder == "drop":
+            assert repeated.size == 0 and dropped.size > 0
+            assert sorted(seen) == sorted(set(range(lengths.size)) - set(dropped.tolist()))
+            assert set(seen.values()) == {1}  # disjoint across ranks and batches
+        else:
+            assert dropped.size == 0 and repeated.size > 0
+            assert sorted(seen) == list(range(lengths.size))
+            assert seen == Counter(range(lengths.size)) + Counter(repeated.tolist())  # exactly the listed repeats
+        # what each process computed from the process group is what explicit arguments give in this process
+        mbs = 1 if remainder == "repeat" else 2
+        for rank, sampler in enumerate(_samplers(lengths, CAPACITY, 2, micro_batch_size=mbs, remainder=remainder,
+                                                 seed=SEED)):
+            sampler.set_epoch(epoch)
+            assert list(sampler) == got[rank]
+    for r in two_ranks:
+        assert r[remainder, "rerun"] == r[remainder, 1]  # a fresh sampler, same seed and epoch: same batches
+        assert r[remainder, 0] != r[remainder, 1]  # another epoch, another order
+    # token balance of the steps as the processes yielded them: every rank of a step does nearly the same work
+    load = np.array([[lengths[b].sum() for b in rank] for rank in (r[remainder, 0] for r in two_ranks)]).T
+    assert _idle(load) < 0.01
+
+
+@pytest.mark.slow
+def test_ddp_step_on_a_tiny_llama_runs_without_a_hang(two_ranks):
+    (losses0, tokens0, _), (losses0b, _, _) = two_ranks[0]["train"]
+    (losses1, tokens1, _), _ = two_ranks[1]["train"]
+    assert len(losses0) == len(losses1) > 3  # every rank made the same number of optimizer steps
+    assert tokens0 != tokens1  # ... on different amounts of data
+    assert all(np.isfinite(losses0 + losses1))
+    assert losses0 == losses0b  # rerun: identical to the bit
+    c0, c1 = two_ranks[0]["checksums"]
+    assert c0 == c1  # DDP kept the replicas identical
+
+
+class _RecordingCollator:
+    """``packed_collate_fn`` that first notes which samples (their ``idx``) each batch holds."""
+
+    def __init__(self, log: list) -> None:
+        self.log = log
+        self.collate = packed_collate_fn(128, strategy="nf", return_dict=True)
+
+    def __call__(self, samples: list[dict]) -> dict:
+        self.log.append([s["idx"] for s in samples])
+        return self.collate([{"input_ids": s["input_ids"]} for s in samples])
+
+
+def _trainer_worker(rank: int, world: int, tmp: str, port: int) -> None:
+    """The Hugging Face Trainer sets up the process group itself (accelerate, from the launcher's variables)."""
+    import warnings
+
+    import transformers
+    from accelerate.state import AcceleratorState
+
+    torch.set_num_threads(1)
+    warnings.filterwarnings("ignore", message="OMP_NUM_THREADS")
+    AcceleratorState._reset_state(True)  # a state made in the parent before the fork would say "one process"
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    samples = [dict(s, idx=i) for i, s in enumerate(_ddp_samples())]
+    lengths = [len(s["input_ids"]) for s in samples]
+    log: list = []
+
+    class PackedTrainer(transformers.Trainer):  # the recipe of the class docstring
+        def get_train_dataloader(self):
+            sampler = DistributedPackedBatchSampler(lengths, 128, num_replicas=self.accelerator.num_processes,
+                                                    all_ranks=True, micro_batch_size=2, seed=SEED)
+            loader = DataLoader(self.train_dataset, batch_sampler=sampler, collate_fn=_RecordingCollator(log))
+            return self.accelerator.prepare(loader)
+
+    args = transformers.TrainingArguments(output_dir=tmp, num_train_epochs=2, use_cpu=True, report_to=[],
+                                          save_strategy="no", logging_strategy="no", disable_tqdm=True)
+    model = tiny_model("llama")
+    padfree.configure_packing(model)
+    trainer = PackedTrainer(model=model, args=args, train_dataset=samples)
+    trainer.train()
+    with open(f"{tmp}/rank{rank}.pkl", "wb") as f:
+        pickle.dump({"batches": log, "steps": trainer.state.global_step, "group": (args.process_index,
+                                                                                  args.world_size)}, f)
+
+
+@pytest.mark.slow
+def test_hf_trainer_on_two_ranks_trains_exactly_the_schedule(tmp_path):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    tiny_model("llama")  # warm-up inherited by both children
+    results = _run_two(_trainer_worker, tmp_path, port)
+    lengths = [len(s["input_ids"]) for s in _ddp_samples()]
+    assert [r["group"] for r in results] == [(0, 2), (1, 2)]  # the Trainer's own process group
+    for rank, result in enumerate(results):
+        expected = []
+        for epoch in (0, 1):  # the Trainer called set_epoch: epoch 1 is the sampler's epoch 1
+            sampler = DistributedPackedBatchSampler(lengths, 128, num_replicas=2, rank=rank, micro_batch_size=2,
+                                                    seed=SEED)
+            sampler.set_epoch(epoch)
+            expected += list(sampler)
+        assert result["batches"] == expected  # accelerate's re-sharding handed each rank exactly its micro-batches
+        assert result["steps"] == len(expected)
+
+
+# --------------------------------------------------------------------------------------------------
+# One process, explicit ranks
+# --------------------------------------------------------------------------------------------------
+
+
+@given(
+    lengths=st.lists(st.integers(1, 300), min_size=0, max_size=150),
+    world=st.integers(1, 5),
+    mbs=st.integers(1, 3),
+    remainder=st.sampled_from(["repeat", "drop"]),
+    strategy=st.sampled_from(["obfd", "ffs", "nf"]),
+    shuffle=st.booleans(),
+    epoch=st.integers(0, 3),
+)
+@settings(max_examples=60, deadline=None)
+def test_every_sample_once_per_epoch_on_some_rank(lengths, world, mbs, remainder, strategy, shuffle, epoch):
+    capacity = 512
+    ranks = _samplers(lengths, capacity, world, micro_batch_size=mbs, remainder=remainder, strategy=strategy,
+                      shuffle=shuffle, seed=3)
+    for s in ranks:
+        s.set_epoch(epoch)
+    batches = [list(s) for s in ranks]
+    assert len({len(b) for b in batches}) == 1 and len(batches[0]) == len(ranks[0])
+    seen = Counter(i for rank in batches for batch in rank for i in batch)
+    everything = Counter(range(len(lengths)))
+    dropped, repeated = ranks[0].dropped_samples.tolist(), ranks[0].repeated_samples.tolist()
+    if remainder == "drop":
+        assert repeated == [] and seen == everything - Counter(dropped)
+    else:
+        assert dropped == [] and seen == everything + Counter(repeated)
+    # with all_ranks the stream interleaves the ranks step by step
+    merged = DistributedPackedBatchSampler(lengths, capacity, num_replicas=world, all_ranks=True, micro_batch_size=mbs,
+                                           remainder=remainder, strategy=strategy, shuffle=shuffle, seed=3)
+    merged.set_epoch(epoch)
+    assert list(merged) == [b for step in zip(*batches, strict=True) for b in step]
+    # every micro-batch fits its rows: next fit over the samples as yielded never needs more than mbs rows
+    arr = np.asarray(lengths, np.int64)
+    for rank in batches:
+        for batch in rank:
+            assert Packer(capacity, "nf").pack(arr[batch]).num_bins <= mbs
+
+
+def test_balance_on_real_lengths_beats_sharding_rows_by_count():
+    """Idle time from imbalance on GSM8K (2 ranks, rows of 2048 characters) against DistributedSampler-like
+    round-robin dealing of the shuffled rows."""
+    lengths = _gsm8k_lengths()
+    sampler = DistributedPackedBatchSampler(lengths, CAPACITY, num_replicas=2, rank=0, seed=SEED)
+    sched = sampler.schedule
+    assert sched.token_imbalance < 0.005 and sched.cost_imbalance < 0.005
+    plan = sampler.plan
+    cost = np.add.reduceat(plan.placed_lengths ** 2, plan.bin_offsets[:-1])
+    naive = np.random.default_rng(0).permutation(plan.num_bins)[: plan.num_bins // 2 * 2].reshape(-1, 2)
+    assert _idle(cost[naive]) > 20 * sched.cost_imbalance
+    assert "idle from imbalance" in sampler.summary()
+
+
+def test_shuffle_false_and_epochs():
+    lengths = _gsm8k_lengths()[:500]
+    fixed = DistributedPackedBatchSampler(lengths, CAPACITY, num_replicas=2, rank=1, shuffle=False)
+    first = list(fixed)
+    fixed.set_epoch(5)
+    assert list(fixed) == first  # no shuffle: the epoch changes nothing
+    ffs = DistributedPackedBatchSampler(lengths, CAPACITY, num_replicas=2, rank=1, strategy="ffs", seed=1)
+    rows0 = {tuple(sorted(b)) for b in ffs}
+    ffs.set_epoch(1)
+    assert {tuple(sorted(b)) for b in ffs} != rows0  # a randomized strategy repacks every epoch
+
+
+def test_packing_dataset_rows():
+    records = json.loads((DATA / "gsm8k_train.json").read_text())[:300]
+    samples = [list((r["instruction"] + "\n" + r["output"]).encode()) for r in records]
+    ds = PackingDataset(samples, max_length=256, overlong="split", seed=4)
+    ranks = [DistributedPackedBatchSampler(ds, num_replicas=3, rank=r, remainder="drop", seed=2) for r in range(3)]
+    collate = packed_collate_fn(256)
+    for epoch in (0, 1):
+        for s in ranks:
+            s.set_epoch(epoch)
+        assert ds.epoch == epoch  # forwarded
+        got = [list(s) for s in ranks]
+        rows = Counter(i for rank in got for batch in rank for i in batch)
+        dropped_rows = ranks[0].schedule.dropped_bins.size
+        assert set(rows.values()) == {1} and len(rows) == len(ds) - dropped_rows
+        # row index i of the dataset is bin order[i] of the plan: the sampler's bins are the rows it yields
+        bins = ranks[0].schedule.steps[:, 0, 0]
+        assert [ds.order[b[0]] for b in got[0]] == bins.tolist()
+        # a collator keeps the row's sequence boundaries: the row comes back as one packed row
+        batch = next(iter(DataLoader(ds, batch_sampler=ranks[1], collate_fn=collate)))
+        row = ds[got[1][0][0]]
+        assert batch.input_ids.shape[0] == 1
+        assert batch.input_ids[0, : row["input_ids"].numel()].tolist() == row["input_ids"].tolist()
+        assert batch.seq_lens.tolist() == row["seq_lens"].tolist()
+    with pytest.raises(InvalidArgumentError, match="strategy apply only"):
+        DistributedPackedBatchSampler(ds, num_replicas=1, strategy="ffs")
+    with pytest.raises(InvalidArgumentError, match="capacity=100 differs"):
+        DistributedPackedBatchSampler(ds, 100, num_replicas=1)
+    ds.load_state_dict(ds.state_dict(2))
+    with pytest.raises(InvalidArgumentError, match="resumed with load_state_dict"):
+        list(DistributedPackedBatchSampler(ds, num_replicas=1))
+
+
+def test_accelerate_reshards_batch_samplers():
+    """accelerate's prepare wraps any batch sampler in BatchSamplerShard (process p keeps batches p, p + W, ...):
+    the all_ranks stream comes out as each rank's own micro-batches; a rank-aware sampler would lose half of them."""
+    from accelerate.data_loader import prepare_data_loader
+
+    lengths = _gsm8k_lengths()[:400]
+    for even_batches in (True, False):
+        for p in (0, 1):
+            stream = DistributedPackedBatchSampler(lengths, CAPACITY, num_replicas=2, all_ranks=True, seed=SEED)
+            loader = DataLoader(list(range(lengths.size)), batch_sampler=stream, collate_fn=list)
+            prepared = prepare_data_loader(loader, num_processes=2, process_index=p, put_on_device=False,
+                                           even_batches=even_batches)
+            expected = DistributedPackedBatchSampler(lengths, CAPACITY, num_replicas=2, rank=p, seed=SEED)
+            assert len(prepared) == len(expected)
+            assert list(prepared) == list(expected)
+            prepared.set_epoch(3)  # what the Trainer calls: reaches the sampler through BatchSamplerShard
+            assert stream.epoch == 3
+            expected.set_epoch(3)
+            assert list(prepared) == list(expected)
+    own = DistributedPackedBatchSampler(lengths, CAPACITY, num_replicas=2, rank=0, seed=SEED)
+    loader = DataLoader(list(range(lengths.size)), batch_sampler=own, collate_fn=list)
+    prepared = prepare_data_loader(loader, num_processes=2, process_index=0, put_on_device=False)
+    assert list(prepared) == list(own)[::2]  # the pitfall all_ranks avoids: re-sharded, half the data lost
+
+
+def test_remainder_is_logged_never_silent(caplog):
+    lengths = [300, 300, 300, 300, 300]  # 5 rows of 512 for 2 ranks
+    with caplog.at_level(logging.INFO, logger="padfree"):
+        drop = DistributedPackedBatchSampler(lengths, 512, num_replicas=2, rank=0, remainder="drop")
+        assert len(drop) == 2 and drop.dropped_samples.size == 1
+        repeat = DistributedPackedBatchSampler(lengths, 512, num_replicas=2, rank=0, remainder="repeat")
+        assert len(repeat) == 3 and repeat.repeated_samples.size == 1
+        DistributedPackedBatchSampler(lengths, 512, num_replicas=2, rank=1, remainder="drop").schedule  # noqa: B018
+    messages = [(r.levelno, r.getMessage()) for r in caplog.records]
+    assert (logging.WARNING, "DistributedPackedBatchSampler: remainder='drop' left out 1 of 5 rows (1 samples, 300 "
+            "tokens) in epoch 0 so that all 2 ranks get 2 steps of 1 rows") in messages
+    assert any(level == logging.INFO and "scheduled a second time" in m for level, m in messages)
+    assert len(messages) == 2  # rank 1 computes the same and stays quiet
+
+
+def test_overlong_samples_are_counted_and_logged(caplog):
+    with caplog.at_level(logging.WARNING, logger="padfree"):
+        s = DistributedPackedBatchSampler([10, 900, 20], 512, num_replicas=1, overlong="drop")
+    assert s.plan.dropped.tolist() == [1] and sorted(i for b in s for i in b) == [0, 2]
+    assert "dropped 1 samples (900 tokens)" in caplog.text
+
+
+def test_plan_as_data():
+    plan = pack_sequences([5, 3, 4, 2, 6], capacity=8)
+    s = DistributedPackedBatchSampler(plan, num_replicas=1, shuffle=False)
+    assert sorted(map(sorted, s)) == sorted(map(sorted, plan.bins))
+    split = pack_sequences([5, 12], capacity=8, overlong="split")
+    with pytest.raises(InvalidArgumentError, match="PackingDataset built with overlong='split'"):
+        DistributedPackedBatchSampler(split, num_replicas=1)
+
+
+def test_rank_and_world_size_defaults(monkeypatch):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    s = DistributedPackedBatchSampler([5, 6], 8)
+    assert (s.num_replicas, s.rank) == (1, 0)
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    with pytest.raises(InvalidArgumentError, match="WORLD_SIZE='4'"):
+        DistributedPackedBatchSampler([5, 6], 8)
+    with pytest.raises(InvalidArgumentError, match=r"rank is None with num_replicas=4"):
+        DistributedPackedBatchSampler([5, 6], 8, num_replicas=4)
+    assert DistributedPackedBatchSampler([5, 6], 8, num_replicas=4, all_ranks=True).rank == 0
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        (dict(num_replicas=2, rank=2), InvalidArgumentError, r"rank must be an integer in \[0, 2\).*got 2"),
+        (dict(num_replicas=0, rank=0), InvalidArgumentError, "num_replicas must be an integer >= 1, got 0"),
+        (dict(num_replicas=1, micro_batch_size=0), InvalidArgumentError, "micro_batch_size must be an integer >= 1"),
+        (dict(num_replicas=1, remainder="pad"), InvalidArgumentError, "remainder must be one of 'repeat', 'drop'"),
+        (dict(num_replicas=1, seed=None), InvalidArgumentError, "seed must be an integer >= 0, got None"),
+        (dict(num_replicas=1, shuffle=1), InvalidArgumentError, "shuffle must be True or False"),
+        (dict(num_replicas=1, all_ranks="yes"), InvalidArgumentError, "all_ranks must be True or False"),
+        (dict(num_replicas=1, overlong="split"), InvalidArgumentError, "overlong='split' cannot be used"),
+        (dict(num_replicas=1, strategy="best"), InvalidArgumentError, "strategy must be one of"),
+        (dict(capacity=None, num_replicas=1), InvalidArgumentError, "capacity is required"),
+    ],
+)
+def test_bad_arguments(kwargs, error, match):
+    kwargs = {"capacity": 8, **kwargs}
+    with pytest.raises(error, match=match):
+        DistributedPackedBatchSampler([5, 6, 7], **kwargs)
+
+
+def test_bad_data():
+    with pytest.raises(InvalidLengthsError, match=r"data\[1\] = 0.*a PackResult or a PackingDataset"):
+        DistributedPackedBatchSampler([5, 0], 8, num_replicas=1)
+    with pytest.raises(InvalidArgumentError, match="pass its per-sample lengths"):
+        DistributedPackedBatchSampler(torch.utils.data.TensorDataset(torch.zeros(3)), 8, num_replicas=1)
+    s = DistributedPackedBatchSampler([5], 8, num_replicas=1)
+    with pytest.raises(InvalidArgumentError, match="epoch must be an integer >= 0, got -1"):
+        s.set_epoch(-1)
+    assert list(DistributedPackedBatchSampler([], 8, num_replicas=2, rank=1)) == []
+    assert "rank=1" in repr(DistributedPackedBatchSampler([5], 8, num_replicas=2, rank=1))
