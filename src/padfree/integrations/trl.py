@@ -1,0 +1,543 @@
+"""padfree for TRL's ``SFTTrainer``: exact padding-free batching by default, exact global packing on request.
+
+``padfree.SFTTrainer`` is a drop-in subclass of ``trl.SFTTrainer`` (same arguments; ``padfree.enable(MyTrainer)``
+does the same for your own subclass). TRL still reads, formats and tokenizes the data — chat templates,
+prompt-completion and assistant masks work as before — and padfree replaces what makes a batch:
+
+``"padding-free batching"`` (automatic when safe, or ``padding_free=True``)
+    Every loader batch of tokenized samples becomes one row: sequences back to back, ``position_ids`` restarting
+    at each, the first label of each ``-100``, no padding and no ``attention_mask`` (:class:`PackedRowsCollator`).
+``"sample packing"`` (``packing=True``)
+    The whole tokenized dataset is packed at once by padfree's engine (best fit decreasing, ``obfd``) into rows of at
+    most ``max_length`` tokens — not TRL's blocks of 1,000 rows — and rows are collated as above.
+    ``packing_strategy="bfd"`` (TRL's default) truncates sequences longer than ``max_length`` first, as TRL does;
+    ``"bfd_split"`` splits them into pieces that are sequences of their own; a padfree strategy name (``"ffd"``,
+    ...) picks that strategy; ``"wrapped"`` (cutting sequences mid-way) is refused.
+``"standard batching"``
+    TRL's own padded batches, untouched.
+
+In both padfree modes the model goes through :func:`padfree.configure_packing` — attention (and recurrent state,
+for hybrid models) that stops at every boundary — which fails closed: a model it cannot make exact raises
+:class:`~padfree.errors.UnsupportedModelError` instead of training on contaminated attention. Completion-only and
+assistant-only losses keep working: TRL's label masks are carried into the packed rows.
+
+**Automatic padding-free batching is skipped**, with the reason logged, when
+
+- the environment variable ``PADFREE_DISABLE_AUTO_PADDING_FREE=1`` is set, or the config has
+  ``auto_padding_free=False`` (:class:`SFTConfig`, or that attribute set on a ``trl.SFTConfig``);
+- the environment asks for logits to be returned (``PADFREE_RETURN_LOGITS=1``, or Unsloth's
+  ``UNSLOTH_RETURN_LOGITS=1``): a padding-free forward returns one flattened row of logits, not one per sample;
+- a ``data_collator`` is given (padfree would have to replace it);
+- ``processing_class`` is a ``ProcessorMixin`` (a multimodal processor), or the model is a vision-language model
+  (or the dataset holds images);
+- the model type is on padfree's blocklist: every type that is not in ``configure_packing``'s support registry
+  (:func:`blocklist_reason`).
+
+**Explicit settings always win** over the automatic choice: ``packing=True`` / ``padding_free=True`` turn padfree
+on even with the environment opt-out set, and refuse (naming why) what they cannot do exactly — a custom collator, a
+processor, a VLM, a blocklisted model, ``max_length`` missing with packing. With :class:`SFTConfig`, whose
+``packing`` and ``padding_free`` default to None ("decide for me"), ``padding_free=False`` is an explicit opt-out
+too; a plain ``trl.SFTConfig`` cannot tell ``False`` from its default, so use the opt-outs above.
+
+After construction ``trainer.args.packing`` and ``trainer.args.padding_free`` tell the truth, and
+``padfree.packing_status(trainer)`` says which mode is active and why (also logged through the ``padfree`` logger).
+padfree's loss rule (:mod:`padfree.integrations.trainer`) makes the loss the token mean of the optimizer step
+(``padfree_loss="sequence"``: the mean of per-sequence means), and :class:`PackingTelemetryCallback` is added when a
+padfree mode is on.
+
+Typical use::
+
+    from padfree import SFTConfig, SFTTrainer, packing_status
+    trainer = SFTTrainer(model=model, args=SFTConfig("out", packing=True, max_length=2048),
+                         train_dataset=dataset, processing_class=tokenizer)
+    print(packing_status(trainer))   # padfree: sample packing (packing=True); 7473 sequences in 512 rows, ...
+    trainer.train()
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import logging
+import os
+from typing import Any
+
+from padfree.errors import (
+    BackendUnavailableError,
+    DataLoadError,
+    InvalidArgumentError,
+    UnsupportedModelError,
+    describe,
+)
+from padfree.integrations.trainer import (
+    LOSS_MODES,
+    PACKING,
+    PADDING_FREE,
+    STANDARD,
+    PackedRowsCollator,
+    PackingStatus,
+    PadfreeTrainerMixin,
+    _model_facts,
+    _unwrap,
+    pack_for_trainer,
+    reduce_loss,
+)
+from padfree.packing.inputs import as_choice
+from padfree.packing.strategies import DEFAULT_STRATEGY, STRATEGIES
+
+try:
+    import datasets
+    import torch
+    import transformers
+    import trl
+except ImportError as exc:  # pragma: no cover - trl is installed wherever this module is used
+    raise BackendUnavailableError(
+        "padfree.integrations.trl needs trl, transformers and datasets; pip install 'padfree[trl]'"
+    ) from exc
+
+__all__ = [
+    "ENV_DISABLE_AUTO",
+    "ENV_RETURN_LOGITS",
+    "SFTConfig",
+    "SFTTrainer",
+    "blocklist_reason",
+]
+
+logger = logging.getLogger("padfree")
+
+ENV_DISABLE_AUTO = "PADFREE_DISABLE_AUTO_PADDING_FREE"
+ENV_RETURN_LOGITS = ("PADFREE_RETURN_LOGITS", "UNSLOTH_RETURN_LOGITS")
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("", "0", "false", "no", "off")
+_TRL_STRATEGIES = {"bfd": "error", "bfd_split": "split"}  # TRL's name -> overlong policy after TRL's truncation
+
+
+@dataclasses.dataclass
+class SFTConfig(trl.SFTConfig):
+    """``trl.SFTConfig`` whose ``packing`` / ``padding_free`` can say "decide for me", plus padfree's options.
+
+    Args:
+        packing: True: padfree's global packing; False: no packing; None (default): no packing.
+        padding_free: True: padding-free batching; False: explicitly off (standard batching); None (default):
+            padfree decides (on when safe, see the module docstring).
+        auto_padding_free: False turns the automatic choice off (as ``PADFREE_DISABLE_AUTO_PADDING_FREE=1`` does).
+        padfree_loss: ``"token"`` (token mean over the optimizer step) or ``"sequence"`` (mean of per-sequence
+            means over the step).
+        padfree_telemetry: add :class:`~padfree.integrations.trainer.PackingTelemetryCallback` when a padfree mode
+            is on.
+
+    Every other argument is ``trl.SFTConfig``'s (``max_length`` is the row length when packing).
+
+    >>> cfg = SFTConfig("out", report_to="none", use_cpu=True)
+    >>> cfg.packing, cfg.padding_free, cfg.auto_padding_free, cfg.padfree_loss
+    (None, None, True, 'token')
+    """
+
+    packing: bool | None = dataclasses.field(
+        default=None, metadata={"help": "True: padfree's global packing (rows of max_length). None/False: none."})
+    padding_free: bool | None = dataclasses.field(
+        default=None, metadata={"help": "True: padding-free batching; False: off; None: padfree decides."})
+    auto_padding_free: bool = dataclasses.field(
+        default=True, metadata={"help": "Let padfree turn padding-free batching on when it is safe."})
+    padfree_loss: str = dataclasses.field(
+        default="token", metadata={"help": "'token' (token mean of the optimizer step) or 'sequence'.",
+                                   "choices": list(LOSS_MODES)})
+    padfree_telemetry: bool = dataclasses.field(
+        default=True, metadata={"help": "Log packing telemetry when a padfree mode is on."})
+
+
+# --------------------------------------------------------------------------------------------------
+# The decision
+# --------------------------------------------------------------------------------------------------
+
+
+def blocklist_reason(model_type: str | None) -> str | None:
+    """Why padfree refuses to pack ``model_type`` (None: it is supported).
+
+    The blocklist is the complement of ``configure_packing``'s support registry
+    (:data:`padfree.model.configure.SUPPORTED_MODEL_TYPES`, with the hybrid types the mixers add): a model type
+    joins the registry when the packed-vs-separate test matrix proves it exact, so anything else would risk
+    attention or recurrent state leaking across packed sequences.
+
+    >>> blocklist_reason("llama") is None
+    True
+    >>> print(blocklist_reason("gpt2"))
+    model type 'gpt2' is on padfree's blocklist (configure_packing's support registry does not cover it, so packed
+    sequences could see each other)
+    """
+    from padfree.model import configure
+
+    configure._load_mixers()  # the hybrid model types join the registry when the mixers load
+    if model_type in configure.SUPPORTED_MODEL_TYPES:
+        return None
+    return (f"model type {model_type!r} is on padfree's blocklist (configure_packing's support registry does not "
+            f"cover it, so packed sequences could see each other)")
+
+
+def _env_flag(name: str) -> bool:
+    value = os.environ.get(name)
+    if value is None:
+        return False
+    if value.strip().lower() in _TRUE:
+        return True
+    if value.strip().lower() in _FALSE:
+        return False
+    raise InvalidArgumentError(f"environment variable {name}={value!r} is not a flag; accepted: "
+                               f"{', '.join(map(repr, _TRUE))} (on) or {', '.join(map(repr, _FALSE))} (off)")
+
+
+@dataclasses.dataclass
+class _Decision:
+    mode: str
+    reason: str
+    auto: bool
+    strategy: str = DEFAULT_STRATEGY
+    overlong: str = "error"
+
+
+def _model_config(model: Any, args: Any) -> Any:
+    if isinstance(model, str):
+        kwargs = dict(args.model_init_kwargs or {}) if isinstance(args.model_init_kwargs, dict) else {}
+        try:
+            return transformers.AutoConfig.from_pretrained(
+                model, trust_remote_code=args.trust_remote_code, revision=kwargs.get("revision"))
+        except Exception as exc:  # unreadable here; TRL reports it properly when it loads the model
+            logger.debug("padfree: could not read the config of %r: %s", model, exc)
+            return None
+    return getattr(_unwrap(model), "config", None)
+
+
+def _vlm_reason(model: Any, config: Any, sample: Any) -> str | None:
+    from transformers.models.auto import modeling_auto
+
+    if config is not None:
+        model_type = getattr(config, "model_type", None)
+        vlm_types = set(getattr(modeling_auto, "MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES", {}))
+        vlm_types |= set(getattr(modeling_auto, "MODEL_FOR_VISION_2_SEQ_MAPPING_NAMES", {}))
+        if getattr(config, "vision_config", None) is not None or model_type in vlm_types:
+            name = model if isinstance(model, str) else type(_unwrap(model)).__name__
+            return f"the model is a vision-language model ({name}, model type {model_type!r})"
+    if isinstance(sample, dict) and ("image" in sample or "images" in sample):
+        return "the dataset holds images (vision-language data is processed on the fly, one padded batch at a time)"
+    return None
+
+
+def _first_sample(dataset: Any) -> Any:
+    try:
+        return next(iter(dataset))
+    except Exception:  # an empty or broken dataset: TRL says what is wrong with it
+        return None
+
+
+def _check_columns(dataset: Any, args: Any, formatting_func: Any) -> None:
+    """A dataset TRL can tokenize: ``input_ids``, the text field, messages, or prompt + completion."""
+    if dataset is None or formatting_func is not None or (args.dataset_kwargs or {}).get("skip_prepare_dataset"):
+        return
+    names = getattr(dataset, "column_names", None)
+    if names is None:
+        sample = _first_sample(dataset)
+        names = list(sample) if isinstance(sample, dict) else None
+    if names is None:
+        return
+    ok = ("input_ids" in names or args.dataset_text_field in names or "messages" in names
+          or "conversations" in names or {"prompt", "completion"} <= set(names) or "image" in names
+          or "images" in names)
+    if not ok:
+        raise DataLoadError(
+            f"train_dataset has columns {sorted(names)}: no 'input_ids' and no text field "
+            f"{args.dataset_text_field!r} (dataset_text_field); accepted: tokenized rows ('input_ids', optional "
+            f"'labels'), a text column named by dataset_text_field, 'messages', or 'prompt' + 'completion' — or "
+            f"pass formatting_func"
+        )
+
+
+def _strategy(args: Any) -> tuple[str, str]:
+    name = args.packing_strategy
+    if name in _TRL_STRATEGIES:
+        return DEFAULT_STRATEGY, _TRL_STRATEGIES[name]
+    if name in STRATEGIES:
+        return name, "error"
+    raise InvalidArgumentError(
+        f"packing_strategy={describe(name)} is not one padfree packs exactly; accepted: 'bfd' (TRL's default: "
+        f"truncate to max_length, then padfree's best fit decreasing over the whole dataset), 'bfd_split' (split "
+        f"longer sequences into pieces) or a padfree strategy ({', '.join(STRATEGIES)}). 'wrapped' cuts sequences "
+        f"at row ends, which changes what the model is trained on; use trl.SFTTrainer for it"
+    )
+
+
+def _refuse(setting: str, model: Any, config: Any, processing_class: Any, data_collator: Any, sample: Any) -> None:
+    """The checks an explicit ``packing=True`` / ``padding_free=True`` must pass."""
+    if data_collator is not None:
+        raise InvalidArgumentError(
+            f"{setting} needs padfree's exact collator, but a custom data_collator ({type(data_collator).__name__}) "
+            f"was given; drop data_collator (padfree collates packed rows itself), or unset {setting} to train with "
+            f"your collator"
+        )
+    if isinstance(processing_class, transformers.ProcessorMixin):
+        raise InvalidArgumentError(
+            f"{setting} with processing_class={type(processing_class).__name__} (a ProcessorMixin): padfree packs "
+            f"text-only causal LMs; pass the tokenizer ({type(processing_class).__name__}.tokenizer) or unset "
+            f"{setting}"
+        )
+    vlm = _vlm_reason(model, config, sample)
+    if vlm is not None:
+        raise UnsupportedModelError(f"{setting}: {vlm}; padfree packs text-only causal LMs — unset {setting}")
+    why = blocklist_reason(getattr(config, "model_type", None))
+    if why is not None:
+        from padfree.model.configure import SUPPORTED_MODEL_TYPES
+
+        supported = ", ".join(sorted(SUPPORTED_MODEL_TYPES))
+        raise UnsupportedModelError(f"{setting}: {why}; supported model types: {supported}; unset {setting} to train "
+                                    f"with standard batching")
+
+
+def _decide(args: Any, model: Any, config: Any, processing_class: Any, data_collator: Any, train_dataset: Any,
+            formatting_func: Any) -> _Decision:
+    packing, padding_free = args.packing, args.padding_free
+    for name, value in (("packing", packing), ("padding_free", padding_free)):
+        if value is not None and not isinstance(value, bool):
+            raise InvalidArgumentError(f"{name} must be True, False or None (padfree decides), got {describe(value)}")
+    explicit = isinstance(args, SFTConfig)  # a plain trl.SFTConfig cannot tell False from its default
+    _check_columns(train_dataset, args, formatting_func)
+    sample = _first_sample(train_dataset) if train_dataset is not None else None
+    if packing:
+        if explicit and padding_free is False:
+            raise InvalidArgumentError("packing=True with padding_free=False: padfree's packed rows are collated "
+                                       "without padding; drop padding_free=False, or unset packing")
+        _refuse("packing=True", model, config, processing_class, data_collator, sample)
+        max_length = args.max_length
+        if max_length is None or isinstance(max_length, bool) or not isinstance(max_length, int) or max_length < 1:
+            raise InvalidArgumentError(f"packing=True needs max_length, the tokens of one packed row: an int >= 1, "
+                                       f"got max_length={describe(max_length)}")
+        if isinstance(train_dataset, datasets.IterableDataset):
+            raise InvalidArgumentError(
+                "packing=True packs the whole dataset at once, which needs a datasets.Dataset; train_dataset is an "
+                "IterableDataset — use padding_free=True, or padfree.IterablePackingDataset with a plain Trainer")
+        strategy, overlong = _strategy(args)
+        return _Decision(PACKING, f"packing=True: global {strategy} packing into rows of max_length={max_length}",
+                         auto=False, strategy=strategy, overlong=overlong)
+    if padding_free:
+        _refuse("padding_free=True", model, config, processing_class, data_collator, sample)
+        return _Decision(PADDING_FREE, "padding_free=True", auto=False)
+    if explicit and padding_free is False:
+        return _Decision(STANDARD, "padding_free=False", auto=False)
+    skip = _skip_reason(args, model, config, processing_class, data_collator, sample)
+    if skip is not None:
+        return _Decision(STANDARD, f"auto padding-free skipped: {skip}", auto=True)
+    return _Decision(PADDING_FREE, f"auto: model type {config.model_type!r} is packing-exact under "
+                                   f"configure_packing", auto=True)
+
+
+def _skip_reason(args: Any, model: Any, config: Any, processing_class: Any, data_collator: Any, sample: Any
+                 ) -> str | None:
+    if _env_flag(ENV_DISABLE_AUTO):
+        return f"{ENV_DISABLE_AUTO}={os.environ[ENV_DISABLE_AUTO]} is set"
+    if getattr(args, "auto_padding_free", True) is False:
+        return "the config sets auto_padding_free=False"
+    for name in ENV_RETURN_LOGITS:
+        if _env_flag(name):
+            return (f"{name}={os.environ[name]} asks for logits to be returned, and a padding-free forward returns "
+                    f"one flattened row of logits instead of one per sample")
+    if data_collator is not None:
+        return f"a custom data_collator ({type(data_collator).__name__}) was given"
+    if isinstance(processing_class, transformers.ProcessorMixin):
+        return f"processing_class is a ProcessorMixin ({type(processing_class).__name__}), i.e. a multimodal processor"
+    vlm = _vlm_reason(model, config, sample)
+    if vlm is not None:
+        return vlm
+    if config is None:
+        return "the model's config could not be read"
+    return blocklist_reason(getattr(config, "model_type", None))
+
+
+def _configure(model: Any, decision: _Decision) -> None:
+    from padfree.integrations.trainer import _configure as configure
+
+    try:
+        configure(model)
+    except UnsupportedModelError as exc:
+        how = (f"set {ENV_DISABLE_AUTO}=1 or auto_padding_free=False to train with standard batching"
+               if decision.auto else "unset packing / padding_free to train with standard batching")
+        raise UnsupportedModelError(f"padfree cannot run {decision.mode} ({decision.reason}) exactly: {exc}; {how}"
+                                    ) from exc
+
+
+# --------------------------------------------------------------------------------------------------
+# The trainer
+# --------------------------------------------------------------------------------------------------
+
+
+def _as_config(args: Any, model: Any) -> Any:
+    """``args`` as a TRL config, built the way ``trl.SFTTrainer`` builds it (a padfree :class:`SFTConfig` when
+    none is given, so that padfree decides)."""
+    if args is None:
+        name = model if isinstance(model, str) else getattr(getattr(model, "config", None), "_name_or_path", "") or (
+            type(model).__name__)
+        return SFTConfig(f"{str(name).split('/')[-1]}-SFT")
+    if isinstance(args, trl.SFTConfig):
+        return args
+    if isinstance(args, transformers.TrainingArguments):
+        values = args.to_dict()
+        values["hub_token"] = args.hub_token
+        return SFTConfig(**values)
+    raise InvalidArgumentError(f"args must be an SFTConfig (padfree's or trl's) or TrainingArguments, got "
+                               f"{describe(args)}")
+
+
+class _SFTMixin(PadfreeTrainerMixin):
+    """What :class:`SFTTrainer` adds to ``trl.SFTTrainer`` (and :func:`padfree.enable` to its subclasses)."""
+
+    _padfree_decision: _Decision | None = None
+
+    def __init__(self, model: Any, args: Any = None, data_collator: Any = None, train_dataset: Any = None,
+                 eval_dataset: Any = None, processing_class: Any = None, *rest: Any, **kwargs: Any) -> None:
+        args = _as_config(args, model)
+        loss = as_choice(getattr(args, "padfree_loss", "token"), "padfree_loss", LOSS_MODES)
+        if loss == "sequence" and (args.loss_type != "nll" or args.label_smoothing_factor > 0
+                                   or kwargs.get("compute_loss_func") is not None):
+            raise InvalidArgumentError(
+                f"padfree_loss='sequence' computes the negative log-likelihood itself; it cannot be combined with "
+                f"loss_type={args.loss_type!r}, label_smoothing_factor={args.label_smoothing_factor} or a "
+                f"compute_loss_func (accepted: loss_type='nll', no label smoothing, no compute_loss_func)")
+        config = _model_config(model, args)
+        decision = _decide(args, model, config, processing_class, data_collator, train_dataset,
+                           kwargs.get("formatting_func"))
+        self._padfree_decision = decision
+        self._padfree_plans: dict[str, Any] = {}
+        on = decision.mode != STANDARD
+        if on and not isinstance(model, str):
+            _configure(model, decision)  # fail before tokenizing anything
+        # TRL tokenizes and builds its padded pipeline; padfree packs the tokenized data and swaps the collator
+        args.packing, args.padding_free = False, False
+        try:
+            super().__init__(model, args, data_collator, train_dataset, eval_dataset, processing_class, *rest,
+                             **kwargs)
+        finally:
+            args.packing, args.padding_free = decision.mode == PACKING, on
+        if on:
+            _configure(self.model, decision)  # a model given by name was loaded by TRL; else already configured
+            self.padding_free = True
+            self.data_collator = PackedRowsCollator()
+        self._padfree_setup(loss, telemetry=on and bool(getattr(args, "padfree_telemetry", True)))
+        plan = self._padfree_plans.get("train")
+        self._padfree_status = PackingStatus(
+            mode=decision.mode, reason=decision.reason, auto=decision.auto, packing=decision.mode == PACKING,
+            padding_free=on, loss=loss, efficiency=None if plan is None else float(plan.efficiency),
+            rows=None if plan is None else int(plan.num_bins),
+            sequences=None if plan is None else int(plan.num_pieces), **_model_facts(self.model))
+        logger.info("%s", self._padfree_status)
+
+    # ---- data ------------------------------------------------------------------------------------------
+
+    def _prepare_dataset(self, dataset: Any, processing_class: Any, args: Any, packing: bool, formatting_func: Any,
+                         dataset_name: str) -> Any:
+        decision = self._padfree_decision
+        if decision is None or decision.mode == STANDARD:
+            return super()._prepare_dataset(dataset, processing_class, args, packing, formatting_func, dataset_name)
+        if dataset_name == "train":
+            pack = decision.mode == PACKING
+        else:
+            pack = decision.mode == PACKING if args.eval_packing is None else bool(args.eval_packing)
+        names = getattr(dataset, "column_names", None) or ()
+        if "seq_lens" in names:  # already packed by padfree (evaluate() prepares its datasets again)
+            return dataset
+        prep_args = args
+        if pack and decision.overlong == "split":
+            prep_args = copy.copy(args)  # keep whole sequences: padfree splits them into pieces
+            prep_args.max_length = None
+        dataset = super()._prepare_dataset(dataset, processing_class, prep_args, False, formatting_func, dataset_name)
+        if not pack:
+            return dataset
+        if not isinstance(dataset, datasets.Dataset):
+            raise InvalidArgumentError(f"packing the {dataset_name} dataset needs a datasets.Dataset, got "
+                                       f"{describe(dataset)}; set eval_packing=False or padding_free=True")
+        columns = [c for c in ("input_ids", "labels") if c in dataset.column_names]
+        rows, plan = pack_for_trainer(dataset.select_columns(columns), args.max_length, decision.strategy,
+                                      seed=args.seed, overlong=decision.overlong, return_result=True)
+        self._padfree_plans[dataset_name] = plan
+        logger.info("padfree: packed the %s dataset — %d sequences (%d pieces) into %d rows of max_length=%d (%s, "
+                    "efficiency %.2f%%)", dataset_name, plan.num_sequences, plan.num_pieces, plan.num_bins,
+                    args.max_length, decision.strategy, 100 * plan.efficiency)
+        return rows
+
+    def _set_signature_columns_if_needed(self) -> None:
+        super()._set_signature_columns_if_needed()
+        decision = self._padfree_decision
+        if decision is not None and decision.mode != STANDARD and self._signature_columns is not None:
+            self._signature_columns = [*self._signature_columns, "seq_lens", "position_ids"]
+
+    # ---- loss ------------------------------------------------------------------------------------------
+
+    def compute_loss(self, model: Any, inputs: dict[str, Any], return_outputs: bool = False,
+                     num_items_in_batch: Any = None) -> Any:
+        trl_loss = super(PadfreeTrainerMixin, self).compute_loss  # TRL's (or the user's subclass's) compute_loss
+        if self.padfree_loss is None or "labels" not in inputs:
+            return trl_loss(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
+        if self.padfree_loss == "token":
+            denom = self._padfree_denominator(0, num_items_in_batch)
+            if denom is not None and self.args.average_tokens_across_devices:
+                # TRL divides by the count, then multiplies by its world size: hand it the count that leaves
+                # Σ loss · world / (targets of the step)
+                denom = denom * max(self.accelerator.num_processes // self._trl_tp(), 1)
+            out = trl_loss(model, inputs, return_outputs=return_outputs, num_items_in_batch=denom)
+            if denom is None and self.model.training:
+                out = (out[0] / self.current_gradient_accumulation_steps, out[1]) if return_outputs else (
+                    out / self.current_gradient_accumulation_steps)
+            return out
+        return self._sequence_loss(model, inputs, return_outputs, num_items_in_batch)
+
+    def _trl_tp(self) -> int:
+        getter = getattr(self, "get_tp_size", None)
+        return int(getter()) if callable(getter) else 1
+
+    def _sequence_loss(self, model: Any, inputs: dict[str, Any], return_outputs: bool, num_items_in_batch: Any
+                       ) -> Any:
+        mode = "train" if self.model.training else "eval"
+        inputs["use_cache"] = False
+        if self.aux_loss_enabled:
+            inputs["output_router_logits"] = True
+        outputs = model(**inputs, fused_lm_head=True)
+        denom = self._padfree_denominator(1, num_items_in_batch)
+        loss = reduce_loss(-outputs.log_probs, outputs.label_mask, inputs, "sequence", denom,
+                           shifted="shift_labels" not in inputs)
+        loss = self._padfree_unscaled(loss, denom)
+        if self.aux_loss_enabled:
+            loss = loss + self.router_aux_loss_coef * outputs.aux_loss / (
+                self.current_gradient_accumulation_steps if self.model.training else 1)
+        # the metrics TRL's compute_loss records
+        gather = self.accelerator.gather_for_metrics
+        num_valid = gather(outputs.label_mask.sum()).sum()
+        entropy = gather(outputs.entropy.detach().sum()).sum()
+        correct = gather(outputs.is_top1.sum()).sum()
+        self._metrics[mode]["entropy"].append((entropy / num_valid).item() if num_valid > 0 else 0.0)
+        self._metrics[mode]["mean_token_accuracy"].append((correct / num_valid).item() if num_valid > 0 else 0.0)
+        if mode == "train":
+            ref = inputs.get("attention_mask")
+            local = ref.sum() if ref is not None else torch.tensor(inputs["position_ids"].numel(),
+                                                                   device=inputs["position_ids"].device)
+            self._total_train_tokens += gather(local).sum().item() // self._tp_size
+        self._metrics[mode]["num_tokens"] = [self._total_train_tokens]
+        if return_outputs:
+            with torch.no_grad():
+                outputs = model(**{k: v for k, v in inputs.items() if k != "labels"})
+            return loss, outputs
+        return loss
+
+
+class SFTTrainer(_SFTMixin, trl.SFTTrainer):
+    """``trl.SFTTrainer`` with exact padding-free batching (automatic when safe) and exact global packing
+    (``packing=True``): see the module docstring for the modes, the skip reasons and the opt-outs.
+
+    Takes exactly ``trl.SFTTrainer``'s arguments. ``args`` may be a ``trl.SFTConfig`` or padfree's
+    :class:`SFTConfig` (whose ``packing`` / ``padding_free`` default to None, "padfree decides", and which adds
+    ``auto_padding_free``, ``padfree_loss`` and ``padfree_telemetry``); when it is None, a padfree
+    :class:`SFTConfig` is made. After construction, ``padfree.packing_status(trainer)`` reports the mode and why.
+
+    Raises:
+        InvalidArgumentError: ``packing=True`` / ``padding_free=True`` with a custom ``data_collator`` or a
+            ``ProcessorMixin``; ``packing=True`` without ``max_length >= 1``, with ``packing_strategy="wrapped"`` or
+            an ``IterableDataset``.
+        UnsupportedModelError: an explicit padfree mode on a vision-language or blocklisted model, or a model that
+            ``configure_packing`` cannot make exact.
+        DataLoadError: a dataset without ``input_ids``, without the text field and without messages or
+            prompt/completion columns.
+    """

@@ -1,0 +1,228 @@
+"""padfree's Hugging Face ``Trainer`` pieces: the loss rule (one optimizer step over 4 accumulated micro-batches of
+packed rows moves every parameter exactly as the unpacked loss does), the telemetry, the collator and the dataset
+helper, ``packing_status`` and ``enable`` — with the real ``transformers.Trainer``, real GSM8K records tokenized
+offline with the Mistral 7B SentencePiece vocabulary, and a tiny random-weight llama on the CPU."""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import shutil
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+datasets = pytest.importorskip("datasets")
+mistral_common = pytest.importorskip("mistral_common")
+
+from padfree.errors import InvalidArgumentError, InvalidSampleError, UnsupportedModelError  # noqa: E402
+from padfree.integrations.trainer import (  # noqa: E402
+    PackedRowsCollator,
+    PackingTelemetryCallback,
+    Trainer,
+    count_loss_items,
+    enable,
+    pack_for_trainer,
+    packing_status,
+    token_losses,
+)
+
+DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k_train.json"
+datasets.disable_progress_bars()
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def samples(tmp_path_factory):
+    """GSM8K records as prompt (masked) + answer, at most 96 tokens each."""
+    folder = tmp_path_factory.mktemp("spm")
+    shutil.copy(Path(mistral_common.__file__).parent / "data" / "tokenizer.model.v1", folder / "tokenizer.model")
+    tok = transformers.LlamaTokenizer.from_pretrained(str(folder))
+    out = []
+    for r in json.loads(DATA.read_text())[:64]:
+        prompt = tok(r["instruction"])["input_ids"][:60]
+        answer = [*tok(r["output"], add_special_tokens=False)["input_ids"][: 96 - len(prompt) - 1], tok.eos_token_id]
+        out.append({"input_ids": prompt + answer, "labels": [-100] * len(prompt) + answer})
+    return out
+
+
+def llama(seed=0):
+    torch.manual_seed(seed)
+    config = transformers.LlamaConfig(vocab_size=32000, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+    return transformers.LlamaForCausalLM(config)
+
+
+def sgd_args(out, batch, **kwargs):
+    return transformers.TrainingArguments(
+        output_dir=str(out), per_device_train_batch_size=batch, gradient_accumulation_steps=4, max_steps=1,
+        learning_rate=1.0, lr_scheduler_type="constant", optim="sgd", max_grad_norm=0.0, weight_decay=0.0,
+        report_to="none", use_cpu=True, save_strategy="no", logging_steps=1, disable_tqdm=True, seed=0, **kwargs)
+
+
+def reference_grads(model, seqs, mode):
+    """The gradient of the unpacked loss: every sequence alone, Σ token losses / Σ targets (or the mean of the
+    per-sequence means)."""
+    model.zero_grad()
+    total, count, means = 0.0, 0, []
+    for s in seqs:
+        loss, mask = token_losses(model(input_ids=torch.tensor([s["input_ids"]])).logits,
+                                  {"labels": torch.tensor([s["labels"]])})
+        total, count = total + loss.sum(), count + int(mask.sum())
+        means.append(loss.sum() / mask.sum())
+    (total / count if mode == "token" else torch.stack(means).mean()).backward()
+    return {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def micro_batch_mean_grads(model, batches):
+    """What a trainer that averages each micro-batch's own token mean over the accumulation steps would use."""
+    model.zero_grad()
+    losses = []
+    for b in batches:
+        loss, mask = token_losses(model(input_ids=b["input_ids"], position_ids=b["position_ids"]).logits, b)
+        losses.append(loss.sum() / mask.sum())
+    torch.stack(losses).mean().backward()
+    return {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def update_diff(model, before, grads):
+    return max(float((p.detach() - before[n] + grads[n]).abs().max()) for n, p in model.named_parameters())
+
+
+def test_count_loss_items():
+    unpacked = {"labels": torch.tensor([[5, 6, 7, -100], [8, 9, -100, -100]])}  # right padding, no positions
+    assert count_loss_items(unpacked) == (3, 2)  # the first token of a row is a label but never a target
+    packed = {"labels": torch.tensor([[-100, 6, 7, -100, 9, -100]]),
+              "position_ids": torch.tensor([[0, 1, 2, 0, 1, 0]])}
+    assert count_loss_items(packed) == (3, 2)
+    prompt_only = {"labels": torch.tensor([[-100, -100, -100, -100, 9]]),
+                   "position_ids": torch.tensor([[0, 1, 2, 0, 1]])}
+    assert count_loss_items(prompt_only) == (1, 1)  # a sequence without a target does not count
+    shifted = {"shift_labels": torch.tensor([[6, 7, -100, 9, -100]]), "position_ids": torch.tensor([[0, 1, 2, 0, 1]])}
+    assert count_loss_items(shifted) == (3, 2)
+
+
+@pytest.mark.parametrize("mode", ["token", "sequence"])
+def test_gradient_accumulation_4_packed_rows_equal_unpacked(samples, tmp_path, mode, caplog):
+    """The issue's test: one optimizer step with gradient accumulation 4 over globally packed rows gives the
+    parameter update of the unpacked loss (SGD, lr 1: the update is minus the gradient)."""
+    caplog.set_level(logging.INFO, logger="padfree")
+    seqs = samples[:24]
+    for n in range(24, 40):  # a set of sequences that packs into a multiple of 4 rows: 4 full micro-batches
+        rows = pack_for_trainer(datasets.Dataset.from_list(samples[:n]), max_length=160)
+        if len(rows) % 4 == 0:
+            seqs = samples[:n]
+            break
+    assert len(rows) % 4 == 0 and len(rows) < len(seqs)
+    model = llama()
+    reference = copy.deepcopy(model)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    trainer = Trainer(model=model, args=sgd_args(tmp_path, len(rows) // 4), train_dataset=rows,
+                      data_collator=PackedRowsCollator(), padfree_loss=mode)
+    status = packing_status(trainer)
+    assert status.mode == "sample packing" and status.attention == "padfree_sdpa" and status.loss == mode
+    assert "padfree: sample packing" in caplog.text
+    batches = list(trainer.get_train_dataloader())
+    assert len(batches) == 4 and all(int((b["position_ids"] == 0).sum()) > 1 for b in batches)
+    trainer.train()
+    assert trainer.state.global_step == 1
+    diff = update_diff(model, before, reference_grads(copy.deepcopy(reference), seqs, mode))
+    assert diff <= 1e-5, diff
+    if mode == "token":  # the test can tell: averaging each micro-batch's own mean moves the weights elsewhere
+        wrong = update_diff(model, before, micro_batch_mean_grads(copy.deepcopy(reference), batches))
+        assert wrong > 100 * max(diff, 1e-7), (wrong, diff)
+    log = trainer.state.log_history[0]
+    assert log["padfree/real_token_fraction"] == 1.0 and log["padfree/attention"] == "padfree_sdpa"
+    assert log["padfree/sequences_per_row"] > 2 and 0 < log["padfree/attention_flops_saved"] < 1
+
+
+def test_gradient_accumulation_4_padding_free_equal_unpacked(samples, tmp_path):
+    """The same rule for padding-free batches of unpacked samples (each micro-batch flattened into one row)."""
+    model = llama()
+    reference = copy.deepcopy(model)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    trainer = Trainer(model=model, args=sgd_args(tmp_path, 3), train_dataset=datasets.Dataset.from_list(samples[:12]),
+                      data_collator=PackedRowsCollator())
+    assert packing_status(trainer).mode == "padding-free batching"
+    trainer.train()
+    assert update_diff(model, before, reference_grads(reference, samples[:12], "token")) <= 1e-5
+
+
+def test_telemetry_on_padded_and_packed_batches():
+    cb = PackingTelemetryCallback(pad_token_ids=(0,))
+    padded = {"input_ids": torch.tensor([[5, 6, 7, 8], [5, 6, 0, 0]]), "attention_mask": torch.tensor([[1, 1, 1, 1],
+                                                                                                      [1, 1, 0, 0]]),
+              "labels": torch.tensor([[5, 6, 7, 8], [5, 6, -100, -100]])}
+    cb.observe(padded)
+    m = cb.pop_metrics()
+    assert m["padfree/real_token_fraction"] == 0.75 and m["padfree/sequences_per_row"] == 1.0
+    assert m["padfree/attention_flops_saved"] == 0.0  # padded batching saves nothing against itself
+    assert cb.pop_metrics() == {}  # counts start afresh after every log
+    packed = packed_collate_rows()
+    cb.observe(packed)
+    cb.observe(packed)
+    m = cb.pop_metrics()
+    # rows [4, 2 | pad 2] and [3 | pad 5]: 9 real of 16 positions, 3 sequences in 2 rows; Σ len² = 29 vs 3 · 4²
+    assert m["padfree/real_token_fraction"] == 9 / 16 and m["padfree/sequences_per_row"] == 1.5
+    assert m["padfree/attention_flops_saved"] == pytest.approx(1 - 29 / 48)
+
+
+def packed_collate_rows():
+    from padfree.data.batch import packed_collate_fn
+
+    return packed_collate_fn(8, return_dict=True)([[11, 12, 13, 14], [21, 22], [31, 32, 33]])
+
+
+def test_collator_and_dataset_helper():
+    rows = pack_for_trainer({"input_ids": [[1, 2, 3], [4, 5], [6, 7, 8, 9]], "labels": [[-100, 2, 3], [4, 5],
+                                                                                          [6, 7, 8, 9]]}, max_length=6)
+    collate = PackedRowsCollator()
+    full = collate([rows[0], rows[1]])
+    # the Trainer drops seq_lens (not a forward argument): the boundaries come back from position_ids
+    dropped = collate([{k: v for k, v in r.items() if k != "seq_lens"} for r in (rows[0], rows[1])])
+    assert all(torch.equal(full[k], dropped[k]) for k in ("input_ids", "labels", "position_ids"))
+    assert full["position_ids"].tolist() == [[0, 1, 2, 3, 0, 1, 0, 1, 2]]
+    assert full["labels"].tolist() == [[-100, 7, 8, 9, -100, 5, -100, 2, 3]]
+    with pytest.raises(InvalidSampleError, match=r"samples\[0\]\['position_ids'\] must restart at 0"):
+        collate([{"input_ids": [1, 2, 3], "position_ids": [1, 2, 3]}])
+    for bad in (0, None, 2.5, True):
+        with pytest.raises(InvalidArgumentError, match="max_length must be an int >= 1"):
+            pack_for_trainer({"input_ids": [[1, 2]]}, max_length=bad)
+
+
+def test_status_enable_and_refusals(samples, tmp_path):
+    ds = datasets.Dataset.from_list(samples[:4])
+    args = transformers.TrainingArguments(output_dir=str(tmp_path), report_to="none", use_cpu=True)
+    stock = transformers.Trainer(model=llama(), args=args, train_dataset=ds)
+    status = packing_status(stock)
+    assert status.mode == "standard batching" and "not built by padfree" in status.reason
+    plain = Trainer(model=llama(), args=args, train_dataset=ds)
+    assert packing_status(plain).mode == "standard batching" and packing_status(plain).loss == "token"
+
+    class Mine(transformers.Trainer):
+        marker = True
+
+    assert enable(transformers.Trainer) is Trainer
+    mine = enable(Mine)
+    assert issubclass(mine, Mine) and mine.marker and enable(mine) is mine
+    built = mine(model=llama(), args=args, train_dataset=ds, data_collator=PackedRowsCollator())
+    assert packing_status(built).mode == "padding-free batching"
+    with pytest.raises(InvalidArgumentError, match=r"enable takes a subclass of transformers\.Trainer"):
+        enable(dict)
+    with pytest.raises(InvalidArgumentError, match="padfree_loss must be one of"):
+        Trainer(model=llama(), args=args, train_dataset=ds, padfree_loss="mean")
+    gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=64, n_embd=32, n_layer=1, n_head=4))
+    with pytest.raises(UnsupportedModelError, match="gpt2"):
+        Trainer(model=gpt2, args=args, train_dataset=ds, data_collator=PackedRowsCollator())
+    with pytest.raises(InvalidArgumentError, match=r"trainer must be a transformers\.Trainer"):
+        packing_status(object())
