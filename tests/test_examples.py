@@ -38,3 +38,13 @@ def test_configure_and_verify():
 @pytest.mark.parametrize("script", sorted(p.name for p in EXAMPLES.glob("*.py")))
 def test_every_example_is_covered(script):
     assert f'"{script}"' in Path(__file__).read_text(), f"examples/{script} has no test here"
+
+
+def test_sft_trainer():
+    out = run("sft_trainer.py", "--steps", "1")
+    assert "padfree: sample packing" in out and "padfree/real_token_fraction" in out
+
+
+def test_hf_trainer():
+    out = run("hf_trainer.py", "--steps", "1")
+    assert "padfree: sample packing" in out and "padfree/sequences_per_row" in out
