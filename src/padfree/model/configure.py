@@ -1,8 +1,10 @@
 """``configure_packing(model)``: make one Hugging Face causal LM packing-exact, or refuse.
 
-The call identifies the model type and every sequence-mixing module, switches attention to a padfree backend
-(:mod:`padfree.model.attention`, registered through transformers' own interfaces), turns the cache off for training
-and installs a forward hook on the model's decoder that, for every call,
+The call identifies the model type and every sequence-mixing module — attention layers, and the recurrent /
+convolutional mixers of hybrid and state-space models (:mod:`padfree.model.mixers`) — switches attention to a padfree
+backend (:mod:`padfree.model.attention`, registered through transformers' own interfaces), turns the cache off for
+training and installs a forward hook on the model's decoder (on the model itself for state-space models, whose
+forwards take no ``position_ids``) that, for every call,
 
 1. reads the batch's boundaries — ``position_ids`` that restart, a LLaMA-Factory segment ``attention_mask``
    (``[1, 1, 2, 2, 2, 0]``) or flash-style ``cu_seq_lens_q`` — into a :class:`~padfree.model.packed.PackedLayout`;
@@ -33,6 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import inspect
 import logging
 import re
 import sys
@@ -92,12 +95,18 @@ SUPPORTED_MODEL_TYPES: dict[str, str] = {
     "smollm3": "",
 }
 
-# Class-name fragments of sequence mixers other than attention: recurrent state or a short causal convolution that
-# runs across packed boundaries unless it is told where sequences start.
+# Class-name fragments of sequence mixers other than attention: recurrent state, a short causal convolution or a
+# token shift that runs across packed boundaries unless it is told where sequences start. Linear-attention classes
+# named *Attention (DeltaAttention, LightningAttention, RWKV's SelfAttention) are mixers, not softmax attention;
+# top-k key indexers of sparse attention score every key of the row, so they refuse too until proven.
 _MIXER_PATTERN = re.compile(
-    r"Mamba|GatedDeltaNet|DeltaNet|ShortConv|SSM|LinearAttention|RWKV|Retention|Hyena|LSTM|Lstm|Recurrent|RgLru|"
-    r"Mixer$|Conv1d"
+    r"Mamba|GatedDeltaNet|DeltaNet|DeltaAttention|LightningAttention|ShortConv|SSM|LinearAttention|(?i:rwkv)|"
+    r"Retention|Hyena|LSTM|Lstm|Recurrent|RgLru|Mixer$|Conv1d|NGram|CCAProjection|TokenShift|TimeMix|Indexer$"
 )
+# Classes the scan never takes for a mixer although their names match: per-token norms (MambaRMSNormGated) and
+# rotary tables. Models (PreTrainedModel) and decoder layers (GradientCheckpointingLayer) are containers: the scan
+# looks inside them instead (MambaForCausalLM, JambaMambaDecoderLayer).
+_NOT_A_MIXER = re.compile(r"Norm(Gated)?$|RotaryEmbedding$")
 
 # Mixer class name -> installer(module, state) returning a description of the exact implementation it installed.
 # Filled by padfree.model.mixers for the kinds it can make exact; everything else found by _MIXER_PATTERN refuses.
@@ -118,7 +127,9 @@ class PackingReport:
         reason: why that backend (``auto``'s choice, or the request).
         kernels: optional kernels importable here and whether they can run (name -> bool).
         attention_modules: qualified names of the attention modules, now boundary-exact.
-        mixers: qualified name -> implementation, for every other sequence mixer made exact.
+        mixers: qualified name -> implementation, for every other sequence mixer made exact: for its scan and its
+            conv, the kernel selected or the exact torch reference, and why (a kernel that is not installed, cannot
+            run here, failed to import, or failed at its first call — the entry is rewritten then).
         unsupported: qualified name -> what is missing, for every module padfree could not make exact.
         supported: the model type is in the registry and nothing is unsupported.
         cache_disabled: ``config.use_cache`` was switched off (packed training never uses a cache).
@@ -134,6 +145,14 @@ class PackingReport:
     supported: bool
     cache_disabled: bool
 
+    @property
+    def mixer_kinds(self) -> dict[str, list[str]]:
+        """Implementation -> the mixers running it (one entry per kind of mixer, however many layers)."""
+        kinds: dict[str, list[str]] = {}
+        for qual, impl in self.mixers.items():
+            kinds.setdefault(impl, []).append(qual)
+        return kinds
+
     def __str__(self) -> str:
         lines = [
             f"model type      {self.model_type} ({'supported' if self.supported else 'NOT supported'})",
@@ -142,7 +161,9 @@ class PackingReport:
             "kernels         " + ", ".join(f"{k} {'yes' if v else 'no'}" for k, v in self.kernels.items()),
             f"cache           {'switched off for training' if self.cache_disabled else 'already off'}",
         ]
-        lines += [f"mixer           {name}: {impl}" for name, impl in self.mixers.items()]
+        for impl, quals in self.mixer_kinds.items():  # one line per kind of mixer, not per layer
+            where = quals[0] if len(quals) == 1 else f"{len(quals)} layers ({quals[0]}, ...)"
+            lines.append(f"mixers          {where}: {impl}")
         lines += [f"UNSUPPORTED     {name}: {why}" for name, why in self.unsupported.items()]
         return "\n".join(lines)
 
@@ -227,16 +248,27 @@ def _check_model(model: Any) -> tuple[torch.nn.Module, str]:
 
 def _scan(model: torch.nn.Module) -> tuple[list[tuple[str, torch.nn.Module]], list[tuple[str, torch.nn.Module]]]:
     """``(attention modules, other sequence mixers)`` by qualified name; a mixer's submodules are not listed."""
+    from transformers import PreTrainedModel
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
     attention, mixers = [], []
     for name, module in model.named_modules():
         cls = type(module).__name__
         if any(name.startswith(m + ".") for m, _ in mixers):
+            continue
+        if isinstance(module, (PreTrainedModel, GradientCheckpointingLayer)) or _NOT_A_MIXER.search(cls):
             continue
         if cls.endswith("Attention") and hasattr(module, "config") and not _MIXER_PATTERN.search(cls):
             attention.append((name, module))
         elif _MIXER_PATTERN.search(cls) or isinstance(module, torch.nn.Conv1d):
             mixers.append((name, module))
     return attention, mixers
+
+
+def _takes_positions(module: torch.nn.Module) -> bool:
+    """Whether ``module.forward`` has a ``position_ids`` parameter (mamba-family models have none: a packed
+    ``position_ids`` passed to them would vanish into ``**kwargs``)."""
+    return "position_ids" in inspect.signature(type(module).forward).parameters
 
 
 def _features(model: torch.nn.Module, attention: list[tuple[str, torch.nn.Module]], config: Any) -> dict[str, bool]:
@@ -325,7 +357,10 @@ def configure_packing(model: Any, *, backend: str = "auto", strict: bool = True)
     attention, mixers = _scan(model)
     kernels = _kernels()
     device = next(model.parameters()).device
-    name, reason = _choose_backend(backend, device, _features(model, attention, config), kernels)
+    if attention:
+        name, reason = _choose_backend(backend, device, _features(model, attention, config), kernels)
+    else:  # a pure state-space model: its mixers are its only token mixing
+        name, reason = "none", "the model has no attention layers (its sequence mixers are made exact instead)"
     state = _State(name, report=None)  # type: ignore[arg-type]
 
     unsupported: dict[str, str] = {}
@@ -334,18 +369,22 @@ def configure_packing(model: Any, *, backend: str = "auto", strict: bool = True)
             f"model type {model_type!r} is not in padfree's support registry (it joins when the packed-vs-separate "
             f"test matrix covers it); supported: {', '.join(sorted(SUPPORTED_MODEL_TYPES))}"
         )
-    if not attention:
-        unsupported[type(model).__name__] = "no attention module found (expected classes named *Attention)"
+    if not attention and not mixers:
+        unsupported[type(model).__name__] = ("no sequence-mixing module found (expected classes named *Attention, "
+                                             "or a known state-space / linear-attention mixer)")
     mixer_impls: dict[str, str] = {}
     for qual, module in mixers:
         handler = MIXER_HANDLERS.get(type(module).__name__)
         if handler is None:
             unsupported[qual] = (
-                f"{type(module).__name__} carries state or a causal convolution across tokens and padfree has no "
-                f"boundary-resetting implementation for it (needs a reset at every sequence start)"
+                f"{type(module).__name__} carries state, a causal convolution or a token shift across tokens and "
+                f"padfree has no boundary-resetting implementation for it (needs a reset at every sequence start)"
             )
-        else:
+            continue
+        try:
             mixer_impls[qual] = handler(module, state)
+        except UnsupportedModelError as exc:  # e.g. a transformers version whose mixer forward is not the proven one
+            unsupported[qual] = str(exc)
 
     report = PackingReport(
         model_type=model_type, backend=name, reason=reason, kernels=kernels,
@@ -355,22 +394,36 @@ def configure_packing(model: Any, *, backend: str = "auto", strict: bool = True)
     if unsupported:
         what = "; ".join(f"{k}: {v}" for k, v in unsupported.items())
         if strict:
+            _uninstall_mixers(model)
             raise UnsupportedModelError(f"cannot make {type(model).__name__} packing-exact: {what}")
         warnings.warn(f"padfree: {type(model).__name__} is only partly packing-exact: {what}", stacklevel=2)
 
     register_backends()
     state.report = report
-    state.previous = (config._attn_implementation, getattr(config, "use_cache", None))
-    model.set_attn_implementation(name)
+    state.previous = (config._attn_implementation if attention else None, getattr(config, "use_cache", None))
+    if attention:
+        model.set_attn_implementation(name)
     config.use_cache = False
+    # The hook goes on the decoder, which receives position_ids from every registered *ForCausalLM; models whose
+    # forwards take no position_ids at all (mamba, mamba2, falcon_mamba) are hooked at the top, where the caller's
+    # boundaries arrive, and the boundary arguments are consumed there (the mixers read the layout from the state).
     decoder = model.get_decoder() if hasattr(model, "get_decoder") else model
+    target = decoder if _takes_positions(decoder) else model
+    forward = target is decoder
     state.handles = [
-        decoder.register_forward_pre_hook(lambda m, a, k: _before(state, config, a, k), with_kwargs=True),
-        decoder.register_forward_hook(lambda m, a, k, o: _after(state), with_kwargs=True, always_call=True),
+        target.register_forward_pre_hook(lambda m, a, k: _before(state, config, a, k, forward=forward),
+                                         with_kwargs=True),
+        target.register_forward_hook(lambda m, a, k, o: _after(state), with_kwargs=True, always_call=True),
     ]
     model._padfree_state = state
     log.info("configure_packing(%s): %s", type(model).__name__, report)
     return report
+
+
+def _uninstall_mixers(model: torch.nn.Module) -> None:
+    mixers = sys.modules.get("padfree.model.mixers")
+    if mixers is not None:
+        mixers.uninstall(model)
 
 
 def unconfigure_packing(model: torch.nn.Module) -> bool:
@@ -380,11 +433,10 @@ def unconfigure_packing(model: torch.nn.Module) -> bool:
         return False
     for handle in state.handles:
         handle.remove()
-    mixers = sys.modules.get("padfree.model.mixers")
-    if mixers is not None:
-        mixers.uninstall(model)
+    _uninstall_mixers(model)
     attn, use_cache = state.previous
-    model.set_attn_implementation(attn)
+    if attn is not None:
+        model.set_attn_implementation(attn)
     if use_cache is not None:
         model.config.use_cache = use_cache
     del model._padfree_state
@@ -443,23 +495,36 @@ def _layout(args: tuple, kwargs: dict[str, Any]) -> PackedLayout | None:
     return lay
 
 
-def _before(state: _State, config: Any, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]]:
+_BOUNDARY_KWARGS = ("position_ids", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
+
+
+def _before(state: _State, config: Any, args: tuple, kwargs: dict[str, Any], *, forward: bool = True
+            ) -> tuple[tuple, dict[str, Any]]:
+    """The pre-hook: the layout of this call, guards, and the arguments the hooked module runs with. ``forward``:
+    hand the boundaries on (``position_ids``, the layout for attention); False for a module that takes none, whose
+    mixers read the layout from the state — its boundary arguments are dropped rather than left to ``**kwargs``."""
     lay = _layout(args, kwargs)
     if lay is None or (not lay.is_packed and lay.source != "attention_mask"):
         state.layout = None
         state.tokens.append(PACKED_FORWARD.set(False))
         return args, kwargs
-    if kwargs.get("past_key_values") is not None:
-        raise PackingDisabledError(_fix("past_key_values (a KV cache)"))
+    for key in ("past_key_values", "cache_params"):
+        if kwargs.get(key) is not None:
+            raise PackingDisabledError(_fix(f"{key} (a cache)"))
     if kwargs.get("use_cache") or (kwargs.get("use_cache") is None and getattr(config, "use_cache", False)):
         raise PackingDisabledError(_fix("use_cache=True (transformers then builds plain causal masks over the row)")
                                    + "; pass use_cache=False")
     kwargs = dict(kwargs)
-    kwargs.update(attention_mask=None, use_cache=False, position_ids=lay.position_ids)
-    kwargs[LAYOUT_KWARG] = lay
-    if state.backend == "flash_attention_2":
-        kwargs.update(cu_seq_lens_q=lay.cu_seqlens, cu_seq_lens_k=lay.cu_seqlens,
-                      max_length_q=lay.max_seqlen, max_length_k=lay.max_seqlen)
+    kwargs.update(attention_mask=None, use_cache=False)
+    if forward:
+        kwargs["position_ids"] = lay.position_ids
+        kwargs[LAYOUT_KWARG] = lay
+        if state.backend == "flash_attention_2":
+            kwargs.update(cu_seq_lens_q=lay.cu_seqlens, cu_seq_lens_k=lay.cu_seqlens,
+                          max_length_q=lay.max_seqlen, max_length_k=lay.max_seqlen)
+    else:
+        for key in _BOUNDARY_KWARGS:
+            kwargs.pop(key, None)
     state.layout = lay
     state.tokens.append(PACKED_FORWARD.set(True))
     return args, kwargs

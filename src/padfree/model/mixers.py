@@ -25,15 +25,16 @@ never transformers' module globals) so that
 Only the token-mixing primitives are replaced: projections, gates, norms and every model-specific multiplier stay
 transformers' code, so a packed forward computes, per sequence, what the model computes for that sequence alone.
 Kernels are used when importable *and* runnable (CUDA tensors, and the dtypes the kernel accepts); a kernel import or
-call that fails falls back to the exact reference with a logged reason — never a crash mid-training, never a leak.
+call that fails falls back to the exact reference with a logged reason (and the configured model's report says so) —
+never a crash mid-training, never a leak.
 No kernel is imported without CUDA (a broken triton then cannot even be touched).
 
 The references never build denormal floats (decay factors below ``exp(DECAY_FLOOR)`` are exact zeros, far below fp32
 resolution), so their speed does not depend on a global flush-denormal mode, which padfree never touches.
 
-Recognised classes (class name -> family): see :data:`MIXER_CLASSES`; decoder-layer containers that
-``configure_packing`` classifies as mixers (:data:`CONTAINER_CLASSES`) are made exact by patching the one mixer they
-hold and refusing anything else stateful inside.
+Recognised classes (class name -> family): see :data:`MIXER_CLASSES`. ``configure_packing`` finds them by scanning
+the model (decoder layers and the model itself are containers it looks inside); a stateful class it finds and this
+module does not know is refused by name.
 
 >>> import torch
 >>> from padfree.model.packed import PackedLayout
@@ -67,9 +68,9 @@ from padfree.model import configure
 from padfree.model.packed import PackedLayout
 
 __all__ = [
-    "CONTAINER_CLASSES",
     "MIXER_CLASSES",
     "install",
+    "kernel_name",
     "kernel_status",
     "segment_causal_conv1d",
     "segment_gated_delta_rule",
@@ -121,6 +122,11 @@ def _load_kernel(name: str) -> tuple[Callable | None, str]:
     return result
 
 
+def kernel_name(name: str) -> str:
+    """The distribution that provides kernel ``name`` (``"fla"`` -> ``"flash-linear-attention"``)."""
+    return _KERNELS[name][0]
+
+
 def kernel_status(name: str) -> tuple[bool, str]:
     """``(usable, reason)`` for one of ``"causal_conv1d"``, ``"fla"``, ``"mamba_ssm"``."""
     if name in _broken:
@@ -140,7 +146,8 @@ def _call_kernel(name: str, run: Callable[[Callable], Any]) -> Any:
         return run(fn)
     except Exception as exc:
         dist = _KERNELS[name][0]
-        _broken[name] = f"{dist} raised {type(exc).__name__}: {str(exc)[:160]}"
+        _broken[name] = (f"{dist} failed at its first call ({type(exc).__name__}: {str(exc)[:160]}); the exact "
+                         f"reference runs instead")
         log.warning("padfree: %s kernel failed (%s); using the exact PyTorch reference from now on",
                     dist, _broken[name])
         return None
@@ -298,21 +305,34 @@ def _gdr_chunked(q, k, v, beta, g, seg: torch.Tensor | None, chunk: int) -> torc
     return torch.stack(outs, dim=2).reshape(rows, heads, -1, dv)[:, :, :length]
 
 
-def _gdr_groups(lay: PackedLayout, chunk: int) -> list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]]:
-    """Segments grouped by their number of chunks: ``(length L, gather (m, L), valid (m*L,), dest)``; slots past a
+# Segments no longer than a chunk run as one chunk padded to a multiple of this many tokens (not to a whole chunk):
+# the chunked rule is exact for any chunk size, and one chunk of 16-48 tokens costs a fraction of a 64-token one.
+SHORT_STEP = 16
+
+
+def _gdr_padded(lengths: np.ndarray, chunk: int) -> np.ndarray:
+    """The padded length of every segment in the per-segment formulation: whole chunks, or for a segment no longer
+    than a chunk, one chunk of the next multiple of :data:`SHORT_STEP`."""
+    step = min(SHORT_STEP, chunk)
+    return np.where(lengths > chunk, -(-lengths // chunk) * chunk, -(-lengths // step) * step)
+
+
+def _gdr_groups(lay: PackedLayout, chunk: int
+                ) -> list[tuple[int, int, torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """Segments grouped by padded length: ``(length L, chunk, gather (m, L), valid (m*L,), dest)``; slots past a
     segment's end point at index ``B*T`` (a zero row appended by the caller)."""
     def build():
         lengths = lay.lengths
         total = int(lengths.sum())
         starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
-        nchunks = -(-lengths // chunk)
+        padded = _gdr_padded(lengths, chunk)
         out = []
-        for c in np.unique(nchunks)[::-1]:
-            members = np.flatnonzero(nchunks == c)
-            col = np.arange(int(c) * chunk)
+        for size in np.unique(padded)[::-1]:
+            members = np.flatnonzero(padded == size)
+            col = np.arange(int(size))
             valid = col < lengths[members, None]
             gather = np.where(valid, starts[members, None] + col, total)
-            out.append((int(c) * chunk, torch.from_numpy(gather).to(lay.device),
+            out.append((int(size), min(int(size), chunk), torch.from_numpy(gather).to(lay.device),
                         torch.from_numpy(valid.reshape(-1)).to(lay.device),
                         torch.from_numpy(gather[valid]).to(lay.device)))
         return out
@@ -320,7 +340,7 @@ def _gdr_groups(lay: PackedLayout, chunk: int) -> list[tuple[int, torch.Tensor, 
 
 
 def _gdr_per_segment(q, k, v, beta, g, lay: PackedLayout, chunk: int) -> torch.Tensor:
-    """Every segment as its own row (segments of equal chunk count in one call): ``(B, H, T, D)`` in and out."""
+    """Every segment as its own row (segments of equal padded length in one call): ``(B, H, T, D)`` in and out."""
     batch, heads, seq_len, _ = q.shape
     total = batch * seq_len
 
@@ -330,10 +350,10 @@ def _gdr_per_segment(q, k, v, beta, g, lay: PackedLayout, chunk: int) -> torch.T
 
     fq, fk, fv, fb, fg = (flat(x) for x in (q, k, v, beta, g))
     pieces, dest = [], []
-    for _, gather, valid, to in _gdr_groups(lay, chunk):
+    for _, group_chunk, gather, valid, to in _gdr_groups(lay, chunk):
         def rows(x, gather=gather):
             return x[gather].movedim(2, 1)  # (m, L, H, ...) -> (m, H, L, ...)
-        out = _gdr_chunked(rows(fq), rows(fk), rows(fv), rows(fb), rows(fg), None, chunk)
+        out = _gdr_chunked(rows(fq), rows(fk), rows(fv), rows(fb), rows(fg), None, group_chunk)
         pieces.append(out.movedim(1, 2).reshape(-1, heads, out.shape[-1])[valid])
         dest.append(to)
     result = q.new_empty(total, heads, v.shape[-1]).index_copy(0, torch.cat(dest), torch.cat(pieces))
@@ -341,12 +361,11 @@ def _gdr_per_segment(q, k, v, beta, g, lay: PackedLayout, chunk: int) -> torch.T
 
 
 def _gdr_formulation(lay: PackedLayout, chunk: int) -> str:
-    """``"per-segment"`` unless padding every segment to whole chunks adds more than half the batch's tokens (many
-    short segments), then ``"masked"``. Measured on CPU (fwd+bwd of one layer, 1 thread): per-segment 90 vs masked
-    121 ms at T=2k with 7 segments and 434 vs 695 ms at T=8k with 7; masked 94 vs per-segment 162 ms at T=2k with 64
-    segments (padding ratio 2.2); within noise of each other near a ratio of 1.5."""
+    """``"per-segment"`` unless padding the segments (:func:`_gdr_padded`) adds more than half the batch's tokens
+    (very many very short segments), then ``"masked"``. Measured in ``benchmarks/bench_mixers.py`` (BENCHMARKS.md):
+    per-segment is the faster formulation for 7 and 64 sequences per row at T = 2k and 8k."""
     def build() -> str:
-        padded = int((-(-lay.lengths // chunk) * chunk).sum())
+        padded = int(_gdr_padded(lay.lengths, chunk).sum())
         return "per-segment" if padded <= 1.5 * lay.lengths.sum() else "masked"
     return lay._cached(("padfree.mixers", "gdr_form", chunk), build)
 
@@ -364,7 +383,8 @@ def segment_gated_delta_rule(
         chunk_size: 64, as transformers.
         use_qk_l2norm_in_kernel: L2-normalise queries and keys first (in fp32), as the models ask.
         formulation: ``"masked"`` (one call, per-segment masks inside the chunks), ``"per-segment"`` (each segment
-            its own row, segments with the same chunk count batched) or ``"auto"`` (the cheaper for this layout).
+            its own row, segments of the same padded length batched; a segment no longer than a chunk is one
+            chunk of its own length rounded up to :data:`SHORT_STEP`) or ``"auto"`` (the cheaper for this layout).
 
     Returns:
         ``(B, T, Hv, Dv)`` in ``query``'s dtype (computed in fp32, as transformers does).
@@ -575,6 +595,7 @@ def _packed_conv1d(hidden_states, weight, bias=None, activation=None, **kwargs):
         out = _conv_kernel(hidden_states, weight, bias, activation, call.lay)
         if out is not None:
             return out
+        _fall_back(call.mixer, "causal_conv1d")
     return segment_causal_conv1d(hidden_states, weight, bias, activation, call.lay)
 
 
@@ -588,6 +609,7 @@ def _packed_gated_delta_rule(query, key, value, g, beta, chunk_size=64, initial_
         out = _gdr_kernel(query, key, value, g, beta, call.lay, use_qk_l2norm_in_kernel)
         if out is not None:
             return out, None
+        _fall_back(call.mixer, "fla")
     out = segment_gated_delta_rule(query, key, value, g, beta, call.lay, chunk_size=chunk_size,
                                    use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, formulation=call.mixer.formulation)
     return out, None
@@ -603,6 +625,7 @@ def _packed_ssd(hidden_states, dt, A, B, C, chunk_size, D=None, dt_bias=None, in
         out = _ssd_kernel(hidden_states, dt, A, B, C, chunk_size, D, dt_bias, dt_softplus, dt_limit, call.lay)
         if out is not None:
             return out
+        _fall_back(call.mixer, "mamba_ssm")
     return segment_ssd_scan(hidden_states, dt, A, B, C, chunk_size, call.lay, D=D, dt_bias=dt_bias,
                             dt_softplus=dt_softplus, dt_limit=dt_limit)
 
@@ -701,16 +724,6 @@ MIXER_CLASSES: dict[str, str] = {
     "Lfm2MoeShortConv": "short-conv",
 }
 
-CONTAINER_CLASSES = (
-    # decoder layers whose class name looks like a mixer to configure_packing's scan: the mixer inside is patched
-    "OlmoHybridLinearAttentionDecoderLayer",
-    "JambaMambaDecoderLayer",
-    "Zamba2MambaDecoderLayer",
-    "MambaBlock",
-    "FalconMambaBlock",
-    "Mamba2Block",
-)
-
 MODEL_TYPES: dict[str, str] = {
     # model type -> what tests/test_model_mixers.py proves (packed == per-sequence logits and gradients)
     "qwen3_next": "GatedDeltaNet: conv taps and delta-rule state restart per sequence",
@@ -725,6 +738,10 @@ MODEL_TYPES: dict[str, str] = {
     "nemotron_h": "Mamba-2: conv taps and SSD state restart per sequence",
     "zamba2": "Mamba-2 and shared attention: conv taps and SSD state restart per sequence",
     "jamba": "Mamba-1: conv taps and selective-scan state restart per sequence",
+    "mamba": "no attention; Mamba-1: conv taps and selective-scan state restart per sequence",
+    "falcon_mamba": "no attention; Mamba-1 (with B/C/dt norms): conv taps and selective-scan state restart per "
+                    "sequence",
+    "mamba2": "no attention; Mamba-2: conv taps and SSD state restart per sequence",
 }
 
 
@@ -812,11 +829,13 @@ class _Mixer:
 
     state: Any
     packed: Callable
+    kind: str
     family: _Family
     use_conv_kernel: bool
     use_scan_kernel: bool
     formulation: str
     description: str
+    on_cuda: bool
 
 
 def _live(state: Any) -> bool:
@@ -877,53 +896,54 @@ def _choice(kernel: str | None, reference: str, on_cuda: bool) -> tuple[bool, st
     return True, _KERNEL_DOC[kernel]
 
 
-def install(module: torch.nn.Module, state: Any, *, formulation: str = "auto") -> str:
-    """Make one mixer instance (or a container of one) boundary-exact for packed batches of the model ``state``
-    belongs to; returns the one-line description of the implementation chosen and why. Idempotent: calling it again
-    (a new ``configure_packing``) only rebinds the state.
-
-    Kernels stay switched on when importable even for a model still on the CPU (it may move to CUDA after
-    ``configure_packing``); every call checks the tensors' device and dtype again.
-    """
-    name = type(module).__name__
-    if name in CONTAINER_CLASSES:
-        return _install_container(module, state, formulation)
-    if name not in MIXER_CLASSES:
-        raise UnsupportedModelError(f"{name} is not a mixer padfree knows how to make packing-exact")
-    key = MIXER_CLASSES[name]
+def _describe(key: str, formulation: str, on_cuda: bool) -> tuple[bool, bool, str]:
+    """``(conv kernel on, scan kernel on, one-line description)`` of family ``key`` as it would be installed now."""
     family = FAMILIES[key]
-    packed = _packed_forward(type(module))
-    on_cuda = any(p.is_cuda for p in module.parameters())
     conv_on, conv_doc = _choice(family.conv_kernel, "exact torch conv, taps reset at segment starts", on_cuda)
     reference = _REFERENCE.get(key, "").format(
         formulation=formulation if formulation != "auto" else "masked or per-segment, the cheaper per batch")
     scan_on, scan_doc = _choice(family.scan_kernel, reference, on_cuda) if reference else (False, "")
     parts = ([f"scan: {scan_doc}"] if scan_doc else []) + [f"conv: {conv_doc}"]
-    description = f"{family.name}: " + "; ".join(parts)
-    module._padfree_mixer = _Mixer(state=state, packed=packed, family=family, use_conv_kernel=conv_on,
-                                   use_scan_kernel=scan_on, formulation=formulation, description=description)
+    return conv_on, scan_on, f"{family.name}: " + "; ".join(parts)
+
+
+def install(module: torch.nn.Module, state: Any, *, formulation: str = "auto") -> str:
+    """Make one mixer instance boundary-exact for packed batches of the model ``state`` belongs to; returns the
+    one-line description of the implementation chosen for its scan and its conv (kernel or exact reference) and why.
+    Idempotent: calling it again (a new ``configure_packing``) only rebinds the state.
+
+    Kernels stay switched on when importable even for a model still on the CPU (it may move to CUDA after
+    ``configure_packing``); every call checks the tensors' device and dtype again. A kernel that raises at its first
+    call is switched off for good: the reference runs, and the description in the model's report says why.
+    """
+    name = type(module).__name__
+    if name not in MIXER_CLASSES:
+        raise UnsupportedModelError(f"{name} is not a mixer padfree knows how to make packing-exact")
+    key = MIXER_CLASSES[name]
+    packed = _packed_forward(type(module))
+    on_cuda = any(p.is_cuda for p in module.parameters())
+    conv_on, scan_on, description = _describe(key, formulation, on_cuda)
+    module._padfree_mixer = _Mixer(state=state, packed=packed, kind=key, family=FAMILIES[key], use_conv_kernel=conv_on,
+                                   use_scan_kernel=scan_on, formulation=formulation, description=description,
+                                   on_cuda=on_cuda)
     module.forward = types.MethodType(_mixer_forward, module)
     return description
 
 
-def _install_container(module: torch.nn.Module, state: Any, formulation: str) -> str:
-    patched: list[str] = []
-    descriptions: list[str] = []
-    for qual, sub in module.named_modules():
-        cls = type(sub).__name__
-        if sub is module or any(qual.startswith(p + ".") for p in patched):
-            continue
-        if cls in MIXER_CLASSES:
-            descriptions.append(install(sub, state, formulation=formulation))
-            patched.append(qual)
-        elif configure._MIXER_PATTERN.search(cls) or isinstance(sub, torch.nn.Conv1d):
-            raise UnsupportedModelError(
-                f"{type(module).__name__} holds {cls} ({qual}), which carries state across tokens and which padfree "
-                f"cannot make packing-exact"
-            )
-    if not patched:
-        raise UnsupportedModelError(f"{type(module).__name__} holds no sequence mixer padfree knows")
-    return "; ".join(f"{q}: {d}" for q, d in zip(patched, descriptions, strict=True))
+def _fall_back(info: _Mixer, kernel: str) -> None:
+    """Switch ``info`` off ``kernel`` (it raised; see :func:`_call_kernel`) and rewrite the configured model's
+    report, so that ``packing_state(model).report`` says what runs now and why."""
+    if kernel not in _broken:
+        return
+    info.use_conv_kernel &= info.family.conv_kernel != kernel
+    info.use_scan_kernel &= info.family.scan_kernel != kernel
+    old = info.description
+    *_, info.description = _describe(info.kind, info.formulation, info.on_cuda)
+    report = getattr(info.state, "report", None)
+    if report is not None:
+        for qual, description in report.mixers.items():
+            if description == old:
+                report.mixers[qual] = info.description
 
 
 def uninstall(module: torch.nn.Module) -> bool:
@@ -938,7 +958,7 @@ def uninstall(module: torch.nn.Module) -> bool:
 
 
 def _register() -> None:
-    for cls in (*MIXER_CLASSES, *CONTAINER_CLASSES):
+    for cls in MIXER_CLASSES:
         configure.MIXER_HANDLERS[cls] = install
     for model_type, what in MODEL_TYPES.items():  # an entry configure.py already has keeps its words
         configure.SUPPORTED_MODEL_TYPES.setdefault(model_type, what)

@@ -213,10 +213,19 @@ class PackedLayout:
             return allowed & (diff < sliding_window) if sliding_window is not None else allowed
         return self._cached(("local", length, sliding_window), build)
 
-    def block_mask(self, sliding_window: int | None) -> Any:
-        """The flex-attention ``BlockMask`` of the batch (padding runs see nothing), cached per window."""
-        return self._cached(("flex", sliding_window), lambda: layout.block_mask(
-            self.segment_ids, sliding_window, check=False))
+    def block_mask(self, sliding_window: int | None, block_size: int = 128) -> Any:
+        """The flex-attention ``BlockMask`` of the batch (padding runs see nothing), cached per window.
+
+        The same mask as :func:`padfree.layout.block_mask` (``create_block_mask`` over a ``mask_mod`` comparing
+        segment ids), built without evaluating ``mask_mod`` on the ``T x T`` grid: segment ids never decrease along a
+        row, so block ``(i, j)`` of ``block_size`` queries x keys holds an allowed pair iff it is on the diagonal and
+        holds a real token, or ``j < i`` and the last segment of key block ``j`` is the first of query block ``i``
+        (and, with a window, its closest pair is inside it); it is *full* iff both blocks lie inside one real segment,
+        below the diagonal, complete, and (with a window) its farthest pair is inside it. ``O(B x (T / block)^2)``
+        work and memory instead of ``O(B x T^2)`` (640 MiB and up to a second at 8k tokens).
+        """
+        return self._cached(("flex", sliding_window, block_size), lambda: _segment_block_mask(
+            self.segment_ids, sliding_window, block_size))
 
     def check_tokens(self, hidden: torch.Tensor, who: str) -> None:
         """Refuse a tensor whose ``(B, T)`` is not the layout's: the layout belongs to another forward."""
@@ -225,3 +234,42 @@ class PackedLayout:
                 f"{who} got inputs of shape {tuple(hidden.shape[:2])} but the packed layout of this forward is "
                 f"{self.shape}; the boundaries belong to another batch"
             )
+
+
+def _segment_block_mask(seg: torch.Tensor, sliding_window: int | None, block_size: int) -> Any:
+    """``BlockMask`` of ``(B, T)`` non-decreasing segment ids (0: padding, trailing) from per-block id ranges."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    batch, seq_len = seg.shape
+    nb = -(-seq_len // block_size)
+    pad = nb * block_size - seq_len
+    big = torch.iinfo(torch.int64).max
+    ids = seg.masked_fill(seg == 0, big)  # padding: after every real id, matching nothing
+    ids = torch.nn.functional.pad(ids, (0, pad), value=big).view(batch, nb, block_size)
+    lo, hi = ids[..., 0], ids[..., -1]  # (B, nb): first and last id of every block
+    real = lo != big  # the block's first token is a real one (ids never decrease: then it holds a real token)
+    i = torch.arange(nb, device=seg.device)
+    below = i[:, None] > i[None, :]  # (nb_q, nb_kv): strictly below the diagonal
+    shared = (hi[:, None, :] == lo[:, :, None]) & real[:, :, None]  # key block j's last id is query block i's first
+    any_pair = (below & shared) | (torch.eye(nb, dtype=torch.bool, device=seg.device) & real[:, :, None])
+    whole = (lo == hi) & real  # one real segment fills the block
+    if pad:
+        whole[:, -1] = False  # a block cut by the end of the row is never full (flex pads it with masked slots)
+    full = below & shared & whole[:, :, None] & whole[:, None, :]
+    if sliding_window is not None:
+        gap = i[:, None] - i[None, :]  # blocks apart: closest pair (gap - 1) * bs + 1, farthest (gap + 1) * bs - 1
+        any_pair &= ((gap - 1) * block_size + 1 < sliding_window) | (gap == 0)
+        full &= (gap + 1) * block_size - 1 < sliding_window
+    partial = any_pair & ~full
+
+    def ordered(dense: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        dense = dense.unsqueeze(1).to(torch.int32)  # (B, 1, nb_q, nb_kv): one head, broadcast
+        return (dense.sum(-1).to(torch.int32),
+                torch.argsort(dense, dim=-1, descending=True, stable=True).to(torch.int32))
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        same = (seg[b, q_idx] == seg[b, kv_idx]) & (seg[b, q_idx] > 0) & (q_idx >= kv_idx)
+        return same & (q_idx - kv_idx < sliding_window) if sliding_window is not None else same
+
+    return BlockMask.from_kv_blocks(*ordered(partial), *ordered(full), BLOCK_SIZE=block_size, mask_mod=mask_mod,
+                                    seq_lengths=(seq_len, seq_len))
