@@ -144,6 +144,20 @@ def test_unpacked_batches_run_transformers_own_code_and_unconfigure_restores_it(
         assert not torch.allclose(model(input_ids=ids, position_ids=pos).logits, leaky)
 
 
+@pytest.mark.parametrize("model_type", ["qwen3_5_text", "bamba", "lfm2", "mamba2"])
+def test_a_one_sequence_batch_with_boundary_kwargs_runs_as_unpacked(model_type):
+    """A padding-free collator given one sample still sends cu_seq_lens / seq_idx; transformers' own mixers refuse
+    them without CUDA kernels, so the configured model must drop the (trivial) boundaries and match a plain run."""
+    import padfree
+
+    model = tiny_model(model_type)
+    configure_packing(model)
+    batch = padfree.PaddingFreeCollator(return_dict=True, seq_idx=True)([{"input_ids": [5, 6, 7, 8, 9, 10, 11]}])
+    assert {"cu_seq_lens_q", "seq_idx"} <= set(batch)
+    with torch.no_grad():
+        assert torch.equal(model(**batch).logits, model(input_ids=batch["input_ids"]).logits)
+
+
 def test_a_stale_layout_never_reaches_a_mixer_whose_model_lost_its_hooks():
     """Defence in depth: a mixer whose state's hooks are gone (a refused or undone configure) runs transformers'
     own forward even if a layout of the right shape is still set."""

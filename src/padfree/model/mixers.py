@@ -851,6 +851,9 @@ def _live(state: Any) -> bool:
     return True
 
 
+_TRIVIAL_BOUNDARY_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx")
+
+
 def _mixer_forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
     """Installed as ``module.forward``: transformers' forward for an ordinary batch, the packed one otherwise."""
     info: _Mixer = self._padfree_mixer
@@ -859,6 +862,11 @@ def _mixer_forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
     if _live(info.state) and isinstance(hidden, torch.Tensor) and hidden.dim() >= 2:
         lay = configure.current_layout(info.state, hidden, type(self).__name__)
     if lay is None:
+        if _live(info.state):
+            # An ordinary batch (one sequence per row): boundary kwargs a collator sent describe nothing to reset,
+            # and transformers' own mixer refuses any of them without its CUDA kernels. Dropping them is exact.
+            for key in _TRIVIAL_BOUNDARY_KWARGS:
+                kwargs.pop(key, None)
         return type(self).forward(self, *args, **kwargs)
     for key in ("cache_params", "past_key_values"):
         if kwargs.get(key) is not None:
