@@ -5,7 +5,7 @@ setup:
 	@bash scripts/bootstrap.sh
 
 demo: setup
-	.venv/bin/padfree analyze
+	.venv/bin/padfree demo
 
 test: setup
 	.venv/bin/python -m ruff check .
@@ -17,3 +17,5 @@ bench: setup
 	.venv/bin/python benchmarks/bench_datasets.py
 	.venv/bin/python benchmarks/bench_collate.py
 	.venv/bin/python benchmarks/bench_attention.py
+	.venv/bin/python benchmarks/bench_training.py
+	.venv/bin/python benchmarks/bench_mixers.py

@@ -1,8 +1,9 @@
-"""The ``padfree`` command line: ``padfree analyze [DATA] ...`` and ``padfree pack [DATA] -o OUT ...``.
+"""The ``padfree`` command line: ``padfree analyze [DATA]``, ``padfree pack [DATA] -o OUT``, ``padfree demo`` and
+``padfree bench``.
 
 Each subcommand is a pair of functions — ``_add_<name>(subparsers)`` declares its arguments and
-``_run_<name>(args) -> int`` does the work — registered in :data:`COMMANDS`, so ``verify``, ``bench`` and ``demo``
-slot in beside ``analyze`` and ``pack`` without touching :func:`main`. Both commands read their input through the
+``_run_<name>(args) -> int`` does the work — registered in :data:`COMMANDS`, so a new command (``verify``) slots
+in beside the others without touching :func:`main`. ``analyze`` and ``pack`` read their input through the
 same helpers (:func:`_read_table` / :func:`_read_dataset`, :func:`_text_columns`, :func:`_join_text`), so a file
 that ``analyze`` measures is tokenized by ``pack`` into exactly the tokens that were counted.
 
@@ -1189,8 +1190,483 @@ def _size(num_bytes: int) -> str:
     return f"{num_bytes / 1000 ** exponent:,.1f} {('kB', 'MB', 'GB')[exponent - 1]}"
 
 
+# ==================================================================================================
+# padfree demo / padfree bench: train the same real tokens several ways (padfree.throughput)
+# ==================================================================================================
+
+#: The demo's model when no ``--model`` is given: a small Llama with random weights (vocab = the tokenizer's).
+DEMO_MODEL = {"full": dict(hidden_size=128, intermediate_size=344, num_hidden_layers=2, num_attention_heads=4,
+                           num_key_value_heads=2),
+              "quick": dict(hidden_size=64, intermediate_size=172, num_hidden_layers=1, num_attention_heads=4,
+                            num_key_value_heads=2)}
+#: (capacity, rows, tokens, repetitions) of a full and a --quick run.
+_TRAINING_DEFAULTS = {"demo": {"full": (1024, 8, 16384, 3), "quick": (256, 4, 1536, 1)},
+                      "bench": {"full": (512, 8, 8192, 3), "quick": (256, 4, 1536, 1)}}
+DEMO_PNG = "padfree-demo.png"
+
+
+def _add_training_args(p: Any, command: str) -> None:
+    full, quick = _TRAINING_DEFAULTS[command]["full"], _TRAINING_DEFAULTS[command]["quick"]
+    g = p.add_argument_group("data")
+    g.add_argument("--data", metavar="FILE",
+                   help=f"train on this dataset instead of the embedded corpus: {DATA_FORMATS}")
+    g.add_argument("--field", action="append", dest="fields", metavar="F",
+                   help="text column of --data (repeat for several, joined with newlines); default: 'text' if "
+                        "present, else every string column")
+    g.add_argument("--tokenizer", metavar="DIR",
+                   help="a tokenizer directory (save_pretrained); default: mistral-common's 32k SentencePiece")
+    g.add_argument("--limit", type=int, metavar="N", help="use only the first N records (or documents)")
+    g = p.add_argument_group("training")
+    g.add_argument("--model", metavar="DIR",
+                   help="a local causal-LM checkpoint (save_pretrained); default: a small Llama from a config with "
+                        "random weights")
+    g.add_argument("--capacity", type=int, help=f"tokens per packed row, the longest padded row (default: {full[0]}; "
+                                                 f"--quick: {quick[0]})")
+    g.add_argument("--rows", type=int, help=f"batch size: sequences per padded batch, rows per packed step "
+                                             f"(default: {full[1]}; --quick: {quick[1]})")
+    g.add_argument("--tokens", type=int, help=f"real tokens every mode trains per pass (default: {full[2]:,}; "
+                                               f"--quick: {quick[2]:,})")
+    g.add_argument("--repetitions", type=int,
+                   help=f"timed passes per mode, interleaved; the median is reported (default: {full[3]}; "
+                        f"--quick: {quick[3]})")
+    g.add_argument("--seed", type=int, default=0, help="seed of the sample, the orders and the weights (default: 0)")
+    g.add_argument("--threads", type=int, help="torch threads for every mode (default: torch's own choice)")
+    p.add_argument("--quick", action="store_true", help="a small run: a slice of the corpus, a tiny model, few tokens")
+
+
+@dataclass(frozen=True)
+class _TrainingOptions:
+    capacity: int
+    rows: int
+    tokens: int
+    repetitions: int
+    seed: int
+    threads: int | None
+    limit: int | None
+    quick: bool
+
+
+def _training_options(args: argparse.Namespace, command: str) -> _TrainingOptions:
+    """The ``demo`` / ``bench`` training arguments checked (every cheap check first) with their defaults filled."""
+    defaults = _TRAINING_DEFAULTS[command]["quick" if args.quick else "full"]
+    values = []
+    for flag, value, default in zip(("--capacity", "--rows", "--tokens", "--repetitions"),
+                                    (args.capacity, args.rows, args.tokens, args.repetitions), defaults, strict=True):
+        values.append(default if value is None else as_positive_int(value, flag))
+    if args.data is None and args.fields:
+        raise InvalidArgumentError("--field needs --data: the embedded corpus has no columns")
+    if args.model is not None and not Path(args.model).expanduser().is_dir():
+        raise InvalidArgumentError(f"--model {args.model!r} is not a directory; expected a checkpoint written by "
+                                   "save_pretrained (config.json and the weights)")
+    return _TrainingOptions(*values, seed=as_seed(args.seed, "--seed"),
+                            threads=_optional_positive(args.threads, "--threads"),
+                            limit=_optional_positive(args.limit, "--limit"), quick=args.quick)
+
+
+def _bar(total: int, desc: str, unit: str) -> Any:
+    """A tqdm progress bar on stderr (drawn only on a terminal)."""
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc=desc, unit=unit, unit_scale=True, disable=None, leave=False, file=sys.stderr)
+
+
+def _texts(args: argparse.Namespace, opts: _TrainingOptions) -> tuple[list[str], str]:
+    from padfree import corpus
+
+    if args.data is None:
+        texts = _top_level_blocks(corpus.embedded_corpus())
+        source = (f"embedded corpus: {corpus.embedded_corpus_description()}, one sample per top-level block "
+                  f"(split at two blank lines, PEP 8's separation of top-level definitions): {len(texts):,}")
+        if opts.quick:  # every 8th document: the same kinds of text, an eighth of the tokenizing
+            texts = texts[::8]
+            source += f", every 8th document (--quick): {len(texts)}"
+        if opts.limit is not None:
+            texts = texts[:opts.limit]
+            source += f", first {len(texts)} documents"
+        return texts, source
+    table = _read_table(args.data)
+    if table.num_rows == 0:
+        raise DataLoadError(f"--data {args.data!r} holds no records")
+    if opts.limit is not None:
+        table = table.slice(0, opts.limit)
+    texts, note = _texts_from_columns(table, args.fields)
+    return texts, f"{args.data} ({table.num_rows:,} records; {note})"
+
+
+def _top_level_blocks(documents: list[str]) -> list[str]:
+    """Every document cut at two blank lines in a row — in Python sources, the gaps PEP 8 puts between top-level
+    functions and classes — so that a sample is one function, class or block of statements (a long-tailed mix,
+    like fine-tuning data) rather than a whole module. Blank-only pieces are dropped."""
+    import re
+
+    gap = re.compile(r"\n\n\n+")
+    return [block for doc in documents for block in gap.split(doc) if block.strip()]
+
+
+def _token_ids(texts: list[str], tokenizer: Any, batch_size: int = 64) -> list[list[int]]:
+    from padfree import corpus
+
+    ids: list[list[int]] = []
+    bar = _bar(len(texts), "tokenizing", "doc")
+    try:
+        for start in range(0, len(texts), batch_size):
+            batch = [str(t) for t in texts[start:start + batch_size]]
+            ids.extend(corpus.encode(batch, tokenizer)["input_ids"])
+            bar.update(len(batch))
+    finally:
+        bar.close()
+    return ids
+
+
+@dataclass
+class _Prepared:
+    """What ``demo`` and ``bench`` train on: the token ids, where they came from, the tokenizer's vocabulary."""
+
+    ids: Any  # TokenBuffers of the non-empty sequences
+    lengths: np.ndarray
+    source: str
+    tokenizer_name: str
+    vocab: int
+    skipped: int
+
+
+def _prepare(args: argparse.Namespace, opts: _TrainingOptions, say: _Progress) -> _Prepared:
+    from padfree import corpus
+    from padfree.rows import as_token_buffers
+
+    texts, source = _texts(args, opts)  # a bad --data or --field fails here, before the tokenizer loads
+    say("loading the tokenizer")
+    tokenizer = corpus.load_tokenizer(args.tokenizer)
+    name = corpus.DEFAULT_TOKENIZER_NAME if args.tokenizer is None else f"{args.tokenizer} ({type(tokenizer).__name__})"
+    say(f"tokenizing {len(texts):,} texts")
+    ids = [x for x in _token_ids(texts, tokenizer) if x]
+    if not ids:
+        raise DataLoadError(f"every one of the {len(texts):,} texts is empty: nothing to train on")
+    buf = as_token_buffers(ids)
+    return _Prepared(buf, buf.lengths, source, name, len(tokenizer), len(texts) - len(ids))
+
+
+def _model(args: argparse.Namespace, opts: _TrainingOptions, vocab: int, ids: Any) -> tuple[Any, str]:
+    """The model every mode trains (from the same initial weights), and a line describing it."""
+    import torch
+    import transformers
+
+    torch.manual_seed(opts.seed)
+    if args.model is None:
+        sizes = DEMO_MODEL["quick" if opts.quick else "full"]
+        config = transformers.LlamaConfig(vocab_size=vocab, max_position_embeddings=opts.capacity, **sizes)
+        config._attn_implementation = "sdpa"
+        model = transformers.LlamaForCausalLM(config)
+        where = "a Llama from a config, random weights"
+    else:
+        bars = transformers.utils.logging.is_progress_bar_enabled()
+        if getattr(args, "quiet", False):
+            transformers.utils.logging.disable_progress_bar()
+        try:
+            model = transformers.AutoModelForCausalLM.from_pretrained(args.model, local_files_only=True,
+                                                                       attn_implementation="sdpa")
+        except Exception as exc:  # transformers raises many types for an unreadable checkpoint
+            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+            raise InvalidArgumentError(f"--model {args.model!r} could not be loaded ({type(exc).__name__}: "
+                                       f"{first}); expected a causal-LM checkpoint written by save_pretrained") from exc
+        finally:
+            if bars:
+                transformers.utils.logging.enable_progress_bar()
+        where = f"{args.model}"
+        top = int(ids.values.max())
+        size = model.get_input_embeddings().num_embeddings
+        if top >= size:
+            raise InvalidArgumentError(f"--model {args.model!r} has {size:,} embeddings but the tokenizer produced "
+                                       f"token id {top:,}; pass the model's own tokenizer with --tokenizer")
+    model.float()
+    c = model.config
+    params = sum(p.numel() for p in model.parameters()) / 1e6
+    layers = f"{c.num_hidden_layers} layer{'s' if c.num_hidden_layers != 1 else ''}"
+    text = (f"{type(model).__name__} ({where}): {params:.1f}M parameters, hidden {c.hidden_size}, {layers}, "
+            f"vocab {model.get_input_embeddings().num_embeddings:,}, fp32, CPU")
+    return model, text
+
+
+def _train(model: Any, sample: Any, opts: _TrainingOptions, modes: Sequence[str], say: _Progress) -> tuple[Any, Any]:
+    """Build the plans, verify, warm up and time every mode (a tqdm bar over all the tokens trained)."""
+    import torch
+
+    from padfree.throughput import build_plans, compare_training
+
+    if opts.threads is not None:
+        torch.set_num_threads(opts.threads)
+    plans = build_plans(sample, opts.capacity, opts.rows, modes, seed=opts.seed)
+    per_pass = sum(p.real_tokens for p in plans.values())
+    warm = sum(p.steps[0].real_tokens for p in plans.values())
+    say(f"training {', '.join(plans)}: {opts.repetitions} timed pass(es) each over the same "
+        f"{plans['packed'].real_tokens:,} real tokens (checking exactness first)")
+    bar = _bar(per_pass * opts.repetitions + warm, "training", "tok")
+    try:
+        report = compare_training(model, None, capacity=opts.capacity, rows=opts.rows, plans=plans,
+                                  repetitions=opts.repetitions, seed=opts.seed,
+                                  progress=lambda mode, rep, n: (bar.set_postfix_str(mode, refresh=False),
+                                                                 bar.update(n)))
+    finally:
+        bar.close()
+    return report, plans
+
+
+def _check_output_dir(output: str) -> Path:
+    path = Path(output).expanduser()
+    if path.exists() and not path.is_dir():
+        raise InvalidArgumentError(f"--output {output!r} is a file; give a directory for {DEMO_PNG}")
+    if not path.exists() and not path.parent.is_dir():
+        raise InvalidArgumentError(f"--output {output!r}: the directory {str(path.parent)!r} does not exist")
+    return path
+
+
+def _add_demo(subparsers: Any) -> None:
+    p = subparsers.add_parser(
+        "demo",
+        help="tokenize, analyze and pack a real corpus, verify a model, and train it padded vs packed",
+        description=(
+            "The whole story on your machine, offline: tokenize a real corpus (the embedded one: CPython's standard "
+            "library and pydoc topics; or --data), analyze its lengths, pack it, build a small Llama (or load "
+            "--model), prove with verify() that a packed step equals the per-sequence steps, then train the same "
+            "real tokens three ways — random padded batches, length-grouped padded batches, padfree packed rows — "
+            f"and report real tokens/s, the speedups and the losses; writes {DEMO_PNG} (lengths, row fill, "
+            "throughput) to --output."
+        ),
+    )
+    _add_training_args(p, "demo")
+    p.add_argument("-o", "--output", default=".", metavar="DIR",
+                   help=f"directory for {DEMO_PNG} (created if missing; default: the current directory)")
+    p.add_argument("--json", action="store_true", help="print the results as JSON on stdout")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress on stderr")
+    p.set_defaults(run=_run_demo)
+
+
+def _run_demo(args: argparse.Namespace) -> int:
+    from padfree.analysis import analyze_lengths
+    from padfree.throughput import sample_sequences
+
+    started = time.perf_counter()
+    opts = _training_options(args, "demo")
+    output = _check_output_dir(args.output)
+    say = _Progress(enabled=not args.quiet)
+    data = _prepare(args, opts, say)
+    say(f"analyzing {data.lengths.shape[0]:,} lengths and packing them into rows of {opts.capacity:,}")
+    analysis = analyze_lengths(data.lengths, opts.capacity, batch_size=opts.rows, strategies=["obfd"], seed=opts.seed)
+    plan = _pack_all(data.lengths, opts.capacity)
+    model, model_text = _model(args, opts, data.vocab, data.ids)
+    sample = sample_sequences(data.ids, opts.tokens, opts.capacity, seed=opts.seed)
+    report, plans = _train(model, sample, opts, ("padded", "grouped", "packed"), say)
+    png = output / DEMO_PNG
+    output.mkdir(exist_ok=True)
+    _write_demo_plot(png, data, analysis, plan, plans, report)
+    summary = {"data": data.source, "tokenizer": data.tokenizer_name, "model": model_text,
+               "sequences": int(data.lengths.shape[0]), "tokens": int(data.lengths.sum()),
+               "packing": {"capacity": opts.capacity, "rows": plan.num_bins, "efficiency": plan.efficiency,
+                           "padded_waste": analysis.padded.waste_longest},
+               "training": report.as_dict(), "png": str(png), "seconds": round(time.perf_counter() - started, 1)}
+    print(json.dumps(summary, indent=2) if args.json else render_demo(summary, data, analysis, plan, report))
+    return 0
+
+
+def _pack_all(lengths: np.ndarray, capacity: int) -> Any:
+    from padfree.packing import pack_sequences
+
+    return pack_sequences(lengths, capacity, overlong="truncate")
+
+
+def render_demo(summary: dict[str, Any], data: _Prepared, analysis: Any, plan: Any, report: Any) -> str:
+    """The ``padfree demo`` report."""
+    s = analysis.stats
+    out = ["padfree demo"]
+    out += textwrap.wrap(data.source, width=110, initial_indent="  data       ", subsequent_indent=" " * 13)
+    out += [f"  tokenizer  {data.tokenizer_name}",
+            f"  lengths    {_n(s.count)} sequences, {_n(s.total_tokens)} tokens; median {_n(round(s.median))}, "
+            f"p99 {_n(round(s.p99))}, max {_n(s.max)}" + (f"; {data.skipped} empty texts skipped" if data.skipped
+                                                           else ""),
+            f"  padding    random batches of {analysis.batch_size} padded to the longest: "
+            f"{analysis.padded.waste_longest:.1%} of the positions are padding"
+            + (f" ({_n(analysis.overlong)} sequences longer than {_n(plan.capacity)} truncated)" if analysis.overlong
+               else ""),
+            f"  packed     {_n(plan.num_bins)} rows of {_n(plan.capacity)} (lower bound {_n(plan.lower_bound)}): "
+            f"{plan.efficiency:.2%} of the positions are real tokens",
+            f"  model      {summary['model']}"]
+    ex = report.exactness
+    out += ["", "Exactness: verify() — the packed row holding the most sequences against each of them alone, same "
+                "weights"]
+    out += (["  " + line for line in str(ex).splitlines()[-2:]] if ex is not None
+            else ["  no packed row holds two sequences: no boundary to check"])
+    r = report.results
+    out += ["", f"Training the same {_n(r['packed'].real_tokens)} real tokens three ways ({report.repetitions} "
+                f"timed pass(es) each, interleaved; AdamW, fresh from the same weights every pass)"]
+    rows = [[m, _n(x.steps), _n(x.positions), f"{x.efficiency:.1%}", f"{x.median_seconds:.2f}",
+             _n(round(x.tokens_per_second)), f"{report.speedup('packed', m):.2f}x", f"{x.final_loss():.3f}"]
+            for m, x in r.items()]
+    out += _table(["mode", "steps", "positions", "filled", "seconds", "real tokens/s", "packed is", "final loss"],
+                  rows, "lrrrrrrr")
+    out += ["", f"Packed trains {report.speedup('packed', 'padded'):.2f}x the real tokens per second of random "
+                f"padded batches and {report.speedup('packed', 'grouped'):.2f}x those of length-grouped ones."]
+    out += textwrap.wrap(
+        "Loss agreement: a packed step is exact (verify() above: the same logits, loss and gradients as the "
+        "sequences run alone). Over the pass the modes form different optimizer steps (different sequences per "
+        "step, different step counts), so their curves are not identical; 'final loss' is the token-weighted "
+        "mean loss over the last quarter of the tokens, for comparing where each mode got to.",
+        width=110, initial_indent="  ", subsequent_indent="  ")
+    out += ["", f"plot written to {summary['png']} ({summary['seconds']:.0f} s in all)"]
+    return "\n".join(out)
+
+
+def _write_demo_plot(path: Path, data: _Prepared, analysis: Any, plan: Any, plans: dict[str, Any],
+                     report: Any) -> None:
+    """Three panels: the lengths (log histogram, capacity marked), how full rows and batches are, the throughput."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(15, 4.8), dpi=100, layout="constrained")
+    FigureCanvasAgg(fig)
+    ax1, ax2, ax3 = fig.subplots(1, 3)
+    lengths = data.lengths
+    lo, hi = max(1, int(lengths.min())), max(2, int(lengths.max()))
+    edges = np.unique(np.geomspace(lo, hi + 1, num=int(np.clip(25 * np.log10((hi + 1) / lo), 15, 60)) + 1)
+                      .astype(np.int64))
+    ax1.hist(lengths, bins=edges, color="#4c72b0", edgecolor="white", linewidth=0.4)
+    ax1.set_xscale("log")
+    ax1.axvline(plan.capacity, color="#c44e52", linestyle="--", linewidth=2, label=f"capacity {plan.capacity:,}")
+    ax1.set_xlabel("sequence length (tokens, log scale)")
+    ax1.set_ylabel("sequences")
+    ax1.set_title(f"{lengths.shape[0]:,} sequences, {int(lengths.sum()):,} tokens", fontsize=10)
+    ax1.legend(fontsize=9)
+
+    grid = np.linspace(0, 1, 21)
+    fills = {m: np.array([s.real_tokens / s.positions for s in plans[m].steps]) for m in plans}
+    labels = {"padded": "random padded batches", "grouped": "length-grouped batches", "packed": "packed steps"}
+    for m, color in (("padded", "#c44e52"), ("grouped", "#dd8452"), ("packed", "#55a868")):
+        values = fills[m]
+        label = f"{labels[m]} ({plans[m].efficiency:.1%})"
+        weights = np.full(values.shape[0], 100.0 / max(values.shape[0], 1))
+        ax2.hist(values, bins=grid, weights=weights, alpha=0.6, color=color, label=label)
+    ax2.set_xlabel("share of the step's positions holding real tokens")
+    ax2.set_ylabel("% of the steps")
+    ax2.set_title(f"how full the steps are (whole corpus packed: {plan.efficiency:.1%})", fontsize=10)
+    ax2.legend(fontsize=9, loc="upper left")
+
+    modes = list(report.results)
+    speeds = [report[m].tokens_per_second for m in modes]
+    colors = {"padded": "#c44e52", "grouped": "#dd8452", "packed": "#55a868", "ideal": "#8172b3", "trl": "#937860"}
+    bars = ax3.bar(modes, speeds, color=[colors.get(m, "0.5") for m in modes])
+    for bar, m in zip(bars, modes, strict=True):
+        ax3.annotate(f"{report.speedup(m, 'padded'):.2f}x", (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+                     ha="center", va="bottom", fontsize=10)
+    ax3.set_ylabel("real tokens / s (median pass)")
+    ax3.set_title(f"training the same {report['packed'].real_tokens:,} tokens (x = vs random padded)", fontsize=10)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".png", dir=path.parent)
+    os.close(fd)
+    try:
+        fig.savefig(tmp, format="png")
+        os.replace(tmp, path)
+    except OSError as exc:
+        raise InvalidArgumentError(f"--output {str(path.parent)!r}: {path.name} could not be written ({exc})") from exc
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def _add_bench(subparsers: Any) -> None:
+    p = subparsers.add_parser(
+        "bench",
+        help="measure packing speed and training throughput (padded vs packed) on this machine",
+        description=(
+            "Two measurements on this machine: (1) packing — every padfree strategy on N synthetic lognormal "
+            "lengths and on the real corpus' lengths: time, rows, lower bound, efficiency; (2) training — the "
+            "same real tokens trained padded (random and length-grouped), through TRL's packing (when trl is "
+            "installed), packed by padfree, and as the no-padding ideal: real tokens/s and the ratios. "
+            "benchmarks/bench_packing.py and bench_training.py in the repository are the full versions."
+        ),
+    )
+    _add_training_args(p, "bench")
+    p.add_argument("--lengths", type=int, metavar="N",
+                   help="synthetic lengths to pack (lognormal, median 250, sigma 1; default 1,000,000; "
+                        "--quick 100,000)")
+    p.add_argument("--no-training", action="store_true", help="measure packing only (no model, no torch)")
+    p.add_argument("--json", action="store_true", help="print the results as JSON on stdout")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress on stderr")
+    p.set_defaults(run=_run_bench)
+
+
+def _run_bench(args: argparse.Namespace) -> int:
+    from padfree.analysis import analyze_lengths
+    from padfree.throughput import MODES, sample_sequences
+
+    started = time.perf_counter()
+    opts = _training_options(args, "bench")
+    n = _optional_positive(args.lengths, "--lengths") or (100_000 if opts.quick else 1_000_000)
+    say = _Progress(enabled=not args.quiet)
+    rng = np.random.default_rng(opts.seed)
+    synthetic = np.clip(np.rint(rng.lognormal(np.log(250), 1.0, n)), 1, opts.capacity).astype(np.int64)
+    say(f"packing {n:,} synthetic lengths with every strategy")
+    packing = {"synthetic": analyze_lengths(synthetic, opts.capacity, batch_size=opts.rows, repeats=5, seed=opts.seed)}
+    data = None
+    if not args.no_training or args.data is not None:
+        data = _prepare(args, opts, say)
+        packing["corpus"] = analyze_lengths(data.lengths, opts.capacity, batch_size=opts.rows, repeats=5,
+                                            seed=opts.seed)
+    report = model_text = None
+    if not args.no_training:
+        assert data is not None
+        model, model_text = _model(args, opts, data.vocab, data.ids)
+        modes = [m for m in MODES if m != "trl" or _importable("trl")]
+        sample = sample_sequences(data.ids, opts.tokens, opts.capacity, seed=opts.seed)
+        report, _ = _train(model, sample, opts, modes, say)
+    summary: dict[str, Any] = {"capacity": opts.capacity, "packing": {}, "seconds": 0.0}
+    for name, a in packing.items():
+        summary["packing"][name] = {
+            "sequences": a.stats.count, "tokens": a.stats.total_tokens, "padded_waste": a.padded.waste_longest,
+            "strategies": {r.name: {"ms": r.time_ms, "bins": r.num_bins, "lower_bound": r.lower_bound,
+                                    "efficiency": r.efficiency} for r in a.strategies}}
+    if data is not None:
+        summary["packing"]["corpus"]["source"] = data.source
+    if report is not None:
+        summary["training"] = report.as_dict()
+        summary["training"]["model"] = model_text
+    summary["seconds"] = round(time.perf_counter() - started, 1)
+    print(json.dumps(summary, indent=2) if args.json else render_bench(summary, packing, report))
+    return 0
+
+
+def _importable(name: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(name) is not None
+
+
+def render_bench(summary: dict[str, Any], packing: dict[str, Any], report: Any) -> str:
+    """The ``padfree bench`` report."""
+    out = ["padfree bench"]
+    for name, a in packing.items():
+        what = (f"{a.stats.count:,} synthetic lognormal lengths (median 250, sigma 1)" if name == "synthetic"
+                else f"{a.stats.count:,} sequences of {summary['packing']['corpus']['source']}")
+        out += ["", f"Packing {what} into rows of {_n(a.capacity)} (median of 5 warm runs)"]
+        rows = [[r.name, f"{r.time_ms:.2f}", _n(r.num_bins), _n(r.lower_bound), f"{r.efficiency:.3%}"]
+                for r in a.strategies]
+        out += _table(["strategy", "ms", "rows", "lower bound", "efficiency"], rows, "lrrrr")
+        out.append(f"  random padded batches of {a.batch_size} waste {a.padded.waste_longest:.1%} of their positions")
+    if report is not None:
+        out += ["", f"Training: {summary['training']['model']}"]
+        out += ["  " + line for line in str(report).splitlines()]
+        ex = report.exactness
+        if ex is not None:
+            out.append(f"  padfree exact: {ex.ok} (max |dlogit| {ex.max_logit_diff:.1e}, max |dgrad| "
+                       f"{ex.max_grad_diff:.1e})")
+        if "trl" in report.leaks:
+            out.append(f"  TRL path: max |dlogit| vs sequences alone {report.leaks['trl']:.1e}; "
+                       f"{report.cross_targets['trl']:,} targets cross a sequence boundary")
+    out.append(f"\n{summary['seconds']:.0f} s in all")
+    return "\n".join(out)
+
+
 #: subcommand name -> function adding its parser; each parser sets ``run`` to the function doing the work
-COMMANDS: dict[str, Callable[[Any], None]] = {"analyze": _add_analyze, "pack": _add_pack}
+COMMANDS: dict[str, Callable[[Any], None]] = {
+    "analyze": _add_analyze, "pack": _add_pack, "demo": _add_demo, "bench": _add_bench,
+}
 
 
 if __name__ == "__main__":
