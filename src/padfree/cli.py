@@ -1,9 +1,9 @@
-"""The ``padfree`` command line: ``padfree analyze [DATA]``, ``padfree pack [DATA] -o OUT``, ``padfree demo`` and
-``padfree bench``.
+"""The ``padfree`` command line: ``padfree analyze [DATA]``, ``padfree pack [DATA] -o OUT``, ``padfree verify``,
+``padfree demo`` and ``padfree bench``.
 
 Each subcommand is a pair of functions — ``_add_<name>(subparsers)`` declares its arguments and
-``_run_<name>(args) -> int`` does the work — registered in :data:`COMMANDS`, so a new command (``verify``) slots
-in beside the others without touching :func:`main`. ``analyze`` and ``pack`` read their input through the
+``_run_<name>(args) -> int`` does the work — registered in :data:`COMMANDS`, so a new command slots in beside the
+others without touching :func:`main`. ``analyze`` and ``pack`` read their input through the
 same helpers (:func:`_read_table` / :func:`_read_dataset`, :func:`_text_columns`, :func:`_join_text`), so a file
 that ``analyze`` measures is tokenized by ``pack`` into exactly the tokens that were counted.
 
@@ -1664,8 +1664,93 @@ def render_bench(summary: dict[str, Any], packing: dict[str, Any], report: Any) 
 
 
 #: subcommand name -> function adding its parser; each parser sets ``run`` to the function doing the work
+# ==================================================================================================
+# padfree verify
+# ==================================================================================================
+
+
+def _add_verify(subparsers: Any) -> None:
+    from padfree.model.support import LENGTHS
+
+    p = subparsers.add_parser(
+        "verify",
+        help="prove a model exact on packed rows, on every attention backend available here",
+        description=(
+            "Configure the model for each attention backend in turn (padfree.configure_packing) and compare one packed "
+            f"step with one step per sequence (padfree.verify: {len(LENGTHS)} sequences of {min(LENGTHS)}-"
+            f"{max(LENGTHS)} tokens in two rows): logits, loss and every parameter gradient. Prints the result per "
+            "backend and the model's row of the README support table. Exit status 0: exact on every backend that "
+            "ran; 1: a mismatch, or no backend could run (e.g. an unsupported model type)."
+        ),
+    )
+    which = p.add_mutually_exclusive_group(required=True)
+    which.add_argument("--model-type", metavar="TYPE",
+                       help="a tiny random-weight model of this transformers model type (e.g. llama, qwen3_5_text)")
+    which.add_argument("--model", metavar="DIR", help="a local checkpoint directory (save_pretrained), loaded in fp32")
+    p.add_argument("--backend", action="append", dest="backends", metavar="NAME",
+                   help="check only this backend (repeatable): sdpa, eager, flex_attention, varlen, flash_attention_2, "
+                        "auto (default: every backend available on the device)")
+    p.add_argument("--device", default="cpu", help="torch device to run on (default: cpu)")
+    p.add_argument("--atol", type=float, default=1e-5, help="tolerance on logits, loss and gradients (default: 1e-5)")
+    p.add_argument("--json", action="store_true", help="print the results as JSON on stdout")
+    p.set_defaults(run=_run_verify)
+
+
+def _load_model(args: argparse.Namespace) -> Any:
+    from padfree.model.tiny import tiny_model
+
+    if args.model_type is not None:
+        return tiny_model(args.model_type)
+    path = Path(args.model)
+    if not (path / "config.json").is_file():
+        raise InvalidArgumentError(
+            f"--model {args.model!r} is not a checkpoint directory (no config.json); expected a local directory "
+            f"written by save_pretrained")
+    import torch
+    import transformers
+
+    try:
+        return transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32,
+                                                                 local_files_only=True)
+    except Exception as exc:  # whatever transformers raises for a bad checkpoint becomes one clear line
+        raise InvalidArgumentError(f"--model {args.model!r}: transformers cannot load a causal LM from it: "
+                                   f"{type(exc).__name__}: {str(exc).splitlines()[0]}") from exc
+
+
+def _run_verify(args: argparse.Namespace) -> int:
+    from padfree.model.support import check_support
+
+    try:
+        import torch
+
+        device = torch.device(args.device)
+    except (ImportError, RuntimeError) as exc:
+        raise InvalidArgumentError(f"--device {args.device!r} is not a torch device: {exc}") from exc
+    if not args.atol >= 0:
+        raise InvalidArgumentError(f"--atol must be a number >= 0, got {args.atol}")
+    model = _load_model(args).to(device)
+    row = check_support(model, args.backends, atol=args.atol)
+    if args.json:
+        checks = [{
+            "requested": c.requested, "backend": c.backend, "ok": c.ok, "forward_only": c.forward_only,
+            "error": c.error,
+            **({} if c.report is None else {"max_logit_diff": c.report.max_logit_diff,
+                                             "loss_diff": c.report.loss_diff,
+                                             "max_grad_diff": c.report.max_grad_diff}),
+        } for c in row.checks]
+        print(json.dumps({"model_type": row.model_type, "ok": row.ok, "checks": checks, "mixers": row.mixers,
+                          "markdown": row.markdown()}, indent=2))
+    else:
+        print(row)
+        print()
+        print("| model type | " + " | ".join(f"`{c.requested}`" for c in row.checks) + " |")
+        print("|---" * (len(row.checks) + 1) + "|")
+        print(row.markdown())
+    return 0 if row.ok else 1
+
+
 COMMANDS: dict[str, Callable[[Any], None]] = {
-    "analyze": _add_analyze, "pack": _add_pack, "demo": _add_demo, "bench": _add_bench,
+    "analyze": _add_analyze, "pack": _add_pack, "verify": _add_verify, "demo": _add_demo, "bench": _add_bench,
 }
 
 

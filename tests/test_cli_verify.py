@@ -1,0 +1,71 @@
+"""padfree verify: every backend available here, on a tiny model type or a local checkpoint; bad input exits 2."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import transformers
+
+from padfree.cli import main
+from padfree.model.tiny import tiny_model
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_model_type_prints_results_and_the_support_table_row(capsys):
+    assert main(["verify", "--model-type", "mistral", "--backend", "sdpa", "--backend", "eager"]) == 0
+    out = capsys.readouterr().out
+    assert "mistral: exact on every backend that ran" in out
+    assert "| model type | `sdpa` | `eager` |" in out
+    assert "| mistral | ✓ `padfree_sdpa` | ✓ `padfree_eager` |" in out
+
+
+def test_local_checkpoint_as_json(tmp_path, capsys):
+    tiny_model("qwen3_5_text").save_pretrained(tmp_path / "ckpt")
+    assert main(["verify", "--model", str(tmp_path / "ckpt"), "--backend", "eager", "--backend", "varlen",
+                 "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    eager, varlen = result["checks"]
+    assert result["ok"] and result["model_type"] == "qwen3_5_text" and result["mixers"]
+    assert eager["ok"] and eager["backend"] == "padfree_eager" and eager["max_grad_diff"] <= 1e-5
+    assert not varlen["ok"] and "cuda" in varlen["error"].lower()  # reported, not raised, on a CPU machine
+
+
+def test_an_unsupported_checkpoint_exits_1(tmp_path, capsys):
+    config = transformers.GPT2Config(vocab_size=64, n_embd=32, n_layer=1, n_head=2)
+    transformers.GPT2LMHeadModel(config).save_pretrained(tmp_path / "gpt2")
+    assert main(["verify", "--model", str(tmp_path / "gpt2"), "--backend", "sdpa"]) == 1
+    out = capsys.readouterr().out
+    assert "no backend could run here" in out and "gpt2" in out
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--model-type", "nope"], "model_type='nope' has no tiny config"),
+    (["--model", "/definitely/not/here"], "is not a checkpoint directory"),
+    (["--model-type", "llama", "--atol", "-1"], "--atol must be a number >= 0"),
+    (["--model-type", "llama", "--device", "warp9"], "--device 'warp9' is not a torch device"),
+    (["--model-type", "llama", "--backend", "magic"], "backends must be"),
+])
+def test_bad_input_is_one_error_line_and_exit_2(args, message, capsys):
+    assert main(["verify", *args]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("padfree: error:") and message in err and err.count("\n") == 1
+
+
+def test_a_broken_checkpoint_is_a_clear_error(tmp_path, capsys):
+    (tmp_path / "config.json").write_text('{"model_type": "llama", "vocab_size": "many"}')
+    assert main(["verify", "--model", str(tmp_path)]) == 2
+    assert "cannot load a causal LM" in capsys.readouterr().err
+
+
+def test_model_type_and_model_are_exclusive(capsys):
+    assert main(["verify", "--model-type", "llama", "--model", "x"]) == 2
+    assert "not allowed with argument" in capsys.readouterr().err
