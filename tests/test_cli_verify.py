@@ -5,19 +5,12 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 import transformers
 
 from padfree.cli import main
 from padfree.model.tiny import tiny_model
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def test_model_type_prints_results_and_the_support_table_row(capsys):

@@ -135,12 +135,7 @@ def _run_two(tmp: Path, port: int) -> list[dict]:
     return [pickle.loads((tmp / f"rank{r}.pkl").read_bytes()) for r in range(2)]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny matrices: a second thread only contends with the other processes
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

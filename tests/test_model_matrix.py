@@ -46,14 +46,7 @@ MIXER_CELLS: dict[str, str] = {}
 ATOL = 1e-5
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny models gain nothing from intra-op threads, and on a shared few-core machine OpenMP barriers turn into
-    multi-second stalls: one thread for this module, the setting given back afterwards."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

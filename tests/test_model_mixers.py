@@ -38,15 +38,7 @@ from zoo import (  # noqa: E402
     tiny_model,
 )
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny models gain nothing from intra-op threads, and a shared 2-core machine turns OpenMP barriers into
-    multi-second stalls: run this module on one thread and give the setting back afterwards."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 # ---- whole models: what the matrix does not cover -----------------------------------------------------------------

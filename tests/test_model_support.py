@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-import torch
 import transformers
 
 from padfree.errors import InvalidArgumentError
@@ -11,13 +10,7 @@ from padfree.model.support import BackendCheck, SupportRow, available_backends, 
 from padfree.model.tiny import TINY_CONFIGS, tiny_config, tiny_model
 from padfree.model.verify import verify
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def test_exact_backends_and_markdown_row():

@@ -1,0 +1,18 @@
+"""Fixtures shared by the test modules."""
+
+from __future__ import annotations
+
+import pytest
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """Run a module's tiny models on one torch thread and give the setting back afterwards: they gain nothing from
+    intra-op threads, and on a shared 2-core machine OpenMP barriers turn into multi-second stalls (and a parent
+    that forks workers with two threads stalls them too)."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
