@@ -463,3 +463,19 @@ def test_bad_data():
         s.set_epoch(-1)
     assert list(DistributedPackedBatchSampler([], 8, num_replicas=2, rank=1)) == []
     assert "rank=1" in repr(DistributedPackedBatchSampler([5], 8, num_replicas=2, rank=1))
+
+
+def test_a_datasets_dataset_is_scheduled_from_its_arrow_lengths():
+    datasets = pytest.importorskip("datasets")
+    lengths = [5, 3, 8, 2, 7, 1, 4, 6, 6, 2]
+    ds = datasets.Dataset.from_dict({"input_ids": [list(range(1, n + 1)) for n in lengths]})
+    shuffled = ds.shuffle(seed=3)  # an indices mapping: the sampler must follow the dataset's own order
+    order = [len(x) for x in shuffled["input_ids"]]
+    for data, expected in ((ds, lengths), (shuffled, order)):
+        for rank in (0, 1):
+            got = list(DistributedPackedBatchSampler(data, 10, num_replicas=2, rank=rank, seed=1))
+            assert got == list(DistributedPackedBatchSampler(expected, 10, num_replicas=2, rank=rank, seed=1))
+    with pytest.raises(InvalidArgumentError, match="without an 'input_ids' column"):
+        DistributedPackedBatchSampler(datasets.Dataset.from_dict({"text": ["a"]}), 8, num_replicas=1)
+    with pytest.raises(InvalidLengthsError, match=r"data\[1\] = 0"):  # a missing list is 0 tokens: refused
+        DistributedPackedBatchSampler(datasets.Dataset.from_dict({"input_ids": [[1, 2], None]}), 8, num_replicas=1)

@@ -29,6 +29,7 @@ import dataclasses
 import itertools
 import logging
 import os
+import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -54,6 +55,30 @@ __all__ = ["DistributedPackedBatchSampler"]
 logger = logging.getLogger("padfree")
 
 _SEED_PACK, _SEED_STEPS = 11, 12  # purposes of the seeds derived from (seed, epoch)
+
+
+def _is_hf_dataset(data: Any) -> bool:
+    datasets = sys.modules.get("datasets")  # never imported here: a datasets.Dataset means it already is
+    return datasets is not None and isinstance(data, datasets.Dataset)
+
+
+def _hf_lengths(dataset: Any, key: str = "input_ids") -> np.ndarray:
+    """``(len(dataset),) int64`` — the tokens of every sample, read from the Arrow offsets of its ``key`` column (no
+    Python list per row), in the dataset's own order (an indices mapping from ``select`` / ``shuffle`` honoured)."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    if key not in dataset.column_names:
+        raise InvalidArgumentError(f"data is a datasets.Dataset without an {key!r} column (columns: "
+                                   f"{dataset.column_names}); tokenize it first, or pass per-sample lengths")
+    column = dataset.data.column(key)
+    if not (pa.types.is_list(column.type) or pa.types.is_large_list(column.type)):
+        raise InvalidArgumentError(f"data[{key!r}] must be lists of token ids, got Arrow type {column.type}")
+    lengths = pc.list_value_length(column).to_numpy(zero_copy_only=False)
+    indices = getattr(dataset, "_indices", None)
+    if indices is not None:
+        lengths = lengths[indices.column(0).to_numpy()]
+    return np.nan_to_num(lengths, nan=0).astype(np.int64)  # a null list counts as 0 tokens (refused below)
 
 
 def _derived_seed(seed: int, epoch: int, purpose: int) -> int:
@@ -121,6 +146,9 @@ class DistributedPackedBatchSampler(Sampler[list[int]]):
             - per-sample lengths (a list, numpy array, CPU tensor): packed here into rows of ``capacity`` tokens;
               the sampler yields **sample indices**, row after row — pair it with a collator that packs them
               (:func:`padfree.packed_collate_fn`, see "Collators" below);
+            - a ``datasets.Dataset`` with an ``input_ids`` column: its lengths, read from the Arrow offsets (no
+              Python list per row; an indices mapping from ``select`` / ``shuffle`` honoured), yielding indices
+              into the dataset;
             - a :class:`~padfree.PackResult` over the samples (a plan you made), yielding sample indices;
             - a :class:`~padfree.PackingDataset`: its plan of the current epoch; the sampler yields **row indices**
               of the dataset (each row is one packed bin) and forwards :meth:`set_epoch` to it. With
@@ -259,17 +287,18 @@ class DistributedPackedBatchSampler(Sampler[list[int]]):
                     )
                 self._plan = data
             return
-        if isinstance(data, torch.utils.data.Dataset) or hasattr(data, "column_names"):
+        if _is_hf_dataset(data):
+            data = _hf_lengths(data)
+        elif isinstance(data, torch.utils.data.Dataset) or hasattr(data, "column_names"):
             raise InvalidArgumentError(
-                f"data is a dataset of samples ({describe(data)}); pass its per-sample lengths (e.g. "
-                f"[len(ids) for ids in ds['input_ids']]) and give the dataset to the DataLoader, or pass a "
-                f"PackingDataset"
+                f"data is a dataset of samples ({describe(data)}); pass its per-sample lengths and give the dataset "
+                f"to the DataLoader, or pass a datasets.Dataset with an input_ids column, or a PackingDataset"
             )
         try:
             lengths = as_lengths(data, "data")
         except InvalidLengthsError as exc:
-            raise InvalidLengthsError(f"{exc}; data must be per-sample lengths, a PackResult or a PackingDataset") \
-                from None
+            raise InvalidLengthsError(f"{exc}; data must be per-sample lengths, a datasets.Dataset with input_ids, "
+                                      f"a PackResult or a PackingDataset") from None
         if capacity is None:
             raise InvalidArgumentError("capacity is required when data is per-sample lengths: pass the tokens per "
                                        "packed row, e.g. capacity=4096")
