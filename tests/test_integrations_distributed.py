@@ -479,3 +479,91 @@ def test_a_datasets_dataset_is_scheduled_from_its_arrow_lengths():
         DistributedPackedBatchSampler(datasets.Dataset.from_dict({"text": ["a"]}), 8, num_replicas=1)
     with pytest.raises(InvalidLengthsError, match=r"data\[1\] = 0"):  # a missing list is 0 tokens: refused
         DistributedPackedBatchSampler(datasets.Dataset.from_dict({"input_ids": [[1, 2], None]}), 8, num_replicas=1)
+
+
+# --------------------------------------------------------------------------------------------------
+# Rows that are packed already (from_rows)
+# --------------------------------------------------------------------------------------------------
+
+
+def _packed_rows_lengths(n_rows: int = 41, seed: int = 5) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(1, 200, int(rng.integers(1, 6))).tolist() for _ in range(n_rows)]
+
+
+@pytest.mark.parametrize(("world", "mbs", "remainder"),
+                         [(2, 1, "repeat"), (3, 2, "repeat"), (2, 3, "drop"), (1, 2, "repeat")])
+def test_from_rows_yields_row_indices_balanced_by_row_loads(world, mbs, remainder):
+    rows = _packed_rows_lengths()
+    tokens = np.array([sum(r) for r in rows])
+    cost = np.array([sum(n * n for n in r) for r in rows])
+    samplers = [DistributedPackedBatchSampler.from_rows(rows, num_replicas=world, rank=r, micro_batch_size=mbs,
+                                                        seed=SEED, remainder=remainder) for r in range(world)]
+    s = samplers[0].schedule
+    assert samplers[0].capacity == tokens.max() and "rows" in repr(samplers[0])
+    np.testing.assert_array_equal(s.tokens, tokens)  # each row is one bin: tokens = sum(seq_lens)
+    np.testing.assert_array_equal(s.cost, cost)  # ... and cost = Σ seq_lens²
+    batches = [list(x) for x in samplers]
+    assert len({len(b) for b in batches}) == 1 and all(len(mb) == mbs for b in batches for mb in b)
+    seen = Counter(i for b in batches for mb in b for i in mb)
+    expected = Counter(range(len(rows))) + Counter(s.repeated_bins.tolist())
+    expected -= Counter(s.dropped_bins.tolist())
+    assert seen == expected
+    assert (s.repeated_bins.size if remainder == "repeat" else s.dropped_bins.size) < world * mbs
+    for step in range(s.num_steps):  # rank r's micro-batch of a step is the schedule's, as row indices
+        for r in range(world):
+            assert sorted(batches[r][step]) == sorted(s.steps[step, r].tolist())
+    # all_ranks: the interleaved stream accelerate re-shards
+    stream = list(DistributedPackedBatchSampler.from_rows(rows, num_replicas=world, micro_batch_size=mbs, seed=SEED,
+                                                          remainder=remainder, all_ranks=True))
+    assert [stream[i::world] for i in range(world)] == batches
+    if world > 1:
+        assert s.cost_imbalance < 0.5 * _idle(cost[np.arange(s.num_steps * world) % len(rows)].reshape(-1, world))
+
+
+def test_from_rows_reads_a_datasets_dataset_and_matches_lists():
+    datasets = pytest.importorskip("datasets")
+    rows = _packed_rows_lengths()
+    ds = datasets.Dataset.from_dict({"seq_lens": rows, "row": list(range(len(rows)))})
+    shuffled = ds.shuffle(seed=1)  # an indices mapping, like select
+    for data in (ds, ds.select([5, 3, 0, 40, 7, 7]), shuffled, shuffled.flatten_indices()):
+        lens = [rows[i] for i in data["row"]]
+        for epoch in (0, 2):
+            a = DistributedPackedBatchSampler.from_rows(data, capacity=1000, num_replicas=2, rank=1, seed=SEED)
+            b = DistributedPackedBatchSampler.from_rows(lens, capacity=1000, num_replicas=2, rank=1, seed=SEED)
+            a.set_epoch(epoch)
+            b.set_epoch(epoch)
+            assert list(a) == list(b)
+            assert a.capacity == 1000
+
+
+def test_from_rows_through_accelerate_resharding():
+    from accelerate.data_loader import prepare_data_loader
+
+    rows = _packed_rows_lengths()
+    for p in (0, 1):
+        stream = DistributedPackedBatchSampler.from_rows(rows, num_replicas=2, all_ranks=True, micro_batch_size=2,
+                                                         seed=SEED)
+        loader = DataLoader(list(range(len(rows))), batch_sampler=stream, collate_fn=list)
+        prepared = prepare_data_loader(loader, num_processes=2, process_index=p, put_on_device=False)
+        own = DistributedPackedBatchSampler.from_rows(rows, num_replicas=2, rank=p, micro_batch_size=2, seed=SEED)
+        assert list(prepared) == list(own)
+
+
+@pytest.mark.parametrize(("rows", "kwargs", "match"), [
+    ([[3], []], {}, r"rows\[1\] holds no sequence"),
+    ([[3], [0, 2]], {}, "must be >= 1"),
+    ([[30], [5, 5]], {"capacity": 20}, r"rows\[0\] holds 30 tokens, more than capacity=20"),
+    ([[3], 4], {}, "got a scalar"),
+    ("abc", {}, "per-row lists of sequence lengths"),
+    ([[3]], {"strategy": "ffd"}, "do not apply to from_rows"),
+])
+def test_from_rows_bad_input(rows, kwargs, match):
+    with pytest.raises((InvalidArgumentError, InvalidLengthsError), match=match):
+        DistributedPackedBatchSampler.from_rows(rows, num_replicas=1, **kwargs)
+
+
+def test_from_rows_dataset_without_seq_lens():
+    datasets = pytest.importorskip("datasets")
+    with pytest.raises(InvalidArgumentError, match="without a seq_lens column"):
+        DistributedPackedBatchSampler.from_rows(datasets.Dataset.from_dict({"input_ids": [[1, 2]]}), num_replicas=1)

@@ -81,6 +81,54 @@ def _hf_lengths(dataset: Any, key: str = "input_ids") -> np.ndarray:
     return np.nan_to_num(lengths, nan=0).astype(np.int64)  # a null list counts as 0 tokens (refused below)
 
 
+def _rows_plan(rows: Any, capacity: Any) -> PackResult:
+    """A :class:`PackResult` with one bin per row of ``rows`` (per-row sequence lengths), bins in row order."""
+    if _is_hf_dataset(rows):
+        import pyarrow as pa
+        import pyarrow.compute as pc
+
+        if "seq_lens" not in rows.column_names:
+            raise InvalidArgumentError(f"rows is a datasets.Dataset without a seq_lens column (columns: "
+                                       f"{rows.column_names}); pack it first (padfree.pack_for_trainer)")
+        column = rows.data.column("seq_lens")
+        if not (pa.types.is_list(column.type) or pa.types.is_large_list(column.type)):
+            raise InvalidArgumentError(f"rows['seq_lens'] must be lists of sequence lengths, got Arrow type "
+                                       f"{column.type}")
+        indices = getattr(rows, "_indices", None)
+        if indices is not None:
+            column = column.take(indices.column(0))
+        column = column.combine_chunks() if isinstance(column, pa.ChunkedArray) else column
+        sizes = np.nan_to_num(pc.list_value_length(column).to_numpy(zero_copy_only=False), nan=0).astype(np.int64)
+        flat = pc.list_flatten(column).to_numpy(zero_copy_only=False)
+    else:
+        if isinstance(rows, (str, bytes, dict, PackResult)) or np.isscalar(rows) or not hasattr(rows, "__len__"):
+            raise InvalidArgumentError(f"rows must be a datasets.Dataset with a seq_lens column or a sequence of "
+                                       f"per-row lists of sequence lengths, got {describe(rows)}")
+        per_row = [np.asarray(r, dtype=np.int64).reshape(-1) if not np.isscalar(r) else None for r in rows]
+        if any(r is None for r in per_row):
+            raise InvalidArgumentError("rows must hold one list of sequence lengths per row (e.g. [[120], [30, 40]]),"
+                                       " got a scalar where a row was expected")
+        sizes = np.array([r.shape[0] for r in per_row], np.int64)
+        flat = np.concatenate(per_row) if per_row else np.zeros(0, np.int64)
+    empty = np.flatnonzero(sizes == 0)
+    if empty.size:
+        raise InvalidArgumentError(f"rows[{int(empty[0])}] holds no sequence ({empty.size} empty rows); every row "
+                                   f"needs at least one sequence length")
+    lengths = as_lengths(flat, "the rows' seq_lens")
+    offsets = np.concatenate(([0], np.cumsum(sizes))).astype(np.int64)
+    fill = np.add.reduceat(lengths, offsets[:-1]) if sizes.size else np.zeros(0, np.int64)
+    fullest = int(fill.max()) if fill.size else 1
+    if capacity is None:
+        capacity = fullest
+    capacity = as_positive_int(capacity, "capacity")
+    if fullest > capacity:  # type: ignore[operator]
+        row = int(np.argmax(fill))
+        raise InvalidArgumentError(f"rows[{row}] holds {fullest} tokens, more than capacity={capacity}; pass the "
+                                   f"length the rows were packed to (or leave capacity out)")
+    return PackResult(lengths=lengths, capacity=int(capacity), order=np.arange(lengths.shape[0], dtype=np.int64),
+                      bin_offsets=offsets, strategy="rows")
+
+
 def _derived_seed(seed: int, epoch: int, purpose: int) -> int:
     """A seed for ``purpose`` in ``epoch``: independent streams, identical in every process."""
     return int(np.random.SeedSequence([seed, epoch, purpose]).generate_state(1, np.uint32)[0])
@@ -154,6 +202,8 @@ class DistributedPackedBatchSampler(Sampler[list[int]]):
               of the dataset (each row is one packed bin) and forwards :meth:`set_epoch` to it. With
               ``persistent_workers=True`` build the dataset with ``shuffle=False`` and a deterministic strategy (this
               sampler shuffles): the workers' copies keep the epoch they started with, hence its row order.
+
+            Rows packed already (a dataset with a ``seq_lens`` column): :meth:`from_rows`, yielding row indices.
         capacity: tokens per packed row; required for lengths, checked against a plan or a dataset otherwise.
         num_replicas: data-parallel world size. ``None``: ``torch.distributed.get_world_size()`` when a process
             group is initialised, else 1 (refused when ``WORLD_SIZE`` says a launcher started several processes).
@@ -255,7 +305,44 @@ class DistributedPackedBatchSampler(Sampler[list[int]]):
         self._dataset: Any = None
         self._plan: PackResult | None = None
         self._packer: Packer | None = None
+        self._rows = False  # from_rows: every bin is one row of the dataset, yielded by its index
         self._read_data(data, capacity, strategy, overlong, max_sequences_per_bin)
+
+    @classmethod
+    def from_rows(cls, rows: Any, capacity: int | None = None, **kwargs: Any) -> DistributedPackedBatchSampler:
+        """A sampler over rows that are **already packed**, yielding **row indices** (each row is one bin).
+
+        For a dataset packed once and for all — :func:`padfree.pack_for_trainer`, :func:`padfree.pack_dataset`,
+        ``padfree.SFTTrainer(packing=True)`` — whose rows are to be dealt to the ranks in balanced steps: every
+        row's load is its tokens (``sum(seq_lens)``) and its attention cost (``Σ seq_lens²``).
+
+        Args:
+            rows: the sequence lengths of every row: a ``datasets.Dataset`` with a ``seq_lens`` column (read from
+                its Arrow buffers; an indices mapping from ``select`` / ``shuffle`` honoured), or a sequence of
+                per-row lists of lengths. Every row holds at least one sequence of at least one token.
+            capacity: tokens per row, checked against the rows (``None``: the fullest row's tokens).
+            **kwargs: ``num_replicas``, ``rank``, ``micro_batch_size``, ``seed``, ``shuffle``, ``remainder``,
+                ``all_ranks`` as for the constructor (the packing arguments do not apply: the rows are packed).
+
+        In this mode ``repeated_samples`` / ``dropped_samples`` name the sequences of the rows concerned (their
+        positions in the concatenation of all rows' ``seq_lens``); ``schedule.repeated_bins`` /
+        ``schedule.dropped_bins`` are the row indices.
+
+        >>> rows = [[100], [10, 10], [60, 40], [5]]  # seq_lens of 4 rows: Σ len² 10000, 200, 5200, 25
+        >>> ranks = [DistributedPackedBatchSampler.from_rows(rows, num_replicas=2, rank=r, seed=0) for r in (0, 1)]
+        >>> [list(s) for s in ranks]  # per rank, the row of each step: the cheap pair together, the costly pair
+        [[[3], [2]], [[1], [0]]]
+        >>> ranks[0].capacity, ranks[0].schedule.num_steps
+        (100, 2)
+        """
+        given = [k for k in ("strategy", "overlong", "max_sequences_per_bin") if kwargs.get(k) is not None]
+        if given:
+            raise InvalidArgumentError(f"{', '.join(given)} do not apply to from_rows: the rows are packed already")
+        plan = _rows_plan(rows, capacity)
+        sampler = cls(plan, **kwargs)
+        sampler._rows = True
+        sampler._cache = None
+        return sampler
 
     # ---- the data ----------------------------------------------------------------------------------
 
@@ -360,7 +447,9 @@ class DistributedPackedBatchSampler(Sampler[list[int]]):
             perm = np.argsort(rng.random((schedule.num_steps, self.num_replicas)), axis=1)
             schedule = dataclasses.replace(schedule, steps=np.take_along_axis(schedule.steps, perm[:, :, None], 1))
         row_of_bin = None
-        if self._dataset is not None:
+        if self._rows:
+            row_of_bin = np.arange(plan.num_bins, dtype=np.int64)
+        elif self._dataset is not None:
             row_of_bin = np.empty(plan.num_bins, np.int64)
             row_of_bin[self._dataset.order] = np.arange(plan.num_bins, dtype=np.int64)  # inverse of row -> bin
         self._cache = _Epoch(self.epoch, plan, schedule, row_of_bin)
@@ -473,7 +562,8 @@ class DistributedPackedBatchSampler(Sampler[list[int]]):
             yield indices[a:b].tolist()
 
     def __repr__(self) -> str:
-        source = "PackingDataset" if self._dataset is not None else "lengths" if self._packer else "PackResult"
+        source = ("rows" if self._rows else "PackingDataset" if self._dataset is not None else "lengths"
+                  if self._packer else "PackResult")
         return (
             f"DistributedPackedBatchSampler(data={source}, capacity={self.capacity}, num_replicas={self.num_replicas}"
             f", rank={'all' if self.all_ranks else self.rank}, micro_batch_size={self.micro_batch_size}, "

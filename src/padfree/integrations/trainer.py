@@ -115,6 +115,9 @@ class PackingStatus:
         loss: ``"token"`` or ``"sequence"`` (the loss rule), None when padfree's loss rule is off.
         efficiency: real tokens / row slots of the packed training set (sample packing only).
         rows, sequences: packed rows and the sequences in them (sample packing only).
+        balance: how the packed rows are dealt to data-parallel ranks (``world_size > 1`` with a train dataset of
+            packed rows only, else None): ``"balanced across W ranks: ..."`` with the idle time left by the
+            imbalance of tokens and of attention cost (Σ len²), or why the Trainer's own sampler is used.
     """
 
     mode: str
@@ -129,6 +132,7 @@ class PackingStatus:
     efficiency: float | None = None
     rows: int | None = None
     sequences: int | None = None
+    balance: str | None = None
 
     @property
     def enabled(self) -> bool:
@@ -145,6 +149,8 @@ class PackingStatus:
                 text += f", mixers {'; '.join(f'{k}: {v}' for k, v in self.mixers.items())}"
         if self.loss is not None:
             text += f"; loss = {self.loss} mean over the optimizer step"
+        if self.balance is not None:
+            text += f"; {self.balance}"
         return text
 
 
@@ -326,10 +332,25 @@ class PadfreeTrainerMixin:
 
     Set up by :meth:`_padfree_setup` (padfree's trainers call it from ``__init__``). Overrides
     ``get_batch_samples`` (counts the step's targets and sequences across ranks), ``compute_loss`` (the loss rule),
-    ``training_step`` (feeds the telemetry) and ``log`` (adds the telemetry to the logged metrics).
+    ``training_step`` (feeds the telemetry), ``log`` (adds the telemetry to the logged metrics) and
+    ``get_train_dataloader`` (balanced data-parallel steps over packed rows, see below).
+
+    **Balanced steps.** When training is data-parallel (``args.world_size > 1``) and the train dataset holds packed
+    rows (a ``seq_lens`` column: :func:`pack_for_trainer`, ``padfree.SFTTrainer(packing=True)``), the train loader
+    draws its micro-batches from a :class:`~padfree.integrations.distributed.DistributedPackedBatchSampler` over the
+    rows (:meth:`~padfree.integrations.distributed.DistributedPackedBatchSampler.from_rows`) instead of the
+    Trainer's sampler, which shards rows by count: every step gives each rank ``per_device_train_batch_size`` rows
+    of nearly equal tokens and Σ len², so no rank waits at every step for the one that drew the long sequences.
+    Seeded from ``args.data_seed`` (else ``args.seed``), a new order every epoch (the Trainer calls ``set_epoch``);
+    ``dataloader_drop_last=True`` leaves the cheapest rows of an uneven remainder out, otherwise they are
+    scheduled twice (logged). Off with ``padfree_balance=False``; skipped (reason in :class:`PackingStatus`) with
+    tensor / context / sequence parallelism, a ``train_sampling_strategy`` other than ``"random"``, or
+    accelerate's ``split_batches`` / ``dispatch_batches``. One process: the Trainer's own loader, unchanged.
     """
 
     padfree_loss: str | None = None
+    padfree_balance: bool = True
+    _padfree_balanced: tuple[Any, Any] | None = None
     _padfree_status: PackingStatus | None = None
     _padfree_telemetry: PackingTelemetryCallback | None = None
     _padfree_step: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -410,6 +431,92 @@ class PadfreeTrainerMixin:
         if denom is None and self.model.training and self.padfree_loss is not None:
             return loss / self.current_gradient_accumulation_steps
         return loss
+
+    # ---- balanced data-parallel steps -------------------------------------------------------------------
+
+    def _padfree_balance_check(self) -> tuple[bool, str | None]:
+        """``(balance, note)``: whether the train loader deals packed rows in balanced steps, and what
+        :attr:`PackingStatus.balance` says (None where there is nothing to balance: one process, unpacked data)."""
+        args = self.args
+        world = int(getattr(args, "world_size", 1) or 1)
+        dataset = getattr(self, "train_dataset", None)
+        if world <= 1 or "seq_lens" not in (getattr(dataset, "column_names", None) or ()):
+            return False, None
+        if not self.padfree_balance:
+            return False, f"not balanced across {world} ranks (padfree_balance=False): the Trainer's sampler shards " \
+                          f"rows by count"
+        from padfree.integrations.distributed import _is_hf_dataset
+
+        why = None
+        if not _is_hf_dataset(dataset):
+            why = f"the train dataset is a {type(dataset).__name__}, not a datasets.Dataset"
+        elif self._padfree_replicas() > 1:
+            why = "tensor / context / sequence parallel ranks share batches"
+        elif getattr(args, "train_sampling_strategy", "random") != "random":
+            why = f"train_sampling_strategy={args.train_sampling_strategy!r} chooses the sampler"
+        elif getattr(self.accelerator, "split_batches", False) or getattr(self.accelerator, "dispatch_batches", False):
+            why = "accelerate's split_batches / dispatch_batches is on"
+        elif self.accelerator.num_processes != world:
+            why = f"accelerate runs {self.accelerator.num_processes} processes for world_size={world}"
+        if why is not None:
+            return False, f"not balanced across {world} ranks ({why}): the Trainer's sampler shards rows by count"
+        return True, None
+
+    def _padfree_balanced_sampler(self) -> Any:
+        """The all-ranks :class:`DistributedPackedBatchSampler` over the train rows, or None (the Trainer's own
+        sampler). Built once per train dataset and micro-batch size."""
+        on, _ = self._padfree_balance_check()
+        if not on:
+            return None
+        dataset, mbs = self.train_dataset, int(self._train_batch_size)
+        cached = self._padfree_balanced
+        if cached is not None and cached[0] is dataset and cached[1].micro_batch_size == mbs:
+            return cached[1]
+        from padfree.integrations.distributed import DistributedPackedBatchSampler
+
+        args = self.args
+        seed = args.data_seed if getattr(args, "data_seed", None) is not None else args.seed
+        sampler = DistributedPackedBatchSampler.from_rows(
+            dataset, num_replicas=self.accelerator.num_processes, all_ranks=True, micro_batch_size=mbs, seed=seed,
+            remainder="drop" if args.dataloader_drop_last else "repeat")
+        self._padfree_balanced = (dataset, sampler)
+        return sampler
+
+    def _padfree_balance_note(self) -> str | None:
+        """What :attr:`PackingStatus.balance` says at construction (the schedule of epoch 0)."""
+        on, note = self._padfree_balance_check()
+        if not on:
+            return note
+        schedule = self._padfree_balanced_sampler().schedule
+        return (f"balanced across {schedule.num_ranks} ranks: {schedule.num_steps} steps x "
+                f"{schedule.steps.shape[2]} rows per rank, token idle {100 * schedule.token_imbalance:.1f}%, "
+                f"attention-cost idle {100 * schedule.cost_imbalance:.1f}%")
+
+    def get_train_dataloader(self) -> Any:
+        sampler = self._padfree_balanced_sampler()
+        if sampler is None:
+            return super().get_train_dataloader()
+        from functools import partial
+
+        from torch.utils.data import DataLoader
+        from transformers.trainer_utils import seed_worker
+
+        args = self.args
+        # what Trainer._get_dataloader passes, with the balanced batch sampler in place of batch_size / sampler;
+        # accelerate's prepare re-shards it (process p keeps micro-batches p, p + W, ...: rank p's own)
+        dataset = self._remove_unused_columns(self.train_dataset, description="Training")
+        params = {
+            "batch_sampler": sampler,
+            "collate_fn": self.data_collator,
+            "num_workers": args.dataloader_num_workers,
+            "pin_memory": args.dataloader_pin_memory,
+            "persistent_workers": args.dataloader_persistent_workers,
+            "multiprocessing_context": args.dataloader_multiprocessing_context,
+            "prefetch_factor": args.dataloader_prefetch_factor,
+            "in_order": args.dataloader_in_order,
+            "worker_init_fn": partial(seed_worker, num_workers=args.dataloader_num_workers, rank=args.process_index),
+        }
+        return self.accelerator.prepare(DataLoader(dataset, **params))
 
     # ---- telemetry -------------------------------------------------------------------------------------
 
@@ -677,8 +784,9 @@ class _TrainerMixin(PadfreeTrainerMixin):
     """``__init__`` of :class:`Trainer` and of :func:`enable`'d ``Trainer`` subclasses."""
 
     def __init__(self, *args: Any, padfree_loss: str = "token", padfree_telemetry: bool = True,
-                 **kwargs: Any) -> None:
+                 padfree_balance: bool = True, **kwargs: Any) -> None:
         as_choice(padfree_loss, "padfree_loss", LOSS_MODES)
+        self.padfree_balance = _as_flag(padfree_balance, "padfree_balance")
         model = kwargs.get("model", args[0] if args else None)
         collator = kwargs.get("data_collator", args[2] if len(args) > 2 else None)
         train = kwargs.get("train_dataset", args[3] if len(args) > 3 else None)
@@ -698,8 +806,14 @@ class _TrainerMixin(PadfreeTrainerMixin):
         self._padfree_setup(padfree_loss, telemetry=padfree_telemetry)
         self._padfree_status = PackingStatus(mode=mode, reason=why, auto=False, packing=mode == PACKING,
                                              padding_free=mode != STANDARD, loss=padfree_loss,
-                                             **_model_facts(self.model))
+                                             balance=self._padfree_balance_note(), **_model_facts(self.model))
         logger.info("%s", self._padfree_status)
+
+
+def _as_flag(value: Any, name: str) -> bool:
+    if not isinstance(value, (bool, np.bool_)):
+        raise InvalidArgumentError(f"{name} must be True or False, got {describe(value)}")
+    return bool(value)
 
 
 def _configure(model: Any) -> Any:
@@ -720,6 +834,9 @@ class Trainer(_TrainerMixin, transformers.Trainer):
         padfree_loss: ``"token"`` (default: the token mean over the optimizer step, across accumulation and ranks)
             or ``"sequence"`` (the mean over the step's sequences of each sequence's mean token loss).
         padfree_telemetry: add :class:`PackingTelemetryCallback`.
+        padfree_balance: under data parallelism (``world_size > 1``) with a train dataset of packed rows
+            (:func:`pack_for_trainer`), deal the rows to the ranks in steps balanced in tokens and Σ len²
+            (:class:`PadfreeTrainerMixin`); ``False`` keeps the Trainer's sampler. No effect in one process.
 
     When ``data_collator`` is one of padfree's (:class:`PackedRowsCollator`, ``PaddingFreeCollator``,
     ``packed_collate_fn``) the model is passed to :func:`padfree.configure_packing` first, which makes it exact

@@ -13,6 +13,8 @@ prompt-completion and assistant masks work as before — and padfree replaces wh
     ``packing_strategy="bfd"`` (TRL's default) truncates sequences longer than ``max_length`` first, as TRL does;
     ``"bfd_split"`` splits them into pieces that are sequences of their own; a padfree strategy name (``"ffd"``,
     ...) picks that strategy; ``"wrapped"`` (cutting sequences mid-way) is refused.
+    Under data parallelism the rows are dealt to the ranks in steps balanced in tokens and Σ len² (not sharded by
+    count); ``padfree_balance=False`` in :class:`SFTConfig` keeps the Trainer's sampler.
 ``"standard batching"``
     TRL's own padded batches, untouched.
 
@@ -77,6 +79,7 @@ from padfree.integrations.trainer import (
     PackedRowsCollator,
     PackingStatus,
     PadfreeTrainerMixin,
+    _as_flag,
     _model_facts,
     _unwrap,
     pack_for_trainer,
@@ -124,12 +127,15 @@ class SFTConfig(trl.SFTConfig):
             means over the step).
         padfree_telemetry: add :class:`~padfree.integrations.trainer.PackingTelemetryCallback` when a padfree mode
             is on.
+        padfree_balance: with ``packing=True`` under data parallelism (``world_size > 1``), deal the packed rows to
+            the ranks in steps balanced in tokens and Σ len² instead of sharding them by count (see
+            :class:`~padfree.integrations.trainer.PadfreeTrainerMixin`); no effect in one process.
 
     Every other argument is ``trl.SFTConfig``'s (``max_length`` is the row length when packing).
 
     >>> cfg = SFTConfig("out", report_to="none", use_cpu=True)
-    >>> cfg.packing, cfg.padding_free, cfg.auto_padding_free, cfg.padfree_loss
-    (None, None, True, 'token')
+    >>> cfg.packing, cfg.padding_free, cfg.auto_padding_free, cfg.padfree_loss, cfg.padfree_balance
+    (None, None, True, 'token', True)
     """
 
     packing: bool | None = dataclasses.field(
@@ -143,6 +149,8 @@ class SFTConfig(trl.SFTConfig):
                                    "choices": list(LOSS_MODES)})
     padfree_telemetry: bool = dataclasses.field(
         default=True, metadata={"help": "Log packing telemetry when a padfree mode is on."})
+    padfree_balance: bool = dataclasses.field(
+        default=True, metadata={"help": "Data-parallel packing: balance the ranks' rows (tokens and sum of len^2)."})
 
 
 # --------------------------------------------------------------------------------------------------
@@ -392,6 +400,7 @@ class _SFTMixin(PadfreeTrainerMixin):
                  eval_dataset: Any = None, processing_class: Any = None, *rest: Any, **kwargs: Any) -> None:
         args = _as_config(args, model)
         loss = as_choice(getattr(args, "padfree_loss", "token"), "padfree_loss", LOSS_MODES)
+        self.padfree_balance = _as_flag(getattr(args, "padfree_balance", True), "padfree_balance")
         if loss == "sequence" and (args.loss_type != "nll" or args.label_smoothing_factor > 0
                                    or kwargs.get("compute_loss_func") is not None):
             raise InvalidArgumentError(
@@ -423,7 +432,8 @@ class _SFTMixin(PadfreeTrainerMixin):
             mode=decision.mode, reason=decision.reason, auto=decision.auto, packing=decision.mode == PACKING,
             padding_free=on, loss=loss, efficiency=None if plan is None else float(plan.efficiency),
             rows=None if plan is None else int(plan.num_bins),
-            sequences=None if plan is None else int(plan.num_pieces), **_model_facts(self.model))
+            sequences=None if plan is None else int(plan.num_pieces), balance=self._padfree_balance_note(),
+            **_model_facts(self.model))
         logger.info("%s", self._padfree_status)
 
     # ---- data ------------------------------------------------------------------------------------------
@@ -529,7 +539,7 @@ class SFTTrainer(_SFTMixin, trl.SFTTrainer):
 
     Takes exactly ``trl.SFTTrainer``'s arguments. ``args`` may be a ``trl.SFTConfig`` or padfree's
     :class:`SFTConfig` (whose ``packing`` / ``padding_free`` default to None, "padfree decides", and which adds
-    ``auto_padding_free``, ``padfree_loss`` and ``padfree_telemetry``); when it is None, a padfree
+    ``auto_padding_free``, ``padfree_loss``, ``padfree_telemetry`` and ``padfree_balance``); when it is None, a padfree
     :class:`SFTConfig` is made. After construction, ``padfree.packing_status(trainer)`` reports the mode and why.
 
     Raises:
