@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import os
 import pickle
-import socket
-import time
 from collections import Counter
 from pathlib import Path
 
@@ -23,9 +21,9 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 datasets = pytest.importorskip("datasets")
 
-import torch.multiprocessing as mp  # noqa: E402
 
 import padfree  # noqa: E402
+from multiproc import free_port, run_ranks  # noqa: E402
 from padfree.integrations.distributed import DistributedPackedBatchSampler  # noqa: E402
 from padfree.integrations.trainer import PackedRowsCollator, pack_for_trainer  # noqa: E402
 from zoo import tiny_model  # noqa: E402
@@ -89,27 +87,15 @@ def _worker(rank: int, world: int, tmp: str, port: int) -> None:
         pickle.dump(out, f)
 
 
-def _run_two(fn, tmp: Path, *args) -> list[dict]:
-    """Run ``fn(rank, 2, tmp, *args)`` on 2 forked processes; fail, never hang, if they do not finish in time."""
-    ctx = mp.start_processes(fn, args=(2, str(tmp), *args), nprocs=2, join=False, start_method="fork")
-    deadline = time.monotonic() + 150
-    while not ctx.join(timeout=1):
-        if time.monotonic() > deadline:
-            for p in ctx.processes:
-                p.terminate()
-            pytest.fail("the 2-process gloo run did not finish within 150 s (a hang)")
-    return [pickle.loads((tmp / f"rank{r}.pkl").read_bytes()) for r in range(2)]
 
 
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("balanced")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     tiny_model("llama")  # warm-up inherited by both children
     _RecordingCollator([])([dict(r) for r in _rows().select([0, 1])])
-    return _run_two(_worker, tmp, port)
+    return run_ranks(_worker, tmp, port)
 
 
 def _cost_idle(per_rank_batches: list[list[list[int]]], cost: np.ndarray) -> float:

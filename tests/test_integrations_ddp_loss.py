@@ -10,9 +10,6 @@ from __future__ import annotations
 import copy
 import os
 import pickle
-import socket
-import time
-from pathlib import Path
 
 import pytest
 
@@ -21,8 +18,8 @@ transformers = pytest.importorskip("transformers")
 datasets = pytest.importorskip("datasets")
 pytest.importorskip("accelerate")
 
-import torch.multiprocessing as mp  # noqa: E402
 
+from multiproc import free_port, run_ranks  # noqa: E402
 from padfree.integrations.trainer import PackedRowsCollator, Trainer, count_loss_items, token_losses  # noqa: E402
 
 datasets.disable_progress_bars()
@@ -123,16 +120,6 @@ def _worker(rank: int, world: int, tmp: str, port: int) -> None:
         pickle.dump(out, f)
 
 
-def _run_two(tmp: Path, port: int) -> list[dict]:
-    """:func:`_worker` on 2 forked processes (they inherit this process's imports); fail, never hang."""
-    ctx = mp.start_processes(_worker, args=(2, str(tmp), port), nprocs=2, join=False, start_method="fork")
-    deadline = time.monotonic() + 120
-    while not ctx.join(timeout=0.5):
-        if time.monotonic() > deadline:
-            for p in ctx.processes:
-                p.terminate()
-            pytest.fail("the 2-process gloo run did not finish within 120 s (a hang)")
-    return [pickle.loads((tmp / f"rank{r}.pkl").read_bytes()) for r in range(2)]
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -141,11 +128,9 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("ddp_loss")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     _llama()  # warm-up (transformers' Llama modules) that both forked children inherit
-    return tmp, _run_two(tmp, port)
+    return tmp, run_ranks(_worker, tmp, port, deadline=120)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -9,8 +9,6 @@ import json
 import logging
 import os
 import pickle
-import socket
-import time
 from collections import Counter
 from pathlib import Path
 
@@ -22,11 +20,11 @@ from hypothesis import strategies as st
 torch = pytest.importorskip("torch")
 
 import torch.distributed as dist  # noqa: E402
-import torch.multiprocessing as mp  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 
 import padfree  # noqa: E402
+from multiproc import free_port, run_ranks  # noqa: E402
 from padfree import InvalidArgumentError, InvalidLengthsError, Packer, pack_sequences  # noqa: E402
 from padfree.data.batch import packed_collate_fn  # noqa: E402
 from padfree.data.datasets import PackingDataset  # noqa: E402
@@ -127,19 +125,6 @@ def _worker(rank: int, world: int, tmp: str) -> None:
         dist.destroy_process_group()
 
 
-def _run_two(fn, tmp: Path, *args) -> list[dict]:
-    """Run ``fn(rank, 2, tmp, *args)`` on 2 forked processes; fail, never hang, if they do not finish in time.
-
-    Forked, like DataLoader workers on Linux, so the children start with this process's imports (spawning two
-    interpreters that import torch and transformers costs ~20 s on 2 cores); each child uses one thread."""
-    ctx = mp.start_processes(fn, args=(2, str(tmp), *args), nprocs=2, join=False, start_method="fork")
-    deadline = time.monotonic() + 150
-    while not ctx.join(timeout=1):
-        if time.monotonic() > deadline:
-            for p in ctx.processes:
-                p.terminate()
-            pytest.fail("the 2-process gloo run did not finish within 150 s (a hang)")
-    return [pickle.loads((tmp / f"rank{r}.pkl").read_bytes()) for r in range(2)]
 
 
 @pytest.fixture(scope="module")
@@ -151,7 +136,7 @@ def two_ranks(tmp_path_factory):
     # children inherit it instead of each paying for it
     tiny_model("llama")
     packed_collate_fn(128, strategy="nf")(_ddp_samples(4))
-    return _run_two(_worker, tmp)
+    return run_ranks(_worker, tmp)
 
 
 @pytest.mark.slow
@@ -246,11 +231,9 @@ def _trainer_worker(rank: int, world: int, tmp: str, port: int) -> None:
 
 @pytest.mark.slow
 def test_hf_trainer_on_two_ranks_trains_exactly_the_schedule(tmp_path):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     tiny_model("llama")  # warm-up inherited by both children
-    results = _run_two(_trainer_worker, tmp_path, port)
+    results = run_ranks(_trainer_worker, tmp_path, port)
     lengths = [len(s["input_ids"]) for s in _ddp_samples()]
     assert [r["group"] for r in results] == [(0, 2), (1, 2)]  # the Trainer's own process group
     for rank, result in enumerate(results):

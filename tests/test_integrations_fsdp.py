@@ -29,8 +29,6 @@ import datetime
 import json
 import os
 import pickle
-import socket
-import time
 import warnings
 from pathlib import Path
 
@@ -40,7 +38,6 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import torch.distributed as dist  # noqa: E402
-import torch.multiprocessing as mp  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 
 try:
@@ -49,6 +46,7 @@ except ImportError:  # pragma: no cover - torch < 2.6
     pytest.skip("torch.distributed.fsdp.fully_shard (FSDP2) is not available", allow_module_level=True)
 
 import padfree  # noqa: E402
+from multiproc import free_port, run_ranks  # noqa: E402
 from padfree.data.batch import packed_collate_fn  # noqa: E402
 from padfree.integrations.distributed import DistributedPackedBatchSampler  # noqa: E402
 from zoo import tiny_model  # noqa: E402
@@ -189,30 +187,18 @@ def _accelerate_part(rank: int, world: int, port: int, loader: DataLoader) -> di
     return out
 
 
-def _run_two(fn, tmp: Path, *args) -> list[dict]:
-    """Run ``fn(rank, 2, tmp, *args)`` on 2 forked processes; fail, never hang, if they do not finish in time."""
-    ctx = mp.start_processes(fn, args=(WORLD, str(tmp), *args), nprocs=WORLD, join=False, start_method="fork")
-    deadline = time.monotonic() + 90
-    while not ctx.join(timeout=1):
-        if time.monotonic() > deadline:
-            for p in ctx.processes:
-                p.terminate()
-            pytest.fail("the 2-process FSDP run did not finish within 90 s (a hang)")
-    return [pickle.loads((tmp / f"rank{r}.pkl").read_bytes()) for r in range(WORLD)]
 
 
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("fsdp")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     # warm up what both children need (transformers' Llama modules, accelerate, the packing and row kernels)
     import accelerate  # noqa: F401
 
     tiny_model("llama")
     packed_collate_fn(CAPACITY, strategy="nf")(_samples(4))
-    return _run_two(_fsdp_worker, tmp, port)
+    return run_ranks(_fsdp_worker, tmp, port, deadline=90)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -1,0 +1,38 @@
+"""Running a test's worker on several forked processes (gloo), with a deadline: a hang fails the test, never the
+suite.
+
+Forked, like DataLoader workers on Linux, so the children start with this process's imports (spawning fresh
+interpreters that import torch and transformers costs ~20 s on 2 cores). Each worker is ``fn(rank, world, tmp,
+*args)`` and writes what it measured to ``{tmp}/rank{rank}.pkl``; :func:`run_ranks` returns those, rank by rank.
+"""
+
+from __future__ import annotations
+
+import pickle
+import socket
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch.multiprocessing as mp
+
+
+def run_ranks(fn: Callable[..., None], tmp: Path, *args: Any, world: int = 2, deadline: float = 150) -> list[Any]:
+    """Run ``fn(rank, world, str(tmp), *args)`` on ``world`` forked processes; fail if they are not done in time."""
+    ctx = mp.start_processes(fn, args=(world, str(tmp), *args), nprocs=world, join=False, start_method="fork")
+    end = time.monotonic() + deadline
+    while not ctx.join(timeout=0.5):
+        if time.monotonic() > end:
+            for p in ctx.processes:
+                p.terminate()
+            pytest.fail(f"the {world}-process gloo run did not finish within {deadline:.0f} s (a hang)")
+    return [pickle.loads((Path(tmp) / f"rank{r}.pkl").read_bytes()) for r in range(world)]
+
+
+def free_port() -> int:
+    """A TCP port free on this machine now, for ``MASTER_PORT``."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -1,0 +1,234 @@
+"""``padfree.SFTTrainer(packing=True)`` under data parallelism, on 2 real gloo processes.
+
+Each process builds the real ``trl.SFTTrainer`` pipeline (through ``padfree.SFTTrainer``) on GSM8K prompt-completion
+records tokenized offline with the Mistral vocabulary: TRL tokenizes and masks the prompts (completion-only loss),
+padfree packs the whole dataset into rows of ``max_length`` tokens, the Hugging Face Trainer sets up gloo from the
+launcher's variables and wraps the tiny llama in DDP, and padfree's ``get_train_dataloader`` deals the packed rows to
+the ranks in balanced steps. One optimizer step (gradient accumulation 2, SGD with lr 1) must move every parameter by
+exactly minus the gradient of the unpacked step loss — every sequence of every micro-batch of both ranks run alone
+through an unconfigured copy of the model, Σ token losses / targets of the whole step — and a negative control shows
+that the data tells that rule from the naive one (each rank's own mean, averaged by DDP).
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import json
+import os
+import pickle
+import shutil
+import socket
+import time
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+datasets = pytest.importorskip("datasets")
+pytest.importorskip("trl")
+pytest.importorskip("accelerate")
+mistral_common = pytest.importorskip("mistral_common")
+
+import torch.multiprocessing as mp  # noqa: E402
+
+import padfree  # noqa: E402
+from padfree.integrations.trainer import count_loss_items, token_losses  # noqa: E402
+from padfree.integrations.trl import SFTConfig, SFTTrainer  # noqa: E402
+
+DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k_train.json"
+datasets.disable_progress_bars()
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+RECORDS = 40
+# GSM8K records are 70-400 Mistral tokens: rows of 256 hold one to three of them (longer ones are truncated to
+# max_length first, as TRL's "bfd" does), so the trained micro-batches mix packed rows and single sequences
+MAX_LENGTH = 256
+DEADLINE = 120
+
+
+def _tokenizer(folder: Path) -> transformers.PreTrainedTokenizerBase:
+    shutil.copy(Path(mistral_common.__file__).parent / "data" / "tokenizer.model.v1", folder / "tokenizer.model")
+    return transformers.LlamaTokenizer.from_pretrained(str(folder))
+
+
+def _dataset() -> datasets.Dataset:
+    records = json.loads(DATA.read_text())[:RECORDS]
+    return datasets.Dataset.from_list([{"prompt": f"{r['instruction']}\n{r['input']}".rstrip() + "\n",
+                                        "completion": r["output"]} for r in records])
+
+
+def _llama(vocab: int) -> transformers.LlamaForCausalLM:
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024)
+    return transformers.LlamaForCausalLM(config)
+
+
+def _worker(rank: int, world: int, tmp: str, port: int, tok) -> None:
+    """One rank: ``padfree.SFTTrainer(packing=True)``, one optimizer step of 2 accumulated micro-batches."""
+    import warnings
+
+    from accelerate.state import AcceleratorState
+
+    torch.set_num_threads(1)
+    warnings.filterwarnings("ignore")
+    AcceleratorState._reset_state(True)  # a state made in the parent before the fork would say "one process"
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+
+    class Recording(SFTTrainer):
+        """Notes every micro-batch this rank trains and the step counts it normalises by."""
+
+        seen: list
+
+        def training_step(self, model, inputs, num_items_in_batch=None):
+            self.seen.append({"batch": {k: v.clone() for k, v in inputs.items() if isinstance(v, torch.Tensor)},
+                              "num_items": float(num_items_in_batch),
+                              "step": tuple(float(c) for c in self._padfree_step)})
+            return super().training_step(model, inputs, num_items_in_batch)
+
+    args = SFTConfig(output_dir=f"{tmp}/out", packing=True, max_length=MAX_LENGTH, per_device_train_batch_size=1,
+                     gradient_accumulation_steps=2, max_steps=1, optim="sgd", learning_rate=1.0, weight_decay=0.0,
+                     max_grad_norm=0.0, lr_scheduler_type="constant", warmup_steps=0, bf16=False,
+                     activation_checkpointing=False, use_cpu=True, report_to="none", save_strategy="no",
+                     logging_steps=1, disable_tqdm=True, seed=0)
+    model = _llama(len(tok))
+    trainer = Recording(model=model, args=args, train_dataset=_dataset(), processing_class=tok)
+    trainer.seen = []
+    status = padfree.packing_status(trainer)
+    trainer.train()
+    params = {n: p.detach().clone() for n, p in model.named_parameters()}
+    out = {"seen": trainer.seen, "steps": trainer.state.global_step, "mode": status.mode, "balance": status.balance,
+           "rows": status.rows, "group": (args.process_index, args.world_size),
+           "ddp": type(trainer.model_wrapped).__name__, "logged": trainer.state.log_history[0]["loss"],
+           "params": params}
+    if rank == 0:  # the trained parameters, as a user would save them
+        torch.save(params, f"{tmp}/params.pt")
+    with open(f"{tmp}/rank{rank}.pkl", "wb") as f:
+        pickle.dump(out, f)
+
+
+def _run_two(tmp: Path, port: int, tok) -> list[dict]:
+    """:func:`_worker` on 2 forked processes (they inherit this process's imports); fail, never hang."""
+    ctx = mp.start_processes(_worker, args=(2, str(tmp), port, tok), nprocs=2, join=False, start_method="fork")
+    deadline = time.monotonic() + DEADLINE
+    while not ctx.join(timeout=0.5):
+        if time.monotonic() > deadline:
+            for p in ctx.processes:
+                p.terminate()
+            pytest.fail(f"the 2-process gloo run did not finish within {DEADLINE} s (a hang)")
+    return [pickle.loads((tmp / f"rank{r}.pkl").read_bytes()) for r in range(2)]
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("sft_ddp")
+    tok = _tokenizer(tmp_path_factory.mktemp("spm"))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    _llama(len(tok))  # warm-up (transformers' Llama modules) that both forked children inherit
+    return tmp, tok, _run_two(tmp, port, tok)
+
+
+# --------------------------------------------------------------------------------------------------
+# The reference, computed by hand in this process
+# --------------------------------------------------------------------------------------------------
+
+
+def _segments(batch: dict) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The sequences of a packed micro-batch: ``[(input_ids, labels)]`` cut where ``position_ids`` restart."""
+    assert batch["input_ids"].shape[0] == 1  # padfree collates every micro-batch into one row
+    ids, labels, pos = batch["input_ids"][0], batch["labels"][0], batch["position_ids"][0]
+    starts = [*torch.nonzero(pos == 0).flatten().tolist(), ids.shape[0]]
+    return [(ids[a:b], labels[a:b]) for a, b in itertools.pairwise(starts)]
+
+
+def _step_loss(model, batches: list[dict]) -> torch.Tensor:
+    """Σ token losses / Σ targets over every sequence of ``batches``, each sequence run alone."""
+    total, count = 0.0, 0
+    for batch in batches:
+        for ids, labels in _segments(batch):
+            loss, mask = token_losses(model(input_ids=ids[None]).logits, {"labels": labels[None]})
+            total, count = total + loss.sum(), count + int(mask.sum())
+    return total / count
+
+
+def _grads(model, loss) -> dict[str, torch.Tensor]:
+    model.zero_grad()
+    loss.backward()
+    return {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def _max_diff(a, b) -> float:
+    return max(float((a[n] - b[n]).abs().max()) for n in a)
+
+
+# --------------------------------------------------------------------------------------------------
+# Tests
+# --------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_both_ranks_pack_balance_and_step_together(two_ranks):
+    _, tok, ranks = two_ranks
+    assert [r["group"] for r in ranks] == [(0, 2), (1, 2)]  # the Trainer's own gloo process group
+    for r in ranks:
+        assert r["mode"] == "sample packing"
+        assert r["balance"].startswith("balanced across 2 ranks"), r["balance"]
+        assert r["ddp"] == "DistributedDataParallel"
+        assert r["steps"] == 1 and len(r["seen"]) == 2  # one optimizer step of 2 accumulated micro-batches
+    assert ranks[0]["rows"] == ranks[1]["rows"] and ranks[0]["balance"] == ranks[1]["balance"]
+    batches = [m["batch"] for r in ranks for m in r["seen"]]
+    counts = [count_loss_items(b) for b in batches]
+    total_targets, total_sequences = map(sum, zip(*counts, strict=True))
+    for r in ranks:
+        for m in r["seen"]:
+            b = m["batch"]
+            assert "attention_mask" not in b and b["input_ids"].shape[1] <= MAX_LENGTH
+            # every rank normalises by the whole step: both ranks' targets and sequences together
+            assert m["step"] == (total_targets, total_sequences) and m["num_items"] == total_targets
+            for ids, labels in _segments(b):
+                assert labels[0] == -100 and int((labels == -100).sum()) > 10  # the prompt is masked
+                kept = labels != -100
+                assert torch.equal(labels[kept], ids[kept])  # the completion is trained as is
+    # the ranks trained different rows, and packed ones: at least one micro-batch holds several sequences
+    rows = [tuple(b["input_ids"][0].tolist()) for b in batches]
+    assert len(set(rows)) == 4
+    assert max(s for _, s in counts) >= 2
+
+
+@pytest.mark.slow
+def test_ddp_sft_step_equals_the_unpacked_step(two_ranks):
+    """SGD, lr 1, one step: the update is minus the gradient of Σ token losses / targets of the whole step."""
+    tmp, tok, ranks = two_ranks
+    model = _llama(len(tok))
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    saved = torch.load(tmp / "params.pt")
+    assert saved.keys() == before.keys()
+    assert _max_diff(saved, ranks[1]["params"]) == 0.0  # DDP kept the replicas identical
+    update = {n: before[n] - saved[n] for n in saved}
+    assert _max_diff(update, {n: torch.zeros_like(v) for n, v in update.items()}) > 1e-3  # it did train
+
+    batches = [[m["batch"] for m in r["seen"]] for r in ranks]
+    loss = _step_loss(model, batches[0] + batches[1])
+    true = _grads(model, loss)
+    diff = _max_diff(update, true)
+    # the logged loss (each rank's share of the step, summed over the ranks) is the step's loss too
+    logged = [r["logged"] for r in ranks]
+    # negative control: each rank's own token mean over its micro-batches, averaged by DDP
+    naive = _grads(model, (_step_loss(model, batches[0]) + _step_loss(model, batches[1])) / 2)
+    control = _max_diff(naive, true)
+    targets = [sum(count_loss_items(b)[0] for b in rank) for rank in batches]
+    print(f"\n[sft ddp] targets per rank {targets}; max |update + grad| {diff:.2e}; naive rule off by "
+          f"{control:.2e}; trained update vs naive {_max_diff(update, naive):.2e}; loss {float(loss):.5f}, "
+          f"logged {logged}")
+    assert diff <= 1e-5, diff
+    assert all(x == pytest.approx(float(loss), rel=1e-5) for x in logged), (float(loss), logged)
+    assert targets[0] != targets[1]
+    assert control > 1e-4
+    assert _max_diff(update, naive) > 1e-4
+    assert _max_diff(update, naive) > 100 * max(diff, 1e-7)
