@@ -76,7 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
     """The argument parser of every subcommand in :data:`COMMANDS`."""
     parser = argparse.ArgumentParser(
         prog="padfree",
-        description="Exact padding-free (packed-sequence) training: analyze, pack and verify.",
+        description="Exact padding-free (packed-sequence) training: analyze, pack, verify, demo and bench.",
     )
     parser.add_argument("--version", action="version", version=f"padfree {__version__}")
     parser.add_argument("-v", "--verbose", action="store_true", help="log details (debug level) on stderr")
