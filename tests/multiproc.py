@@ -8,6 +8,7 @@ interpreters that import torch and transformers costs ~20 s on 2 cores). Each wo
 
 from __future__ import annotations
 
+import os
 import pickle
 import socket
 import time
@@ -36,3 +37,16 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def as_launched_rank(rank: int, world: int, port: int, **env: str) -> None:
+    """Make this forked worker look like rank ``rank`` of ``world`` started by a launcher (torchrun): one torch
+    thread, accelerate's state forgotten (a state made in the parent before the fork would say "one process"), and
+    the variables from which the Trainer / accelerate set up the gloo process group (plus ``env``)."""
+    import torch
+    from accelerate.state import AcceleratorState
+
+    torch.set_num_threads(1)
+    AcceleratorState._reset_state(True)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world), **env)

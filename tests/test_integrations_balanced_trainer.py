@@ -9,7 +9,6 @@ run in the same processes). One process: the Trainer's own loader, batch for bat
 
 from __future__ import annotations
 
-import os
 import pickle
 from collections import Counter
 from pathlib import Path
@@ -23,7 +22,7 @@ datasets = pytest.importorskip("datasets")
 
 
 import padfree  # noqa: E402
-from multiproc import free_port, run_ranks  # noqa: E402
+from multiproc import as_launched_rank, free_port, run_ranks  # noqa: E402
 from padfree.integrations.distributed import DistributedPackedBatchSampler  # noqa: E402
 from padfree.integrations.trainer import PackedRowsCollator, pack_for_trainer  # noqa: E402
 from zoo import tiny_model  # noqa: E402
@@ -66,13 +65,8 @@ def _args(tmp: str, mbs: int, epochs: int = 2) -> transformers.TrainingArguments
 def _worker(rank: int, world: int, tmp: str, port: int) -> None:
     import warnings
 
-    from accelerate.state import AcceleratorState
-
-    torch.set_num_threads(1)
     warnings.filterwarnings("ignore", message="OMP_NUM_THREADS")
-    AcceleratorState._reset_state(True)  # a state made in the parent before the fork would say "one process"
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    as_launched_rank(rank, world, port)
     rows = _rows()
     out = {}
     for kind, mbs, balance in RUNS:

@@ -8,7 +8,6 @@ averaged by DDP)."""
 from __future__ import annotations
 
 import copy
-import os
 import pickle
 
 import pytest
@@ -19,7 +18,7 @@ datasets = pytest.importorskip("datasets")
 pytest.importorskip("accelerate")
 
 
-from multiproc import free_port, run_ranks  # noqa: E402
+from multiproc import as_launched_rank, free_port, run_ranks  # noqa: E402
 from padfree.integrations.trainer import PackedRowsCollator, Trainer, count_loss_items, token_losses  # noqa: E402
 
 datasets.disable_progress_bars()
@@ -78,13 +77,8 @@ def _worker(rank: int, world: int, tmp: str, port: int) -> None:
     gloo process group from the launcher's variables and wraps the model in DDP."""
     import warnings
 
-    from accelerate.state import AcceleratorState
-
-    torch.set_num_threads(1)
     warnings.filterwarnings("ignore")
-    AcceleratorState._reset_state(True)  # a state made in the parent before the fork would say "one process"
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    as_launched_rank(rank, world, port)
 
     class Recording(Trainer):
         """Notes every micro-batch this rank trains and the step counts it normalises by."""

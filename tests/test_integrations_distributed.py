@@ -7,7 +7,6 @@ from __future__ import annotations
 import datetime
 import json
 import logging
-import os
 import pickle
 from collections import Counter
 from pathlib import Path
@@ -24,7 +23,7 @@ from torch.nn.parallel import DistributedDataParallel  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 
 import padfree  # noqa: E402
-from multiproc import free_port, run_ranks  # noqa: E402
+from multiproc import as_launched_rank, free_port, run_ranks  # noqa: E402
 from padfree import InvalidArgumentError, InvalidLengthsError, Packer, pack_sequences  # noqa: E402
 from padfree.data.batch import packed_collate_fn  # noqa: E402
 from padfree.data.datasets import PackingDataset  # noqa: E402
@@ -200,13 +199,9 @@ def _trainer_worker(rank: int, world: int, tmp: str, port: int) -> None:
     import warnings
 
     import transformers
-    from accelerate.state import AcceleratorState
 
-    torch.set_num_threads(1)
     warnings.filterwarnings("ignore", message="OMP_NUM_THREADS")
-    AcceleratorState._reset_state(True)  # a state made in the parent before the fork would say "one process"
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    as_launched_rank(rank, world, port)
     samples = [dict(s, idx=i) for i, s in enumerate(_ddp_samples())]
     lengths = [len(s["input_ids"]) for s in samples]
     log: list = []

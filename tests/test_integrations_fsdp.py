@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import datetime
 import json
-import os
 import pickle
 import warnings
 from pathlib import Path
@@ -46,7 +45,7 @@ except ImportError:  # pragma: no cover - torch < 2.6
     pytest.skip("torch.distributed.fsdp.fully_shard (FSDP2) is not available", allow_module_level=True)
 
 import padfree  # noqa: E402
-from multiproc import free_port, run_ranks  # noqa: E402
+from multiproc import as_launched_rank, free_port, run_ranks  # noqa: E402
 from padfree.data.batch import packed_collate_fn  # noqa: E402
 from padfree.integrations.distributed import DistributedPackedBatchSampler  # noqa: E402
 from zoo import tiny_model  # noqa: E402
@@ -161,12 +160,9 @@ def _fsdp_worker(rank: int, world: int, tmp: str, port: int) -> None:
 def _accelerate_part(rank: int, world: int, port: int, loader: DataLoader) -> dict:
     """What accelerate makes of its FSDP2 plugin here; where it really shards, one step through it."""
     from accelerate import Accelerator, FullyShardedDataParallelPlugin
-    from accelerate.state import AcceleratorState
 
     warnings.filterwarnings("ignore", message="OMP_NUM_THREADS")
-    AcceleratorState._reset_state(True)  # a state made in the parent before the fork would say "one process"
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world), OMP_NUM_THREADS="1")
+    as_launched_rank(rank, world, port, OMP_NUM_THREADS="1")
     accelerator = Accelerator(cpu=True, fsdp_plugin=FullyShardedDataParallelPlugin(fsdp_version=2))
     model = tiny_model("llama", seed=0)
     padfree.configure_packing(model)

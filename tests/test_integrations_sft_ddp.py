@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import itertools
 import json
-import os
 import pickle
 import shutil
 from pathlib import Path
@@ -29,7 +28,7 @@ pytest.importorskip("accelerate")
 mistral_common = pytest.importorskip("mistral_common")
 
 import padfree  # noqa: E402
-from multiproc import free_port, run_ranks  # noqa: E402
+from multiproc import as_launched_rank, free_port, run_ranks  # noqa: E402
 from padfree.integrations.trainer import count_loss_items, token_losses  # noqa: E402
 from padfree.integrations.trl import SFTConfig, SFTTrainer  # noqa: E402
 
@@ -70,13 +69,8 @@ def _worker(rank: int, world: int, tmp: str, port: int, tok) -> None:
     """One rank: ``padfree.SFTTrainer(packing=True)``, one optimizer step of 2 accumulated micro-batches."""
     import warnings
 
-    from accelerate.state import AcceleratorState
-
-    torch.set_num_threads(1)
     warnings.filterwarnings("ignore")
-    AcceleratorState._reset_state(True)  # a state made in the parent before the fork would say "one process"
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    as_launched_rank(rank, world, port)
 
     class Recording(SFTTrainer):
         """Notes every micro-batch this rank trains and the step counts it normalises by."""
