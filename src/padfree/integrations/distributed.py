@@ -62,43 +62,51 @@ def _is_hf_dataset(data: Any) -> bool:
     return datasets is not None and isinstance(data, datasets.Dataset)
 
 
-def _hf_lengths(dataset: Any, key: str = "input_ids") -> np.ndarray:
-    """``(len(dataset),) int64`` — the tokens of every sample, read from the Arrow offsets of its ``key`` column (no
-    Python list per row), in the dataset's own order (an indices mapping from ``select`` / ``shuffle`` honoured)."""
+def _hf_list_column(dataset: Any, key: str, missing: str, wrong_type: str) -> Any:
+    """``dataset[key]`` as one Arrow list array in the dataset's own order (an indices mapping from ``select`` /
+    ``shuffle`` honoured), read without a Python object per row; ``missing`` / ``wrong_type`` (formatted with the
+    columns / the Arrow type) are the errors when the column is absent or not lists."""
     import pyarrow as pa
-    import pyarrow.compute as pc
 
     if key not in dataset.column_names:
-        raise InvalidArgumentError(f"data is a datasets.Dataset without an {key!r} column (columns: "
-                                   f"{dataset.column_names}); tokenize it first, or pass per-sample lengths")
+        raise InvalidArgumentError(missing.format(columns=dataset.column_names))
     column = dataset.data.column(key)
     if not (pa.types.is_list(column.type) or pa.types.is_large_list(column.type)):
-        raise InvalidArgumentError(f"data[{key!r}] must be lists of token ids, got Arrow type {column.type}")
-    lengths = pc.list_value_length(column).to_numpy(zero_copy_only=False)
+        raise InvalidArgumentError(wrong_type.format(type=column.type))
     indices = getattr(dataset, "_indices", None)
     if indices is not None:
-        lengths = lengths[indices.column(0).to_numpy()]
-    return np.nan_to_num(lengths, nan=0).astype(np.int64)  # a null list counts as 0 tokens (refused below)
+        column = column.take(indices.column(0))
+    return column.combine_chunks() if isinstance(column, pa.ChunkedArray) else column
+
+
+def _list_sizes(column: Any) -> np.ndarray:
+    """``(len(column),) int64`` — the entries of every list (a null list counts as 0, refused by the callers)."""
+    import pyarrow.compute as pc
+
+    return np.nan_to_num(pc.list_value_length(column).to_numpy(zero_copy_only=False), nan=0).astype(np.int64)
+
+
+def _hf_lengths(dataset: Any, key: str = "input_ids") -> np.ndarray:
+    """``(len(dataset),) int64`` — the tokens of every sample, from the Arrow offsets of its ``key`` column."""
+    column = _hf_list_column(
+        dataset, key,
+        f"data is a datasets.Dataset without an {key!r} column (columns: {{columns}}); tokenize it first, or pass "
+        f"per-sample lengths",
+        f"data[{key!r}] must be lists of token ids, got Arrow type {{type}}")
+    return _list_sizes(column)
 
 
 def _rows_plan(rows: Any, capacity: Any) -> PackResult:
     """A :class:`PackResult` with one bin per row of ``rows`` (per-row sequence lengths), bins in row order."""
     if _is_hf_dataset(rows):
-        import pyarrow as pa
         import pyarrow.compute as pc
 
-        if "seq_lens" not in rows.column_names:
-            raise InvalidArgumentError(f"rows is a datasets.Dataset without a seq_lens column (columns: "
-                                       f"{rows.column_names}); pack it first (padfree.pack_for_trainer)")
-        column = rows.data.column("seq_lens")
-        if not (pa.types.is_list(column.type) or pa.types.is_large_list(column.type)):
-            raise InvalidArgumentError(f"rows['seq_lens'] must be lists of sequence lengths, got Arrow type "
-                                       f"{column.type}")
-        indices = getattr(rows, "_indices", None)
-        if indices is not None:
-            column = column.take(indices.column(0))
-        column = column.combine_chunks() if isinstance(column, pa.ChunkedArray) else column
-        sizes = np.nan_to_num(pc.list_value_length(column).to_numpy(zero_copy_only=False), nan=0).astype(np.int64)
+        column = _hf_list_column(
+            rows, "seq_lens",
+            "rows is a datasets.Dataset without a seq_lens column (columns: {columns}); pack it first "
+            "(padfree.pack_for_trainer)",
+            "rows['seq_lens'] must be lists of sequence lengths, got Arrow type {type}")
+        sizes = _list_sizes(column)
         flat = pc.list_flatten(column).to_numpy(zero_copy_only=False)
     else:
         if isinstance(rows, (str, bytes, dict, PackResult)) or np.isscalar(rows) or not hasattr(rows, "__len__"):
