@@ -242,3 +242,19 @@ def test_registry_documents_every_strategy_with_its_cost():
     assert set(STRATEGIES) == {"nf", "ff", "bf", "wf", "ffd", "bfd", "obfd", "ffs", "hk"}
     for spec in STRATEGIES.values():
         assert "O(" in spec.doc, spec.name
+
+
+def test_take_bins_reorders_bins_and_carries_split_pieces():
+    from padfree import packed_rows
+
+    plan = pack_sequences([9, 3, 5, 2, 12], capacity=6, overlong="split")
+    assert plan.piece_starts is not None
+    tokens = [list(range(100 * i, 100 * i + n)) for i, n in enumerate([9, 3, 5, 2, 12])]
+    order = np.arange(plan.num_bins)[::-1].copy()
+    taken = plan.take_bins(order)
+    assert taken.bins == [plan.bins[b] for b in order]
+    assert taken.piece_starts.tolist() == [s for b in order
+                                           for s in plan.piece_starts[plan.bin_offsets[b]:plan.bin_offsets[b + 1]]]
+    rows, again = packed_rows(plan, tokens).padded("capacity"), packed_rows(taken, tokens).padded("capacity")
+    assert again["input_ids"].tolist() == rows["input_ids"][order].tolist()  # the same rows, pieces and all
+    assert plan.take_bins(np.array([1])).num_bins == 1

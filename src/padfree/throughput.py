@@ -56,7 +56,6 @@ import numpy as np
 from padfree.errors import BackendUnavailableError, InvalidArgumentError
 from padfree.packing import pack_sequences
 from padfree.packing.inputs import as_capacity, as_choice, as_positive_int, as_seed
-from padfree.packing.result import PackResult
 from padfree.rows import TokenBuffers, as_token_buffers
 
 __all__ = [
@@ -234,15 +233,6 @@ def _plan_padded(buf: TokenBuffers, rows: int, seed: int | None, grouped: bool) 
     return Plan(mode, steps, "stock", MODES[mode])
 
 
-def _permute_bins(result: PackResult, perm: np.ndarray) -> PackResult:
-    """The same plan with its bins in the order ``perm``."""
-    sizes = np.diff(result.bin_offsets)[perm]
-    offsets = np.zeros(perm.size + 1, np.int64)
-    np.cumsum(sizes, out=offsets[1:])
-    src = np.arange(int(offsets[-1])) + np.repeat(result.bin_offsets[perm] - offsets[:-1], sizes)
-    return dataclasses.replace(result, order=result.order[src], bin_offsets=offsets)
-
-
 def _plan_packed(buf: TokenBuffers, capacity: int, rows: int, seed: int | None, strategy: str) -> Plan:
     from padfree.data.batch import pack_result_to_tensors
 
@@ -251,12 +241,12 @@ def _plan_packed(buf: TokenBuffers, capacity: int, rows: int, seed: int | None, 
     order = np.random.default_rng(seed).permutation(plan.num_bins) if seed is not None else np.arange(plan.num_bins)
     steps = []
     for first in range(0, plan.num_bins, rows):
-        batch = pack_result_to_tensors(_permute_bins(plan, order[first:first + rows]), buf)
+        batch = pack_result_to_tensors(plan.take_bins(order[first:first + rows]), buf)
         steps.append(Step(batch.model_inputs(), batch.num_tokens, batch.batch_size * batch.seq_len))
     # the row with the most sequences is the one with the most boundaries to get wrong: it is the one verified
     busiest = np.argmax(np.diff(plan.bin_offsets))[None]
     return Plan("packed", steps, "packed", MODES["packed"] + f" ({strategy}: {plan.efficiency:.2%} full)",
-                first_row=pack_result_to_tensors(_permute_bins(plan, busiest), buf))
+                first_row=pack_result_to_tensors(plan.take_bins(busiest), buf))
 
 
 def _plan_ideal(buf: TokenBuffers, capacity: int, rows: int) -> Plan:

@@ -526,10 +526,7 @@ class DistributedPackedBatchSampler(Sampler[list[int]]):
     @staticmethod
     def _samples_of(plan: PackResult, bins: np.ndarray) -> np.ndarray:
         """Sample ids of ``bins`` (in that order), bin after bin: one gather, no loop over samples."""
-        starts = plan.bin_offsets[bins]
-        sizes = plan.bin_offsets[bins + 1] - starts
-        offsets = np.cumsum(sizes) - sizes
-        return plan.order[np.repeat(starts - offsets, sizes) + np.arange(int(sizes.sum()), dtype=np.int64)]
+        return plan.take_bins(bins).order
 
     def summary(self) -> str:
         """The current epoch in two lines: rows, steps, what was dropped or repeated, and the imbalance left."""

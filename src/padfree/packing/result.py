@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cached_property
 
 import numpy as np
@@ -105,6 +105,26 @@ class PackResult:
             raise IndexError(f"bin {b} out of range for {self.num_bins} bins")
         b %= self.num_bins
         return self.order[self.bin_offsets[b] : self.bin_offsets[b + 1]]
+
+    def take_bins(self, bins: np.ndarray) -> PackResult:
+        """The plan made of ``bins`` (``(k,)`` bin indices), in that order: one gather, pieces carried along.
+
+        >>> from padfree import pack_sequences
+        >>> r = pack_sequences([5, 3, 4, 2, 6], capacity=8)
+        >>> r.take_bins(np.array([2, 0])).bins
+        [[2], [4, 3]]
+        """
+        bins = np.asarray(bins, dtype=np.int64)
+        starts = self.bin_offsets[bins]
+        sizes = self.bin_offsets[bins + 1] - starts
+        offsets = np.zeros(bins.size + 1, np.int64)
+        np.cumsum(sizes, out=offsets[1:])
+        src = np.repeat(starts - offsets[:-1], sizes) + np.arange(int(offsets[-1]), dtype=np.int64)
+        return replace(
+            self, order=self.order[src], bin_offsets=offsets,
+            piece_starts=None if self.piece_starts is None else self.piece_starts[src],
+            piece_lengths=None if self.piece_lengths is None else self.piece_lengths[src],
+        )
 
     # ---- totals and quality ------------------------------------------------------------------------
 
