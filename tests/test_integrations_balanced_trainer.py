@@ -56,10 +56,11 @@ class _RecordingCollator(PackedRowsCollator):
         return super().__call__([{k: v for k, v in s.items() if k != "row"} for s in samples])
 
 
-def _args(tmp: str, mbs: int, epochs: int = 2) -> transformers.TrainingArguments:
-    return transformers.TrainingArguments(
-        output_dir=tmp, num_train_epochs=epochs, per_device_train_batch_size=mbs, use_cpu=True, report_to=[],
-        save_strategy="no", logging_strategy="no", disable_tqdm=True, remove_unused_columns=False, seed=SEED)
+def _args(tmp: str, mbs: int, epochs: int = 2, **overrides) -> transformers.TrainingArguments:
+    kwargs = dict(output_dir=tmp, num_train_epochs=epochs, per_device_train_batch_size=mbs, use_cpu=True,
+                  report_to=[], save_strategy="no", logging_strategy="no", disable_tqdm=True,
+                  remove_unused_columns=False, seed=SEED)
+    return transformers.TrainingArguments(**{**kwargs, **overrides})
 
 
 def _worker(rank: int, world: int, tmp: str, port: int) -> None:
@@ -77,8 +78,26 @@ def _worker(rank: int, world: int, tmp: str, port: int) -> None:
         out[kind, mbs] = {"batches": log, "steps": trainer.state.global_step,
                           "status": str(padfree.packing_status(trainer)),
                           "group": (trainer.args.process_index, trainer.args.world_size)}
+    out["resume"] = _stop_and_resume(rank, world, tmp, rows)
     with open(f"{tmp}/rank{rank}.pkl", "wb") as f:
         pickle.dump(out, f)
+
+
+def _stop_and_resume(rank: int, world: int, tmp: str, rows: datasets.Dataset) -> dict:
+    """Train 2 epochs saving a checkpoint in the middle of epoch 1; resume from it in fresh trainers."""
+    per_epoch = len(DistributedPackedBatchSampler.from_rows(rows["seq_lens"], num_replicas=world, rank=rank,
+                                                            micro_batch_size=1, seed=SEED))
+    stop = per_epoch + per_epoch // 2  # epoch 1 (not 0): the resumed loader must be told its epoch
+    out_dir = f"{tmp}/resume"
+    full: list = []
+    args = _args(out_dir, 1, save_strategy="steps", save_steps=stop)
+    padfree.Trainer(model=tiny_model("llama"), args=args, train_dataset=rows,
+                    data_collator=_RecordingCollator(full)).train()
+    resumed: list = []
+    trainer = padfree.Trainer(model=tiny_model("llama"), args=args, train_dataset=rows,
+                              data_collator=_RecordingCollator(resumed))
+    trainer.train(resume_from_checkpoint=f"{out_dir}/checkpoint-{stop}")
+    return {"full": full, "resumed": resumed, "stop": stop, "per_epoch": per_epoch}
 
 
 
@@ -143,6 +162,18 @@ def test_balanced_steps_idle_less_than_the_default_sampler(two_ranks, mbs, capsy
               f"default sampler {100 * default:.2f}%")
     assert balanced < default
     assert balanced < 0.5 * default
+
+
+def test_resume_mid_epoch_replays_the_remaining_balanced_batches(two_ranks):
+    """A run stopped in the middle of epoch 1 and resumed from its checkpoint trains exactly the batches the
+    uninterrupted run trained after that point, on every rank (accelerate's skipping loader must still see the
+    epoch: epoch 1's balanced schedule differs from epoch 0's)."""
+    for rank in (0, 1):
+        run = two_ranks[rank]["resume"]
+        stop, per_epoch = run["stop"], run["per_epoch"]
+        assert len(run["full"]) == 2 * per_epoch and per_epoch < stop < 2 * per_epoch
+        assert run["full"][per_epoch:] != run["full"][:per_epoch]  # the epochs differ: the test can tell them apart
+        assert run["resumed"] == run["full"][stop:]
 
 
 def test_one_process_is_unchanged(tmp_path):

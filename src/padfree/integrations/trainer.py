@@ -354,9 +354,12 @@ class PadfreeTrainerMixin:
     _padfree_status: PackingStatus | None = None
     _padfree_telemetry: PackingTelemetryCallback | None = None
     _padfree_step: tuple[torch.Tensor, torch.Tensor] | None = None
+    _padfree_epoch: _SamplerEpoch
 
     def _padfree_setup(self, loss: str | None, telemetry: bool) -> None:
         self.padfree_loss = None if loss is None else as_choice(loss, "padfree_loss", LOSS_MODES)
+        self._padfree_epoch = _SamplerEpoch()
+        self.callback_handler.add_callback(self._padfree_epoch)
         if self.padfree_loss is not None:
             # compute_loss normalises over the whole optimizer step; the Trainer must not divide by the
             # accumulation steps again
@@ -480,6 +483,7 @@ class PadfreeTrainerMixin:
             dataset, num_replicas=self.accelerator.num_processes, all_ranks=True, micro_batch_size=mbs, seed=seed,
             remainder="drop" if args.dataloader_drop_last else "repeat")
         self._padfree_balanced = (dataset, sampler)
+        self._padfree_epoch.sampler = sampler
         return sampler
 
     def _padfree_balance_note(self) -> str | None:
@@ -529,6 +533,22 @@ class PadfreeTrainerMixin:
         if self._padfree_telemetry is not None and _is_train_log(logs):
             logs.update(self._padfree_telemetry.pop_metrics())
         super().log(logs, start_time)
+
+
+class _SamplerEpoch(TrainerCallback):
+    """Tells the balanced sampler its epoch at the start of every epoch, resumed ones included.
+
+    The Trainer's own ``set_epoch`` call does not reach it when a run resumes in the middle of an epoch: accelerate's
+    ``skip_first_batches`` wraps the sampler once more (``SkipBatchSampler`` around ``BatchSamplerShard``), and
+    neither wrapper forwards ``set_epoch``, so the resumed epoch would replay epoch 0's schedule. ``state.epoch`` is
+    ``e + k / n`` inside epoch ``e`` (``k < n`` steps done of ``n``), exactly ``e`` at its start.
+    """
+
+    sampler: Any = None
+
+    def on_epoch_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self.sampler is not None:
+            self.sampler.set_epoch(int(state.epoch or 0))
 
 
 def _is_train_log(logs: Mapping[str, Any]) -> bool:
