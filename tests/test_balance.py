@@ -17,11 +17,12 @@ from padfree.packing.balance import BalancedSteps, bin_loads
     mbs=st.integers(1, 3),
     remainder=st.sampled_from(["repeat", "drop"]),
     seed=st.one_of(st.none(), st.integers(0, 9)),
+    group_by=st.sampled_from(["cost", "random"]),
 )
 @settings(max_examples=150, deadline=None)
-def test_every_bin_scheduled_once_or_counted(lengths, num_ranks, mbs, remainder, seed):
+def test_every_bin_scheduled_once_or_counted(lengths, num_ranks, mbs, remainder, seed, group_by):
     plan = pack_sequences(lengths, 512)
-    steps = balance_bins(plan, num_ranks, micro_batch_size=mbs, remainder=remainder, seed=seed)
+    steps = balance_bins(plan, num_ranks, micro_batch_size=mbs, remainder=remainder, seed=seed, group_by=group_by)
     assert steps.steps.shape[1:] == (num_ranks, mbs)
     scheduled = np.sort(steps.steps.reshape(-1))
     if remainder == "drop":
@@ -69,6 +70,49 @@ def test_seed_shuffles_steps_deterministically():
     assert not np.array_equal(a.steps, balance_bins(plan, 2, seed=6).steps)
 
 
+def _singletons(lengths) -> object:
+    """A plan with one sample per bin, in order (the bins of a padding-free run)."""
+    return pack_sequences(lengths, int(max(lengths)), strategy="nf", max_sequences_per_bin=1)
+
+
+def test_random_grouping_keeps_the_random_steps_and_balances_within_them():
+    rng = np.random.default_rng(4)
+    lengths = np.clip(np.round(rng.lognormal(np.log(250), 1.0, 4_000)), 1, 4096).astype(np.int64)
+    plan = _singletons(lengths)
+    num_ranks, mbs = 4, 8
+    steps = balance_bins(plan, num_ranks, micro_batch_size=mbs, seed=7, group_by="random", remainder="drop")
+    # the steps are consecutive draws of the seeded permutation, whatever the costs: a random sampler's steps
+    perm = np.random.default_rng(7).permutation(plan.num_bins)
+    perm = perm[~np.isin(perm, steps.dropped_bins)]
+    per_step = num_ranks * mbs
+    assert np.array_equal(np.sort(steps.steps.reshape(steps.num_steps, -1), axis=1),
+                          np.sort(perm.reshape(-1, per_step), axis=1))
+    # dealing within the step: far less idle than the same steps cut into ranks by position
+    tokens, cost = bin_loads(plan)
+    naive = BalancedSteps(perm.reshape(-1, num_ranks, mbs), tokens, cost, steps.dropped_bins, steps.repeated_bins)
+    assert steps.token_imbalance < naive.token_imbalance / 3
+    # Σ len² of single samples is ruled by the giants (one 4096-token sample costs 270 median ones): no dealing
+    # beats max(the step's costliest sample, its mean per rank); the dealing comes close to that bound
+    per_step_cost = cost[steps.steps.reshape(steps.num_steps, -1)]
+    mean = per_step_cost.sum(axis=1) / num_ranks
+    bound = np.maximum(per_step_cost.max(axis=1), mean).sum() / mean.sum() - 1
+    assert steps.cost_imbalance < min(naive.cost_imbalance, bound + 0.1)
+    # a different seed draws different steps; cost grouping would have put similar samples together instead
+    other = balance_bins(plan, num_ranks, micro_batch_size=mbs, seed=8, group_by="random")
+    assert not np.array_equal(np.sort(other.steps[0].reshape(-1)), np.sort(steps.steps[0].reshape(-1)))
+    by_cost = balance_bins(plan, num_ranks, micro_batch_size=mbs, seed=7)
+    spread = [np.ptp(lengths[s.steps.reshape(s.num_steps, -1)], axis=1).mean() for s in (steps, by_cost)]
+    assert spread[0] > 10 * spread[1]
+
+
+def test_random_grouping_without_seed_takes_bins_in_order():
+    plan = _singletons([50, 10, 40, 20, 5, 5, 30, 30, 7])
+    steps = balance_bins(plan, 2, micro_batch_size=2, seed=None, group_by="random", remainder="repeat")
+    assert [sorted(s.reshape(-1).tolist()) for s in steps.steps[:2]] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert sorted(steps.steps[2].reshape(-1).tolist()) == [4, 5, 8, 8]  # 8, then the 3 cheapest bins again
+    assert steps.repeated_bins.tolist() == [4, 5, 8]
+
+
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
@@ -76,6 +120,7 @@ def test_seed_shuffles_steps_deterministically():
         ({"num_ranks": 2, "micro_batch_size": 0}, "micro_batch_size"),
         ({"num_ranks": 2, "remainder": "pad"}, "remainder must be one of 'repeat', 'drop'"),
         ({"num_ranks": 2, "seed": -1}, "seed must be None or an integer >= 0"),
+        ({"num_ranks": 2, "group_by": "length"}, "group_by must be one of 'cost', 'random'"),
     ],
 )
 def test_bad_arguments(kwargs, match):

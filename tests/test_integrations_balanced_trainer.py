@@ -9,6 +9,7 @@ run in the same processes). One process: the Trainer's own loader, batch for bat
 
 from __future__ import annotations
 
+import itertools
 import pickle
 from collections import Counter
 from pathlib import Path
@@ -31,16 +32,21 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 SEED = 3
 MAX_LENGTH = 64
+SAMPLES_MBS = 4
 RUNS = (("balanced", 1, True), ("balanced", 2, True), ("default", 1, False), ("default", 2, False))
 
 
-def _rows() -> datasets.Dataset:
-    """Packed rows of very uneven sequences, with a ``row`` column naming each row."""
+def _samples() -> datasets.Dataset:
+    """Unpacked samples of very uneven lengths (2 to 63 tokens)."""
     rng = np.random.default_rng(0)
     lengths = np.concatenate([rng.integers(40, 64, 20), rng.integers(2, 7, 200)])
     rng.shuffle(lengths)
-    ids = [rng.integers(3, 90, int(n)).tolist() for n in lengths]
-    rows = pack_for_trainer(datasets.Dataset.from_dict({"input_ids": ids}), MAX_LENGTH)
+    return datasets.Dataset.from_dict({"input_ids": [rng.integers(3, 90, int(n)).tolist() for n in lengths]})
+
+
+def _rows() -> datasets.Dataset:
+    """Packed rows of those samples, with a ``row`` column naming each row."""
+    rows = pack_for_trainer(_samples(), MAX_LENGTH)
     return rows.add_column("row", list(range(len(rows))))
 
 
@@ -79,6 +85,13 @@ def _worker(rank: int, world: int, tmp: str, port: int) -> None:
                           "status": str(padfree.packing_status(trainer)),
                           "group": (trainer.args.process_index, trainer.args.world_size)}
     out["resume"] = _stop_and_resume(rank, world, tmp, rows)
+    samples = _samples().add_column("row", list(range(len(_samples()))))
+    for balance in (True, False):  # padding-free batches: unpacked samples, one flattened row per micro-batch
+        log = []
+        trainer = padfree.Trainer(model=tiny_model("llama"), args=_args(tmp, SAMPLES_MBS), train_dataset=samples,
+                                  data_collator=_RecordingCollator(log), padfree_balance=balance)
+        trainer.train()
+        out["samples", balance] = {"batches": log, "status": str(padfree.packing_status(trainer))}
     with open(f"{tmp}/rank{rank}.pkl", "wb") as f:
         pickle.dump(out, f)
 
@@ -174,6 +187,42 @@ def test_resume_mid_epoch_replays_the_remaining_balanced_batches(two_ranks):
         assert len(run["full"]) == 2 * per_epoch and per_epoch < stop < 2 * per_epoch
         assert run["full"][per_epoch:] != run["full"][:per_epoch]  # the epochs differ: the test can tell them apart
         assert run["resumed"] == run["full"][stop:]
+
+
+def test_padding_free_steps_are_random_draws_dealt_by_load(two_ranks, capsys):
+    """Unpacked samples, padding-free rows: every step trains the samples of the seeded permutation's next
+    ``2 x 4`` draws (the semantics of a random sampler), each sample once per epoch, and the ranks' tokens of a
+    step are far closer than with the Trainer's sampler on the same samples."""
+    lengths = np.array([len(x) for x in _samples()["input_ids"]])
+    runs = [two_ranks[r]["samples", True] for r in (0, 1)]
+    default = [two_ranks[r]["samples", False] for r in (0, 1)]
+    assert "balanced across 2 ranks" in runs[0]["status"] and "samples (random steps" in runs[0]["status"]
+    assert "padfree_balance=False" in default[0]["status"] and "shards samples by count" in default[0]["status"]
+    for epoch in (0, 1):
+        expected = []
+        for rank in (0, 1):
+            sampler = DistributedPackedBatchSampler.from_samples(lengths, micro_batch_size=SAMPLES_MBS,
+                                                                 num_replicas=2, rank=rank, seed=SEED)
+            sampler.set_epoch(epoch)
+            expected.append(list(sampler))
+        n = len(expected[0])
+        got = [r["batches"][epoch * n:(epoch + 1) * n] for r in runs]
+        assert got == expected
+        seen = Counter(i for batches in got for b in batches for i in b)
+        assert seen == Counter(range(len(lengths))) + Counter(sampler.schedule.repeated_bins.tolist())
+    tokens = [np.array([[lengths[b].sum() for b in pair] for pair in zip(*(r["batches"] for r in rs), strict=True)],
+                       np.float64) for rs in (runs, default)]
+    idle = [float(t.max(axis=1).sum() / t.mean(axis=1).sum() - 1) for t in tokens]
+    # a step holding long samples waits for them whatever the dealing: compare with the best split of each step
+    # (4 + 4 of its 8 samples, by brute force)
+    unions = [lengths[r0 + r1] for r0, r1 in zip(*(r["batches"] for r in runs), strict=True)]
+    best = sum(min(max(u[list(c)].sum(), u.sum() - u[list(c)].sum())
+                   for c in itertools.combinations(range(len(u)), SAMPLES_MBS)) for u in unions)
+    optimum = best / sum(u.sum() / 2 for u in unions) - 1
+    with capsys.disabled():
+        print(f"\n[padding-free, mbs={SAMPLES_MBS}] token idle on the trained batches: balanced {100 * idle[0]:.2f}%, "
+              f"default sampler {100 * idle[1]:.2f}%, best split of the same steps {100 * optimum:.2f}%")
+    assert idle[0] < min(0.75 * idle[1], optimum + 0.05)
 
 
 def test_one_process_is_unchanged(tmp_path):

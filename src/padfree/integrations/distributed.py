@@ -313,7 +313,8 @@ class DistributedPackedBatchSampler(Sampler[list[int]]):
         self._dataset: Any = None
         self._plan: PackResult | None = None
         self._packer: Packer | None = None
-        self._rows = False  # from_rows: every bin is one row of the dataset, yielded by its index
+        self._rows = False  # from_rows / from_samples: every bin is one row (sample) of the dataset, by index
+        self._group_by = "cost"  # from_samples: "random" (steps drawn at random, only dealt by load)
         self._read_data(data, capacity, strategy, overlong, max_sequences_per_bin)
 
     @classmethod
@@ -349,6 +350,57 @@ class DistributedPackedBatchSampler(Sampler[list[int]]):
         plan = _rows_plan(rows, capacity)
         sampler = cls(plan, **kwargs)
         sampler._rows = True
+        sampler._cache = None
+        return sampler
+
+    @classmethod
+    def from_samples(cls, data: Any, *, micro_batch_size: int, **kwargs: Any) -> DistributedPackedBatchSampler:
+        """A sampler of **unpacked** samples for padding-free batches: ``micro_batch_size`` sample indices per rank
+        per step, the step drawn at random, its samples dealt to the ranks by load.
+
+        For collators that flatten a micro-batch into one row without padding (:class:`~padfree.PaddingFreeCollator`,
+        padfree's trainers in padding-free mode): a rank's cost is then its samples' tokens and Σ len², and a random
+        sampler sharded by count hands one rank the long samples of a step while the others wait. Each step here
+        takes the next ``num_replicas * micro_batch_size`` samples of a permutation drawn from ``(seed, epoch)`` —
+        the samples a random sampler would put in one step — and only decides which rank computes which
+        (:func:`padfree.balance_bins` with ``group_by="random"``). The step's union is unchanged, so with a loss
+        normalised over the whole step (padfree's trainers) the update is too.
+
+        Args:
+            data: per-sample lengths, or a ``datasets.Dataset`` with an ``input_ids`` column (lengths read from the
+                Arrow offsets; an indices mapping honoured). Yields indices into it.
+            micro_batch_size: samples per rank per step, ``>= 2`` (with one, the ranks of a step have nothing to
+                trade).
+            **kwargs: ``num_replicas``, ``rank``, ``seed``, ``shuffle`` (``False``: the samples in their own order),
+                ``remainder``, ``all_ranks`` as for the constructor.
+
+        >>> lengths = [900, 10, 30, 20, 800, 40, 25, 15]
+        >>> ranks = [DistributedPackedBatchSampler.from_samples(lengths, micro_batch_size=2, num_replicas=2, rank=r,
+        ...                                                     shuffle=False) for r in (0, 1)]
+        >>> [list(s) for s in ranks]  # steps {0, 1, 2, 3} and {4, 5, 6, 7}: the long samples on different ranks
+        [[[0, 1], [4, 7]], [[2, 3], [5, 6]]]
+        """
+        given = [k for k in ("capacity", "strategy", "overlong", "max_sequences_per_bin") if kwargs.get(k) is not None]
+        if given:
+            raise InvalidArgumentError(f"{', '.join(given)} do not apply to from_samples: samples are not packed")
+        mbs = as_positive_int(micro_batch_size, "micro_batch_size")
+        if mbs < 2:  # type: ignore[operator]
+            raise InvalidArgumentError(
+                f"micro_batch_size must be >= 2 for from_samples, got {micro_batch_size}: with one sample per rank "
+                f"per step, balancing could only change which samples share a step; use a plain sampler")
+        lengths = _hf_lengths(data) if _is_hf_dataset(data) else data
+        try:
+            lengths = as_lengths(lengths, "data")
+        except InvalidLengthsError as exc:
+            raise InvalidLengthsError(f"{exc}; data must be per-sample lengths or a datasets.Dataset with "
+                                      f"input_ids") from None
+        n = lengths.shape[0]
+        plan = PackResult(lengths=lengths, capacity=max(int(lengths.max()) if n else 1, 1),
+                          order=np.arange(n, dtype=np.int64), bin_offsets=np.arange(n + 1, dtype=np.int64),
+                          strategy="samples")
+        sampler = cls(plan, micro_batch_size=mbs, **kwargs)
+        sampler._rows = True  # bin i is sample i
+        sampler._group_by = "random"
         sampler._cache = None
         return sampler
 
@@ -447,7 +499,7 @@ class DistributedPackedBatchSampler(Sampler[list[int]]):
             return cache
         shuffle_seed = _derived_seed(self.seed, self.epoch, _SEED_STEPS) if self.shuffle else None
         schedule = balance_bins(plan, self.num_replicas, micro_batch_size=self.micro_batch_size,
-                                remainder=self.remainder, seed=shuffle_seed)
+                                remainder=self.remainder, seed=shuffle_seed, group_by=self._group_by)
         if shuffle_seed is not None and schedule.num_steps:
             # which rank takes which micro-batch of a step: balance_bins deals them by load, so without this the
             # same rank would always get the heaviest one of its step

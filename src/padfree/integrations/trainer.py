@@ -343,9 +343,14 @@ class PadfreeTrainerMixin:
     of nearly equal tokens and Σ len², so no rank waits at every step for the one that drew the long sequences.
     Seeded from ``args.data_seed`` (else ``args.seed``), a new order every epoch (the Trainer calls ``set_epoch``);
     ``dataloader_drop_last=True`` leaves the cheapest rows of an uneven remainder out, otherwise they are
-    scheduled twice (logged). Off with ``padfree_balance=False``; skipped (reason in :class:`PackingStatus`) with
-    tensor / context / sequence parallelism, a ``train_sampling_strategy`` other than ``"random"``, or
-    accelerate's ``split_batches`` / ``dispatch_batches``. One process: the Trainer's own loader, unchanged.
+    scheduled twice (logged). Padding-free batches (unpacked samples that padfree's collator flattens into one row
+    per micro-batch) are balanced too, without changing what a step trains: each step takes ``world_size *
+    per_device_train_batch_size`` samples of a seeded random permutation, as the Trainer's sampler would, and
+    only deals them to the ranks by load (``DistributedPackedBatchSampler.from_samples``; needs
+    ``per_device_train_batch_size >= 2``). Off with ``padfree_balance=False``; skipped (reason in
+    :class:`PackingStatus`) with tensor / context / sequence parallelism, a ``train_sampling_strategy`` other
+    than ``"random"``, or accelerate's ``split_batches`` / ``dispatch_batches``. One process: the Trainer's own
+    loader, unchanged.
     """
 
     padfree_loss: str | None = None
@@ -437,19 +442,29 @@ class PadfreeTrainerMixin:
 
     # ---- balanced data-parallel steps -------------------------------------------------------------------
 
+    def _padfree_balance_kind(self) -> str | None:
+        """``"rows"`` (the train set holds packed rows), ``"samples"`` (unpacked samples that padfree's collator
+        flattens into one row per micro-batch), or None (nothing padfree knows how to balance)."""
+        columns = getattr(getattr(self, "train_dataset", None), "column_names", None) or ()
+        if "seq_lens" in columns:
+            return "rows"
+        flattens = isinstance(self.data_collator, PaddingFreeCollator)  # PackedRowsCollator included
+        return "samples" if flattens and "input_ids" in columns else None
+
     def _padfree_balance_check(self) -> tuple[bool, str | None]:
-        """``(balance, note)``: whether the train loader deals packed rows in balanced steps, and what
-        :attr:`PackingStatus.balance` says (None where there is nothing to balance: one process, unpacked data)."""
+        """``(balance, note)``: whether the train loader deals micro-batches in balanced steps, and what
+        :attr:`PackingStatus.balance` says (None where there is nothing to balance: one process, other data)."""
         args = self.args
         world = int(getattr(args, "world_size", 1) or 1)
-        dataset = getattr(self, "train_dataset", None)
-        if world <= 1 or "seq_lens" not in (getattr(dataset, "column_names", None) or ()):
+        kind = self._padfree_balance_kind()
+        if world <= 1 or kind is None:
             return False, None
+        default = f"the Trainer's sampler shards {'rows' if kind == 'rows' else 'samples'} by count"
         if not self.padfree_balance:
-            return False, f"not balanced across {world} ranks (padfree_balance=False): the Trainer's sampler shards " \
-                          f"rows by count"
+            return False, f"not balanced across {world} ranks (padfree_balance=False): {default}"
         from padfree.integrations.distributed import _is_hf_dataset
 
+        dataset = self.train_dataset
         why = None
         if not _is_hf_dataset(dataset):
             why = f"the train dataset is a {type(dataset).__name__}, not a datasets.Dataset"
@@ -461,13 +476,15 @@ class PadfreeTrainerMixin:
             why = "accelerate's split_batches / dispatch_batches is on"
         elif self.accelerator.num_processes != world:
             why = f"accelerate runs {self.accelerator.num_processes} processes for world_size={world}"
+        elif kind == "samples" and int(self._train_batch_size) < 2:
+            why = "one sample per rank per step: balancing would have to change which samples share a step"
         if why is not None:
-            return False, f"not balanced across {world} ranks ({why}): the Trainer's sampler shards rows by count"
+            return False, f"not balanced across {world} ranks ({why}): {default}"
         return True, None
 
     def _padfree_balanced_sampler(self) -> Any:
-        """The all-ranks :class:`DistributedPackedBatchSampler` over the train rows, or None (the Trainer's own
-        sampler). Built once per train dataset and micro-batch size."""
+        """The all-ranks :class:`DistributedPackedBatchSampler` over the train rows or samples, or None (the
+        Trainer's own sampler). Built once per train dataset and micro-batch size."""
         on, _ = self._padfree_balance_check()
         if not on:
             return None
@@ -479,9 +496,12 @@ class PadfreeTrainerMixin:
 
         args = self.args
         seed = args.data_seed if getattr(args, "data_seed", None) is not None else args.seed
-        sampler = DistributedPackedBatchSampler.from_rows(
-            dataset, num_replicas=self.accelerator.num_processes, all_ranks=True, micro_batch_size=mbs, seed=seed,
-            remainder="drop" if args.dataloader_drop_last else "repeat")
+        common = {"num_replicas": self.accelerator.num_processes, "all_ranks": True, "micro_batch_size": mbs,
+                  "seed": seed, "remainder": "drop" if args.dataloader_drop_last else "repeat"}
+        if self._padfree_balance_kind() == "rows":
+            sampler = DistributedPackedBatchSampler.from_rows(dataset, **common)
+        else:
+            sampler = DistributedPackedBatchSampler.from_samples(dataset, **common)
         self._padfree_balanced = (dataset, sampler)
         self._padfree_epoch.sampler = sampler
         return sampler
@@ -492,8 +512,9 @@ class PadfreeTrainerMixin:
         if not on:
             return note
         schedule = self._padfree_balanced_sampler().schedule
+        what = "rows" if self._padfree_balance_kind() == "rows" else "samples (random steps, dealt by load)"
         return (f"balanced across {schedule.num_ranks} ranks: {schedule.num_steps} steps x "
-                f"{schedule.steps.shape[2]} rows per rank, token idle {100 * schedule.token_imbalance:.1f}%, "
+                f"{schedule.steps.shape[2]} {what} per rank, token idle {100 * schedule.token_imbalance:.1f}%, "
                 f"attention-cost idle {100 * schedule.cost_imbalance:.1f}%")
 
     def get_train_dataloader(self) -> Any:

@@ -7,6 +7,11 @@ so both are balanced: bins are ranked by (Σ len², tokens), consecutive bins of
 of a step therefore cost nearly the same — and inside a step the bins are dealt to ranks greedily (largest first,
 to the least-loaded rank). The order of steps is then shuffled with the seed, so that training does not see
 cheap steps first and expensive ones last.
+
+Grouping by cost changes which bins share a step. Where that must not change — bins that are single samples of a
+padding-free run, whose steps should stay random draws — ``group_by="random"`` takes each step's bins from a seeded
+permutation, as a random sampler would, and only deals them to the ranks by load: the step's union (hence its
+gradient under a loss normalised over the whole step) is untouched, only who computes what.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from padfree.packing.result import PackResult
 __all__ = ["BalancedSteps", "balance_bins"]
 
 REMAINDER_POLICIES = ("repeat", "drop")
+GROUPINGS = ("cost", "random")
 
 
 @dataclass(frozen=True, eq=False)
@@ -109,6 +115,7 @@ def balance_bins(
     micro_batch_size: int = 1,
     remainder: str = "repeat",
     seed: int | None = 0,
+    group_by: str = "cost",
 ) -> BalancedSteps:
     """Arrange the bins of ``result`` into steps of ``num_ranks x micro_batch_size`` bins, balanced per step.
 
@@ -123,6 +130,10 @@ def balance_bins(
         micro_batch_size: bins per rank per step, ``>= 1``.
         remainder: ``"repeat"`` or ``"drop"``.
         seed: shuffles the order of steps (``None``: keep steps sorted from cheapest to most expensive).
+        group_by: which bins share a step. ``"cost"`` (default): bins of nearly equal cost, the best balance.
+            ``"random"``: consecutive bins of a permutation drawn from ``seed`` (``None``: the bins in their own
+            order), so a step holds what a random sampler would have drawn; only the dealing to ranks is balanced.
+            Balancing then needs ``micro_batch_size > 1`` (with one bin per rank there is no choice to make).
 
     >>> from padfree import pack_sequences
     >>> plan = pack_sequences([4000, 96, 2000, 2000, 1000, 1000, 1000, 1000, 4096], capacity=4096)
@@ -133,30 +144,46 @@ def balance_bins(
     [[3, 2], [1, 0]]
     >>> print(steps.summary())
     2 steps x 2 ranks x 1 bins; 0 bins dropped, 0 repeated; idle from imbalance: tokens 1.186%, attention cost 10.646%
+
+    Single samples as bins, steps of 4 drawn in order (``seed=None``), dealt 2 per rank by load:
+
+    >>> samples = pack_sequences([50, 10, 40, 20, 5, 5, 30, 30], capacity=50, strategy="nf", max_sequences_per_bin=1)
+    >>> balance_bins(samples, 2, micro_batch_size=2, seed=None, group_by="random").steps.tolist()
+    [[[0, 1], [2, 3]], [[7, 5], [6, 4]]]
     """
     num_ranks = as_positive_int(num_ranks, "num_ranks")
     micro_batch_size = as_positive_int(micro_batch_size, "micro_batch_size")
     remainder = as_choice(remainder, "remainder", REMAINDER_POLICIES)
     seed = as_seed(seed)
+    group_by = as_choice(group_by, "group_by", GROUPINGS)
     tokens, cost = bin_loads(result)
+    num_bins = tokens.shape[0]
     per_step = num_ranks * micro_batch_size  # type: ignore[operator]
     # cheapest first: (cost, tokens, bin id) — the id makes the ranking total, hence deterministic
-    ranking = np.lexsort((np.arange(tokens.shape[0]), tokens, cost))
-    extra = (-ranking.shape[0]) % per_step
+    ranking = np.lexsort((np.arange(num_bins), tokens, cost))
+    place = np.empty(num_bins, np.int64)
+    place[ranking] = np.arange(num_bins)  # each bin's place in that ranking
+    if group_by == "random":
+        order = np.arange(num_bins) if seed is None else np.random.default_rng(seed).permutation(num_bins)
+    else:
+        order = ranking
+    extra = (-num_bins) % per_step
     dropped = np.zeros(0, np.int64)
     repeated = np.zeros(0, np.int64)
     if extra and remainder == "drop":
-        cut = per_step - extra
-        dropped = np.sort(ranking[:cut])
-        ranking = ranking[cut:]
+        dropped = np.sort(ranking[: per_step - extra])
+        order = order[place[order] >= per_step - extra]
     elif extra:
         repeated = np.resize(ranking, extra)  # the cheapest bins, cycled if there are fewer than `extra`
-        ranking = np.concatenate((ranking, repeated))
-        ranking = ranking[np.lexsort((ranking, tokens[ranking], cost[ranking]))]
-    num_steps = ranking.shape[0] // per_step
-    groups = ranking.reshape(num_steps, per_step)
+        order = np.concatenate((order, repeated))
+        if group_by == "cost":  # the repeats join the cheapest step, not the last
+            order = order[np.argsort(place[order], kind="stable")]
+    num_steps = order.shape[0] // per_step
+    groups = order.reshape(num_steps, per_step)
+    # _deal wants each step's bins cheapest first (a no-op for cost groups but for the repeated bins)
+    groups = np.take_along_axis(groups, np.argsort(place[groups], axis=1, kind="stable"), axis=1)
     steps = _deal(groups, cost, tokens, num_ranks, micro_batch_size)  # type: ignore[arg-type]
-    if seed is not None:
+    if seed is not None and group_by == "cost":
         steps = steps[np.random.default_rng(seed).permutation(num_steps)]
     return BalancedSteps(steps, tokens, cost, dropped, np.sort(repeated))
 
