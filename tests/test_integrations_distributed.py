@@ -108,6 +108,13 @@ def _worker(rank: int, world: int, tmp: str) -> None:
                                                   seed=SEED)
             again.set_epoch(1)
             out[remainder, "rerun"] = list(again)
+        DistributedPackedBatchSampler(lengths, CAPACITY, seed=SEED).check_ranks()  # the same schedule: passes
+        for name, data, seed in (("data", lengths[rank:], SEED), ("seed", lengths, SEED + rank)):
+            try:
+                DistributedPackedBatchSampler(data, CAPACITY, seed=seed).check_ranks()
+                out["mismatch", name] = None
+            except padfree.RankMismatchError as exc:
+                out["mismatch", name] = str(exc)
         samples = _ddp_samples()
         runs = []
         for _ in range(2):  # the whole epoch twice: a rerun gives the same losses, bit for bit
@@ -168,6 +175,17 @@ def test_two_gloo_ranks_cover_the_data_once_in_equal_steps(two_ranks, remainder)
     # token balance of the steps as the processes yielded them: every rank of a step does nearly the same work
     load = np.array([[lengths[b].sum() for b in rank] for rank in (r[remainder, 0] for r in two_ranks)]).T
     assert _idle(load) < 0.01
+
+
+@pytest.mark.slow
+def test_ranks_that_scheduled_different_data_are_refused(two_ranks):
+    """check_ranks: one rank missing a sample, or seeded differently, is an error on every rank (not a hang)."""
+    n = len(_gsm8k_lengths())
+    for rank in (0, 1):
+        assert "ranks [1] computed another schedule than rank 0" in two_ranks[rank]["mismatch", "data"]
+        assert f"rank 0: {n} samples" in two_ranks[rank]["mismatch", "data"]
+        assert f"rank 1: {n - 1} samples" in two_ranks[rank]["mismatch", "data"]
+        assert "seed=" in two_ranks[rank]["mismatch", "seed"]
 
 
 @pytest.mark.slow
@@ -607,3 +625,15 @@ def test_from_samples_reads_a_datasets_dataset():
 def test_from_samples_bad_input(data, kwargs, match):
     with pytest.raises((InvalidArgumentError, InvalidLengthsError), match=match):
         DistributedPackedBatchSampler.from_samples(data, num_replicas=2, rank=0, **kwargs)
+
+
+def test_check_ranks_without_a_process_group_is_a_no_op_and_fingerprints_differ():
+    a = DistributedPackedBatchSampler([5, 6, 7, 8], 16, num_replicas=2, rank=0)
+    assert a.check_ranks() is None  # nothing to compare with
+    b = DistributedPackedBatchSampler([5, 6, 7, 8], 16, num_replicas=2, rank=1)
+    assert a.fingerprint() == b.fingerprint()  # the rank is not part of the schedule
+    for other in (DistributedPackedBatchSampler([5, 6, 7, 9], 16, num_replicas=2, rank=0),
+                  DistributedPackedBatchSampler([5, 6, 7, 8], 16, num_replicas=2, rank=0, seed=1)):
+        assert other.fingerprint() != a.fingerprint()
+    b.set_epoch(1)
+    assert a.fingerprint() != b.fingerprint()

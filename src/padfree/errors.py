@@ -19,6 +19,7 @@ __all__ = [
     "PackingDisabledError",
     "PackingMismatchError",
     "PadfreeError",
+    "RankMismatchError",
     "StateMismatchError",
     "TokenizerLoadError",
     "UnsupportedModelError",
@@ -68,6 +69,11 @@ class InvalidSampleError(InvalidTokensError):
 
 class StateMismatchError(PadfreeError):
     """A saved state (``load_state_dict``) comes from another configuration, or is resumed under another loader."""
+
+
+class RankMismatchError(PadfreeError):
+    """The data-parallel ranks computed different schedules (other data, seed or arguments on some rank): training
+    on would lose some samples and repeat others, or hang; the message names the ranks that disagree."""
 
 
 class UnsupportedModelError(PadfreeError):

@@ -35,7 +35,13 @@ from typing import Any
 
 import numpy as np
 
-from padfree.errors import BackendUnavailableError, InvalidArgumentError, InvalidLengthsError, describe
+from padfree.errors import (
+    BackendUnavailableError,
+    InvalidArgumentError,
+    InvalidLengthsError,
+    RankMismatchError,
+    describe,
+)
 from padfree.packing.balance import REMAINDER_POLICIES, BalancedSteps, balance_bins
 from padfree.packing.inputs import OVERLONG_POLICIES, as_choice, as_int, as_lengths, as_positive_int, as_seed
 from padfree.packing.result import PackResult
@@ -594,6 +600,44 @@ class DistributedPackedBatchSampler(Sampler[list[int]]):
             f"{self.num_replicas} ranks x {self.micro_batch_size} rows; {rest};\nidle from imbalance: tokens "
             f"{100 * s.token_imbalance:.3f}%, attention cost {100 * s.cost_imbalance:.3f}%"
         )
+
+    def fingerprint(self) -> str:
+        """A digest of what every rank must agree on: the arguments, and the current epoch's plan and schedule."""
+        import hashlib
+
+        ep = self._current()
+        h = hashlib.blake2b(digest_size=16)
+        h.update(repr((self.num_replicas, self.micro_batch_size, self.seed, self.shuffle, self.remainder,
+                       self._group_by, self._rows, self.capacity, ep.epoch)).encode())
+        for array in (ep.plan.lengths, ep.plan.order, ep.plan.bin_offsets, ep.schedule.steps):
+            h.update(np.ascontiguousarray(array, np.int64).tobytes())
+        return h.hexdigest()
+
+    def check_ranks(self, group: Any = None) -> None:
+        """Make sure every rank of the process group computed this same schedule; a collective call, so call it on
+        every rank (padfree's trainers do, once per ``train()``). Nothing to do without an initialised process group.
+
+        Each rank builds its schedule alone, from its own copy of the data: a rank whose data differs (another
+        shuffle before packing, a tokenizer of another version, a filter that depends on the host) would silently
+        train other samples than the schedule promises, repeat some and lose others — or hang when the step counts
+        differ. One ``all_gather_object`` of :meth:`fingerprint` rules that out.
+
+        Raises:
+            RankMismatchError: naming the ranks whose schedule differs from rank 0's.
+        """
+        if not (dist.is_available() and dist.is_initialized()):
+            return
+        mine = (self.fingerprint(), len(self.plan.lengths), int(self.plan.lengths.sum()), len(self))
+        every = [None] * dist.get_world_size(group)
+        dist.all_gather_object(every, mine, group=group)
+        odd = [r for r, other in enumerate(every) if other != every[0]]
+        if odd:
+            seen = "; ".join(f"rank {r}: {n} samples, {t} tokens, {k} micro-batches"
+                             for r, (_, n, t, k) in enumerate(every) if r in odd or r == 0)
+            raise RankMismatchError(
+                f"DistributedPackedBatchSampler: ranks {odd} computed another schedule than rank 0 ({seen}); every "
+                f"rank must build the sampler from the same data and arguments (seed={self.seed}, "
+                f"micro_batch_size={self.micro_batch_size}, epoch={self.epoch})")
 
     # ---- iteration -------------------------------------------------------------------------------
 

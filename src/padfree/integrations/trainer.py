@@ -521,6 +521,7 @@ class PadfreeTrainerMixin:
         sampler = self._padfree_balanced_sampler()
         if sampler is None:
             return super().get_train_dataloader()
+        sampler.check_ranks()  # every rank runs this in train(): refuse ranks that scheduled different data
         from functools import partial
 
         from torch.utils.data import DataLoader
