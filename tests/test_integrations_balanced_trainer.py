@@ -85,6 +85,14 @@ def _worker(rank: int, world: int, tmp: str, port: int) -> None:
                           "status": str(padfree.packing_status(trainer)),
                           "group": (trainer.args.process_index, trainer.args.world_size)}
     out["resume"] = _stop_and_resume(rank, world, tmp, rows)
+    other = rows if rank == 0 else rows.select(range(1, len(rows)))  # rank 1 lost a row: refused, not trained
+    trainer = padfree.Trainer(model=tiny_model("llama"), args=_args(tmp, 1), train_dataset=other,
+                              data_collator=_RecordingCollator([]))
+    try:
+        trainer.train()
+        out["mismatch"] = None
+    except padfree.RankMismatchError as exc:
+        out["mismatch"] = (str(exc), trainer.state.global_step)
     samples = _samples().add_column("row", list(range(len(_samples()))))
     for balance in (True, False):  # padding-free batches: unpacked samples, one flattened row per micro-batch
         log = []
@@ -187,6 +195,13 @@ def test_resume_mid_epoch_replays_the_remaining_balanced_batches(two_ranks):
         assert len(run["full"]) == 2 * per_epoch and per_epoch < stop < 2 * per_epoch
         assert run["full"][per_epoch:] != run["full"][:per_epoch]  # the epochs differ: the test can tell them apart
         assert run["resumed"] == run["full"][stop:]
+
+
+def test_ranks_with_different_rows_are_refused_before_the_first_step(two_ranks):
+    for rank in (0, 1):
+        message, steps = two_ranks[rank]["mismatch"]
+        assert steps == 0
+        assert "ranks [1] computed another schedule than rank 0" in message
 
 
 def test_padding_free_steps_are_random_draws_dealt_by_load(two_ranks, capsys):

@@ -521,7 +521,6 @@ class PadfreeTrainerMixin:
         sampler = self._padfree_balanced_sampler()
         if sampler is None:
             return super().get_train_dataloader()
-        sampler.check_ranks()  # every rank runs this in train(): refuse ranks that scheduled different data
         from functools import partial
 
         from torch.utils.data import DataLoader
@@ -558,7 +557,8 @@ class PadfreeTrainerMixin:
 
 
 class _SamplerEpoch(TrainerCallback):
-    """Tells the balanced sampler its epoch at the start of every epoch, resumed ones included.
+    """Checks at the start of training that every rank scheduled the same data, and tells the balanced sampler its
+    epoch at the start of every epoch, resumed ones included.
 
     The Trainer's own ``set_epoch`` call does not reach it when a run resumes in the middle of an epoch: accelerate's
     ``skip_first_batches`` wraps the sampler once more (``SkipBatchSampler`` around ``BatchSamplerShard``), and
@@ -567,6 +567,12 @@ class _SamplerEpoch(TrainerCallback):
     """
 
     sampler: Any = None
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        # every rank passes here in train() (a user may call get_train_dataloader on one rank alone): the one place
+        # for a collective check that the ranks scheduled the same data
+        if self.sampler is not None:
+            self.sampler.check_ranks()
 
     def on_epoch_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if self.sampler is not None:
