@@ -1,0 +1,360 @@
+"""The causal-LM loss without the logits: cross-entropy fused with the LM head, over target positions only.
+
+A packed row is long, so its logits are the largest tensor of a training step: ``positions x vocabulary`` floats
+(8k positions x 32k vocabulary = 1 GB in float32), written by the head, read and rewritten by the softmax and its
+backward, several times over. :func:`linear_cross_entropy` computes the loss a chunk of positions at a time and the
+gradients of the hidden states and of the head in the same pass, so no logits outlive their chunk and the chunk's
+buffer is reused: memory drops from a few ``N x V`` tensors to one ``chunk x V`` buffer, and the step from
+``N x V`` memory traffic several times over to once. Positions without a target (the first token of every sequence,
+padding, a masked prompt) are left out before the head, so they cost nothing.
+
+:func:`causal_lm_loss` runs a Hugging Face causal LM up to its head (the head's input is caught, the head itself
+is not run), then applies the head the way the model does — its scale (Cohere's ``logit_scale``, Granite's
+``logits_scaling``) and final soft-capping (Gemma 2 / 3) included — and refuses a model whose logits it cannot
+reproduce (checked once per model on a few tokens).
+
+>>> import torch
+>>> from padfree.model.tiny import tiny_model
+>>> model = tiny_model("llama")
+>>> ids = torch.tensor([[5, 6, 7, 8, 9, 10]])
+>>> labels = torch.tensor([[-100, 6, 7, -100, 9, 10]])  # two sequences: [5, 6, 7] and [8, 9, 10]
+>>> inputs = {"input_ids": ids, "labels": labels, "position_ids": torch.tensor([[0, 1, 2, 0, 1, 2]])}
+>>> stock = model(**inputs, use_cache=False).loss  # no cache: transformers honours the restarting positions
+>>> fused = causal_lm_loss(model, inputs)
+>>> bool(torch.allclose(fused, stock, atol=1e-6))
+True
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from padfree.errors import InvalidArgumentError, UnsupportedModelError, describe
+
+__all__ = ["IGNORE_INDEX", "causal_lm_loss", "default_chunk_size", "head_transform", "linear_cross_entropy"]
+
+IGNORE_INDEX = -100
+_CHUNK_BYTES = 1 << 27  # one chunk of float32 logits: 128 MiB (1,024 positions of a 32k vocabulary)
+
+
+def default_chunk_size(vocab_size: int) -> int:
+    """Positions per chunk: a float32 ``chunk x vocab`` buffer of about 128 MiB, a multiple of 8, at least 128.
+
+    >>> default_chunk_size(32000), default_chunk_size(151936)
+    (1048, 216)
+    """
+    return max(128, _CHUNK_BYTES // (4 * max(int(vocab_size), 1)) // 8 * 8)
+
+
+class _LinearCrossEntropy(torch.autograd.Function):
+    """Σ over rows of ``-log softmax(f(h W^T + b))[target]``, the gradients computed in the same pass."""
+
+    @staticmethod
+    def forward(ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                targets: torch.Tensor, scale: float, softcap: float | None, chunk: int) -> torch.Tensor:
+        n, vocab = hidden.shape[0], weight.shape[0]
+        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        need_b = bias is not None and ctx.needs_input_grad[2]
+        f32, dev = torch.float32, hidden.device
+        low = hidden.dtype != f32  # bf16 / fp16: the head runs in that precision, the loss in float32
+        total = torch.zeros((), dtype=f32, device=dev)
+        dh = torch.empty_like(hidden) if need_h else None
+        dw = torch.zeros(weight.shape, dtype=f32, device=dev) if need_w else None
+        db = torch.zeros(vocab, dtype=f32, device=dev) if need_b else None
+        rows = max(min(chunk, n), 1)
+        # buffers reused by every chunk: fresh chunk x V tensors would be allocated (and, on the CPU, faulted in
+        # page by page) again and again
+        z_buf = torch.empty((rows, vocab), dtype=f32, device=dev)
+        low_buf = torch.empty((rows, vocab), dtype=hidden.dtype, device=dev) if low else None
+        cap_buf = torch.empty((rows, vocab), dtype=f32, device=dev) if softcap is not None else None
+        w_tmp = torch.empty_like(weight) if need_w and low else None
+        arange = torch.arange(rows, device=dev)
+        for a in range(0, n, rows):  # over chunks of positions, never over tokens
+            b = min(a + rows, n)
+            h, t, z, idx = hidden[a:b], targets[a:b], z_buf[: b - a], arange[: b - a]
+            if low:  # what the stock head + loss do: logits in the model's precision, upcast for the loss
+                head = low_buf[: b - a]
+                torch.mm(h, weight.t(), out=head)
+                if bias is not None:
+                    head.add_(bias)
+                z.copy_(head)
+            else:
+                torch.mm(h, weight.t(), out=z)
+                if bias is not None:
+                    z.add_(bias)
+            if scale != 1.0:
+                z.mul_(scale)
+            if softcap is not None:
+                z.div_(softcap).tanh_()
+                torch.mul(z, z, out=cap_buf[: b - a]).neg_().add_(1.0)  # d tanh = 1 - tanh^2, for the backward
+                z.mul_(softcap)
+            lse = torch.logsumexp(z, dim=1)
+            total += (lse - z[idx, t]).sum()
+            if not (need_h or need_w or need_b):
+                continue
+            g = z.sub_(lse[:, None]).exp_()  # d loss / d logits = softmax - one_hot, in place
+            g[idx, t] -= 1.0
+            if softcap is not None:
+                g.mul_(cap_buf[: b - a])
+            if scale != 1.0:
+                g.mul_(scale)
+            if need_b:
+                db += g.sum(dim=0)
+            gl = low_buf[: b - a].copy_(g) if low else g
+            if need_h:
+                torch.mm(gl, weight, out=dh[a:b])
+            if need_w:
+                if low:  # a GEMM in the model's precision, accumulated over chunks in float32
+                    dw += torch.mm(gl.t(), h, out=w_tmp)
+                else:
+                    dw.addmm_(gl.t(), h)
+        ctx.save_for_backward(dh, dw, db)
+        ctx.dtypes = (weight.dtype, None if bias is None else bias.dtype)
+        return total
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        dh, dw, db = ctx.saved_tensors
+        w_dtype, b_dtype = ctx.dtypes
+        return (None if dh is None else dh * grad.to(dh.dtype),
+                None if dw is None else (dw * grad).to(w_dtype),
+                None if db is None else (db * grad).to(b_dtype),
+                None, None, None, None)
+
+
+def linear_cross_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    bias: torch.Tensor | None = None,
+    scale: float = 1.0,
+    softcap: float | None = None,
+    ignore_index: int = IGNORE_INDEX,
+    chunk_size: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(loss_sum, num_targets)``: Σ cross-entropy of ``softcap(scale * (hidden @ weight.T + bias))`` against
+    ``targets``, never holding more than ``chunk_size`` rows of logits.
+
+    Equal to ``F.cross_entropy(logits.float(), targets, reduction="sum", ignore_index=ignore_index)`` on the full
+    logits (to float32 rounding), with the same gradients for ``hidden``, ``weight`` and ``bias``. The gradients
+    are computed during the forward pass (the logits are gone by the backward), so a call under
+    ``torch.no_grad()`` or on tensors that need no gradient computes only the loss.
+
+    Args:
+        hidden: ``(..., H)`` — the head's input, any float dtype; flattened over the leading dimensions.
+        weight: ``(V, H)`` — the head's weight, same dtype.
+        targets: ``(...)`` integer, the leading shape of ``hidden``; ``ignore_index`` marks positions without a
+            target, which are dropped before the head.
+        bias: ``(V,)`` or None.
+        scale: multiplies the logits (Cohere's ``logit_scale``; ``1 / logits_scaling`` for Granite).
+        softcap: ``softcap * tanh(logits / softcap)`` after the scale (Gemma 2 / 3's ``final_logit_softcapping``).
+        chunk_size: rows of logits per chunk (default :func:`default_chunk_size`).
+
+    Returns:
+        ``loss_sum``: ``()`` float32, differentiable; ``num_targets``: ``()`` int64, the positions that had one.
+
+    >>> torch.manual_seed(0) is not None
+    True
+    >>> h, w = torch.randn(2, 5, 8, requires_grad=True), torch.randn(11, 8, requires_grad=True)
+    >>> t = torch.tensor([[1, 2, -100, 4, 5], [6, 7, 8, -100, 10]])
+    >>> loss, n = linear_cross_entropy(h, w, t, chunk_size=3)
+    >>> ref = F.cross_entropy((h @ w.T).reshape(-1, 11), t.reshape(-1), reduction="sum")
+    >>> int(n), bool(torch.allclose(loss, ref))
+    (8, True)
+    """
+    if hidden.dim() < 1 or weight.dim() != 2 or hidden.shape[-1] != weight.shape[1]:
+        raise InvalidArgumentError(f"hidden must be (..., H) and weight (V, H) with the same H, got hidden "
+                                   f"{tuple(hidden.shape)} and weight {tuple(weight.shape)}")
+    if tuple(targets.shape) != tuple(hidden.shape[:-1]):
+        raise InvalidArgumentError(f"targets must have the leading shape of hidden {tuple(hidden.shape[:-1])}, got "
+                                   f"{tuple(targets.shape)}")
+    if targets.dtype.is_floating_point or targets.dtype == torch.bool:
+        raise InvalidArgumentError(f"targets must be integer class ids, got dtype {targets.dtype}")
+    if softcap is not None and not softcap > 0:
+        raise InvalidArgumentError(f"softcap must be None or > 0, got {describe(softcap)}")
+    chunk = default_chunk_size(weight.shape[0]) if chunk_size is None else int(chunk_size)
+    if chunk < 1:
+        raise InvalidArgumentError(f"chunk_size must be None or an integer >= 1, got {describe(chunk_size)}")
+    flat_t = targets.reshape(-1)
+    keep = (flat_t != ignore_index).nonzero().squeeze(1)
+    h = hidden.reshape(-1, hidden.shape[-1]).index_select(0, keep)  # positions without a target never reach the head
+    t = flat_t.index_select(0, keep).long()
+    if t.numel() and (int(t.min()) < 0 or int(t.max()) >= weight.shape[0]):
+        bad = int(t.min()) if int(t.min()) < 0 else int(t.max())
+        raise InvalidArgumentError(f"targets must be in [0, {weight.shape[0]}) or ignore_index={ignore_index}, got "
+                                   f"{bad}")
+    if t.numel() == 0:  # keep the graph: a zero that still flows into every input's gradient
+        zero = (hidden.sum() * 0 + weight.sum() * 0).float()
+        return (zero if bias is None else zero + bias.sum().float() * 0), torch.zeros((), dtype=torch.int64)
+    loss = _LinearCrossEntropy.apply(h, weight, bias, t, float(scale), softcap, chunk)
+    return loss, torch.tensor(t.numel(), dtype=torch.int64)
+
+
+# --------------------------------------------------------------------------------------------------
+# A Hugging Face causal LM
+# --------------------------------------------------------------------------------------------------
+
+
+def head_transform(model: Any) -> tuple[float, float | None]:
+    """``(scale, softcap)`` that turn the head's output into the model's logits, read from its config.
+
+    Cohere multiplies by ``logit_scale``, Granite divides by ``logits_scaling``, Gemma 2 / 3 soft-cap with
+    ``final_logit_softcapping``; everything else is ``(1.0, None)``. :func:`causal_lm_loss` checks the result on
+    the model itself before trusting it.
+
+    >>> from padfree.model.tiny import tiny_model
+    >>> head_transform(tiny_model("llama")), head_transform(tiny_model("cohere"))
+    ((1.0, None), (0.0625, None))
+    """
+    config = getattr(model, "config", None)
+    config = getattr(config, "get_text_config", lambda: config)() if config is not None else None
+    scale, softcap = 1.0, None
+    model_type = str(getattr(config, "model_type", ""))
+    if model_type.startswith("cohere") and getattr(config, "logit_scale", None) is not None:
+        scale *= float(config.logit_scale)
+    if model_type.startswith("granite") and getattr(config, "logits_scaling", None):
+        scale /= float(config.logits_scaling)
+    cap = getattr(config, "final_logit_softcapping", None)
+    if cap:
+        softcap = float(cap)
+    return scale, softcap
+
+
+def _unwrap(model: Any) -> Any:
+    """The transformers model inside DDP / accelerate / torch.compile wrappers."""
+    for _ in range(8):
+        inner = getattr(model, "module", None) or getattr(model, "_orig_mod", None)
+        if inner is None:
+            return model
+        model = inner
+    return model
+
+
+@contextlib.contextmanager
+def _head_inputs(model: Any) -> Iterator[list[torch.Tensor]]:
+    """Within the block, the model's output head records its input and returns empty logits ``(..., 0)``
+    instead of computing them (the rest of the forward runs unchanged)."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if not isinstance(head, torch.nn.Linear):
+        raise UnsupportedModelError(
+            f"causal_lm_loss needs a model whose output head is an nn.Linear (get_output_embeddings()), got "
+            f"{type(head).__name__} in {type(model).__name__}")
+    seen: list[torch.Tensor] = []
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        seen.append(x)
+        return x.new_zeros((*x.shape[:-1], 0))
+
+    head.forward = forward  # an instance attribute: nn.Module.__call__ finds it before the class's forward
+    try:
+        yield seen
+    finally:
+        del head.forward
+
+
+def _check_head(model: Any) -> tuple[float, float | None]:
+    """The model's :func:`head_transform`, once verified on a few tokens (cached on the model)."""
+    cached = getattr(model, "_padfree_head_transform", None)
+    if cached is not None:
+        return cached
+    scale, softcap = head_transform(model)
+    head = model.get_output_embeddings()
+    vocab = head.weight.shape[0]
+    ids = (torch.arange(7, device=head.weight.device) * 7919 + 3) % vocab
+    training = model.training
+    model.eval()  # dropout would make the two runs differ
+    try:
+        with torch.no_grad():
+            logits = model(input_ids=ids[None], use_cache=False).logits.float()
+            with _head_inputs(model) as seen:
+                model(input_ids=ids[None], use_cache=False)
+            if len(seen) != 1:
+                raise UnsupportedModelError(f"{type(model).__name__} calls its output head {len(seen)} times per "
+                                            f"forward; causal_lm_loss cannot stand in for it")
+            mine = F.linear(seen[0], head.weight, head.bias).float() * scale
+            if softcap is not None:
+                mine = torch.tanh(mine / softcap) * softcap
+    finally:
+        model.train(training)
+    tol = 1e-5 if head.weight.dtype == torch.float32 else 2e-2
+    err = float((mine - logits).abs().max()) / max(float(logits.abs().max()), 1.0)
+    if mine.shape != logits.shape or not err <= tol:
+        raise UnsupportedModelError(
+            f"causal_lm_loss cannot reproduce the logits of {type(model).__name__} (model_type "
+            f"{getattr(model.config, 'model_type', '?')!r}) from its head (scale={scale}, softcap={softcap}): "
+            f"relative difference {err:.3g}; use the model's own loss (model(**inputs).loss)")
+    model._padfree_head_transform = (scale, softcap)
+    return scale, softcap
+
+
+def causal_lm_loss(
+    model: Any,
+    inputs: Mapping[str, Any],
+    *,
+    num_items_in_batch: int | torch.Tensor | None = None,
+    reduction: str = "mean",
+    chunk_size: int | None = None,
+) -> torch.Tensor:
+    """The loss ``model(**inputs).loss`` computes, without materialising the logits.
+
+    Runs ``model`` on ``inputs`` minus the labels with its output head short-circuited (its input is caught),
+    then :func:`linear_cross_entropy` over the positions that have a target. Works for any Hugging Face causal LM
+    whose logits are its ``nn.Linear`` head's output, possibly scaled and soft-capped (verified once per model
+    against its own logits; :class:`~padfree.UnsupportedModelError` otherwise), packed or not — configured by
+    :func:`padfree.configure_packing` or not. A MoE model's router auxiliary loss is added as its own loss adds it.
+    ``use_cache`` defaults to False (a training forward has no use for a cache, and with one transformers stops
+    honouring restarting ``position_ids`` in unconfigured models).
+
+    Args:
+        model: a ``*ForCausalLM`` (or a DDP / accelerate wrapper around one: the wrapper's forward is called).
+        inputs: the model's keyword arguments with ``labels`` (aligned with ``input_ids``; the loss shifts them, as
+            transformers does) or ``shift_labels`` (already shifted: target of position ``i`` at ``i``).
+        num_items_in_batch: divide the sum by this (the Trainer's count of the whole step's targets) instead of
+            this batch's count.
+        reduction: ``"mean"`` (default; over targets, or ``num_items_in_batch``) or ``"sum"``.
+        chunk_size: positions per chunk of logits (default :func:`default_chunk_size`).
+
+    Returns:
+        ``()`` float32 — the loss, differentiable through the model.
+    """
+    if reduction not in ("mean", "sum"):
+        raise InvalidArgumentError(f"reduction must be 'mean' or 'sum', got {describe(reduction)}")
+    has_labels, has_shifted = inputs.get("labels") is not None, inputs.get("shift_labels") is not None
+    if has_labels == has_shifted:
+        raise InvalidArgumentError("inputs must hold exactly one of labels (aligned with input_ids) or shift_labels "
+                                   f"(pre-shifted), got keys {sorted(inputs)}")
+    base = _unwrap(model)
+    scale, softcap = _check_head(base)
+    kwargs = {k: v for k, v in inputs.items() if k not in ("labels", "shift_labels")}
+    kwargs.setdefault("use_cache", False)
+    with _head_inputs(base) as seen:
+        out = model(**kwargs)
+    if len(seen) != 1:
+        raise UnsupportedModelError(f"{type(base).__name__} called its output head {len(seen)} times")
+    hidden = seen[0]
+    if has_shifted:
+        targets = inputs["shift_labels"]
+    else:
+        labels = inputs["labels"]
+        targets = F.pad(labels[..., 1:], (0, 1), value=IGNORE_INDEX)
+    if tuple(targets.shape) != tuple(hidden.shape[:-1]):
+        raise InvalidArgumentError(f"the labels' shape {tuple(targets.shape)} does not match the model's positions "
+                                   f"{tuple(hidden.shape[:-1])}")
+    head = base.get_output_embeddings()
+    loss, count = linear_cross_entropy(hidden, head.weight, targets.to(hidden.device), bias=head.bias, scale=scale,
+                                       softcap=softcap, chunk_size=chunk_size)
+    if reduction == "mean":
+        denom = count if num_items_in_batch is None else num_items_in_batch
+        denom = denom.to(loss.device) if isinstance(denom, torch.Tensor) else torch.tensor(float(denom))
+        loss = loss / denom.clamp(min=1).to(loss.dtype)
+    aux = getattr(out, "aux_loss", None)
+    coef = getattr(base.config, "router_aux_loss_coef", None)
+    if aux is not None and coef is not None:  # as the MoE models' own forward adds it when given labels
+        loss = loss + coef * aux.to(loss.device)
+    return loss
