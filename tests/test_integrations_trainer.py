@@ -172,6 +172,43 @@ def test_telemetry_on_padded_and_packed_batches():
     assert m["padfree/attention_flops_saved"] == pytest.approx(1 - 29 / 48)
 
 
+def test_telemetry_reads_llama_factory_segment_masks():
+    """A LLaMA-Factory integer mask (1, 2, 3 per sequence, 0 for padding) counts as the same packed rows written
+    with restarting ``position_ids``: the same sequences, real tokens and Σ len², not one padded sequence per row."""
+    rows = [[5, 9, 2], [16], [3, 3, 3, 1]]  # 16 positions a row; the last row ends in 6 padding tokens
+    width = 16
+    ids = torch.zeros(len(rows), width, dtype=torch.long)
+    pos, seg = torch.zeros_like(ids), torch.zeros_like(ids)
+    labels = torch.full_like(ids, -100)
+    for b, lens in enumerate(rows):
+        col = 0
+        for k, n in enumerate(lens):
+            ids[b, col:col + n] = torch.arange(n) + 10 * (k + 1)
+            labels[b, col + 1:col + n] = ids[b, col + 1:col + n]
+            pos[b, col:col + n], seg[b, col:col + n] = torch.arange(n), k + 1
+            col += n
+        pos[b, col:] = torch.arange(width - col)  # the padding tail, as padfree's collators count it
+    by_positions, by_mask = PackingTelemetryCallback(), PackingTelemetryCallback()
+    by_positions.observe({"input_ids": ids, "labels": labels, "position_ids": pos})
+    by_mask.observe({"input_ids": ids, "labels": labels, "attention_mask": seg})
+    by_mask.observe({"input_ids": ids, "labels": labels, "attention_mask": seg.to(torch.int32)})
+    by_positions.observe({"input_ids": ids, "labels": labels, "position_ids": pos})
+    want, got = by_positions.pop_metrics(), by_mask.pop_metrics()
+    lens = [n for r in rows for n in r]
+    squares = sum(n * n for n in lens)
+    assert want["padfree/real_token_fraction"] == got["padfree/real_token_fraction"] == sum(lens) / (3 * width)
+    assert want["padfree/sequences_per_row"] == got["padfree/sequences_per_row"] == len(lens) / 3
+    saved = 1 - squares / (len(lens) * max(lens) ** 2)
+    assert want["padfree/attention_flops_saved"] == pytest.approx(saved, rel=1e-12)
+    assert got["padfree/attention_flops_saved"] == pytest.approx(saved, rel=1e-12)
+    # ids need not count 1, 2, 3: only where they change matters; a 0/1 integer mask stays an ordinary batch
+    by_mask.observe({"input_ids": ids, "attention_mask": torch.where(seg > 0, seg * 7 + 1, 0)})
+    assert by_mask.pop_metrics()["padfree/attention_flops_saved"] == pytest.approx(saved, rel=1e-12)
+    by_mask.observe({"input_ids": ids, "attention_mask": (seg > 0).long()})
+    padded = by_mask.pop_metrics()
+    assert padded["padfree/sequences_per_row"] == 1.0 and padded["padfree/attention_flops_saved"] == 0.0
+
+
 def packed_collate_rows():
     from padfree.data.batch import packed_collate_fn
 

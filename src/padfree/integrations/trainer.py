@@ -332,6 +332,7 @@ class PadfreeTrainerMixin:
 
     Set up by :meth:`_padfree_setup` (padfree's trainers call it from ``__init__``). Overrides
     ``get_batch_samples`` (counts the step's targets and sequences across ranks), ``compute_loss`` (the loss rule),
+    ``evaluation_loop`` / ``prediction_step`` (``eval_loss`` under the same rule over the whole eval set),
     ``training_step`` (feeds the telemetry), ``log`` (adds the telemetry to the logged metrics) and
     ``get_train_dataloader`` (balanced data-parallel steps over packed rows, see below).
 
@@ -360,6 +361,7 @@ class PadfreeTrainerMixin:
     _padfree_telemetry: PackingTelemetryCallback | None = None
     _padfree_step: tuple[torch.Tensor, torch.Tensor] | None = None
     _padfree_epoch: _SamplerEpoch
+    _padfree_eval_sums: torch.Tensor | None = None
 
     def _padfree_setup(self, loss: str | None, telemetry: bool) -> None:
         self.padfree_loss = None if loss is None else as_choice(loss, "padfree_loss", LOSS_MODES)
@@ -432,6 +434,8 @@ class PadfreeTrainerMixin:
         denom = self._padfree_denominator(which, num_items_in_batch)
         loss = reduce_loss(loss_tok, mask, inputs, self.padfree_loss, denom, shifted="shift_labels" not in inputs)
         loss = self._padfree_unscaled(loss, denom)
+        if self._padfree_eval_sums is not None and not self.model.training:
+            self._padfree_eval_record(loss, inputs)
         return (loss, outputs) if return_outputs else loss
 
     def _padfree_unscaled(self, loss: torch.Tensor, denom: Any) -> torch.Tensor:
@@ -439,6 +443,79 @@ class PadfreeTrainerMixin:
         if denom is None and self.model.training and self.padfree_loss is not None:
             return loss / self.current_gradient_accumulation_steps
         return loss
+
+    # ---- evaluation --------------------------------------------------------------------------------------
+
+    def evaluation_loop(self, dataloader: Any, description: str, prediction_loss_only: bool | None = None,
+                        ignore_keys: list[str] | None = None, metric_key_prefix: str = "eval") -> Any:
+        """The Trainer's loop, with ``{metric_key_prefix}_loss`` replaced by the loss rule over the whole eval set:
+        Σ token losses / Σ targets (``padfree_loss="sequence"``: the mean of every sequence's mean token loss).
+
+        The Trainer reports the mean of its per-batch means instead, which weights a target by how few others share
+        its batch: the number would change with ``eval_packing``, padding-free flattening and the eval batch size,
+        so packed and unpacked evaluation of the same model would disagree. Each batch's loss times its target (or
+        sequence) count is summed in float64 on the device; one sync at the end of the loop.
+        """
+        if self.padfree_loss is None:
+            return super().evaluation_loop(dataloader, description, prediction_loss_only, ignore_keys,
+                                           metric_key_prefix)
+        # Σ loss · count, Σ count, prediction steps, steps whose loss went through padfree's compute_loss
+        self._padfree_eval_sums = torch.zeros(4, dtype=torch.float64, device=self.args.device)
+        try:
+            output = super().evaluation_loop(dataloader, description, prediction_loss_only, ignore_keys,
+                                             metric_key_prefix)
+            sums = self._padfree_eval_sums
+        finally:
+            self._padfree_eval_sums = None
+        key = f"{metric_key_prefix}_loss"
+        if key not in output.metrics:
+            return output
+        why = self._padfree_eval_inexact(dataloader)
+        if why is None:
+            if self.accelerator.num_processes > 1:
+                sums = self.accelerator.reduce(sums, reduction="sum")
+            total, count, steps, recorded = sums.tolist()
+            if steps == recorded and count > 0:
+                output.metrics[key] = total / count
+                return output
+            why = ("no batch had a target" if count == 0 else
+                   f"{int(steps - recorded)} of {int(steps)} batches had no labels or bypassed compute_loss")
+        logger.info("padfree: %s is the Trainer's mean of per-batch means, not the %s mean of the loss rule: %s",
+                    key, self.padfree_loss, why)
+        return output
+
+    def _padfree_eval_inexact(self, dataloader: Any) -> str | None:
+        """Why the eval set's loss sums cannot be added up exactly across ranks (None: they can)."""
+        acc = self.accelerator
+        if acc.num_processes == 1:
+            return None
+        if getattr(acc, "split_batches", False) or getattr(acc, "dispatch_batches", False):
+            return "accelerate's split_batches / dispatch_batches is on"
+        if not getattr(acc, "even_batches", True):
+            return None
+        rows = len(dataloader.dataset) if hasattr(getattr(dataloader, "dataset", None), "__len__") else None
+        per_round = acc.num_processes * self.args.eval_batch_size
+        if rows is not None and rows % per_round == 0:
+            return None
+        # accelerate evens the ranks' last batches by repeating rows from the start: their losses would count twice
+        return (f"{rows if rows is not None else 'an unknown number of'} eval rows are not a multiple of "
+                f"{acc.num_processes} ranks x eval batch size {self.args.eval_batch_size}, so accelerate repeats "
+                f"some rows in the last batch")
+
+    def prediction_step(self, model: Any, inputs: dict[str, Any], prediction_loss_only: bool,
+                        ignore_keys: list[str] | None = None) -> Any:
+        if self._padfree_eval_sums is not None:
+            self._padfree_eval_sums[2] += 1
+        return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
+
+    def _padfree_eval_record(self, loss: torch.Tensor, inputs: dict[str, Any]) -> None:
+        """Add one eval batch's loss (its own token or sequence mean) back up into a sum and a count."""
+        targets, sequences = _count_tensors(inputs)
+        count = (targets if self.padfree_loss == "token" else sequences).to(self._padfree_eval_sums)
+        acc = self._padfree_eval_sums
+        acc[0] += loss.detach().to(acc) * count
+        acc[1] += count
+        acc[3] += 1
 
     # ---- balanced data-parallel steps -------------------------------------------------------------------
 
@@ -642,7 +719,10 @@ class PackingTelemetryCallback(TrainerCallback):
 
     def observe(self, inputs: Mapping[str, Any]) -> None:
         """Count one micro-batch of model inputs (``input_ids``, ``labels``, ``position_ids`` and/or
-        ``attention_mask``); the counts stay on the batch's device."""
+        ``attention_mask``); the counts stay on the batch's device.
+
+        Packed rows are read from a LLaMA-Factory integer ``attention_mask`` (segment ids ``[1, 1, 2, 2, 2, 0]``)
+        or from ``position_ids`` that restart at 0; a 0/1 ``attention_mask`` is an ordinary padded batch."""
         ids = inputs.get("input_ids")
         if not isinstance(ids, torch.Tensor) or ids.dim() != 2:
             return
@@ -697,40 +777,73 @@ class PackingTelemetryCallback(TrainerCallback):
 
 def _batch_stats(inputs: Mapping[str, Any], pad_ids: tuple[int, ...]) -> torch.Tensor:
     """``(6,) float64`` on the batch's device: rows, positions, real tokens, sequences, attention work done
-    (Σ len² packed, B·T² padded), attention work of padded batching (n · max_len²)."""
+    (Σ len² packed, B·T² padded), attention work of padded batching (n · max_len²).
+
+    Boundaries come from a LLaMA-Factory integer ``attention_mask`` (segment ids ``[1, 1, 2, 2, 2, 0]``: 0 is
+    padding), else from ``position_ids`` restarting at 0; a 0/1 ``attention_mask`` or neither is an ordinary batch.
+    """
     ids = inputs["input_ids"]
     rows, width = ids.shape
     dev = ids.device
+    f = torch.float64
     pos, mask, labels = inputs.get("position_ids"), inputs.get("attention_mask"), inputs.get("labels")
     if pos is not None and pos.dim() == 1:
         pos = pos.unsqueeze(0)
-    if (isinstance(mask, torch.Tensor) and mask.dim() == 2) or pos is None or pos.shape != ids.shape:
+    if isinstance(mask, torch.Tensor) and mask.dim() == 2:
         # an ordinary batch: one sequence per row, the attention runs over the whole padded width
-        lens = mask.ne(0).sum(1) if isinstance(mask, torch.Tensor) and mask.dim() == 2 else torch.full(
-            (rows,), width, device=dev)
-        lens = lens.to(torch.float64)
-        n = (lens > 0).sum().to(torch.float64)
-        done = torch.tensor(float(rows * width * width), dtype=torch.float64, device=dev)
+        stats = _padded_stats(mask.ne(0).sum(1).to(f), rows, width)
+        if not mask.dtype.is_floating_point and mask.dtype != torch.bool:
+            # segment ids or a 0/1 mask: which one is decided on the device (values > 1 somewhere), since asking
+            # would sync every step
+            stats = torch.where((mask > 1).any(), _packed_stats(_segment_lengths(mask)), stats)
+    elif pos is None or pos.shape != ids.shape:
+        stats = _padded_stats(torch.full((rows,), float(width), dtype=f, device=dev), rows, width)
     else:
         seq = sequence_ids(pos)
         flat = seq.reshape(-1)
         count = rows * width
-        lens = torch.bincount(flat, minlength=count)[:count].to(torch.float64)
+        lens = torch.bincount(flat, minlength=count)[:count].to(f)
         is_pad = torch.isin(ids, torch.tensor(pad_ids, device=dev))
         if isinstance(labels, torch.Tensor) and labels.shape == ids.shape:
             is_pad &= labels == IGNORE
-        pad_count = torch.bincount(flat, weights=is_pad.reshape(-1).to(torch.float64), minlength=count)[:count]
+        pad_count = torch.bincount(flat, weights=is_pad.reshape(-1).to(f), minlength=count)[:count]
         final = torch.zeros(count, dtype=torch.bool, device=dev)
         final[seq[:, -1]] = True
         tail = final & (pad_count == lens) & (lens > 0)
-        lens = lens.masked_fill(tail, 0.0)
-        n = (lens > 0).sum().to(torch.float64)
-        done = (lens * lens).sum()
-    tokens = lens.sum()
-    padded = n * lens.max() ** 2 if lens.numel() else torch.zeros((), dtype=torch.float64, device=dev)
-    f = torch.float64
-    return torch.stack([torch.tensor(float(rows), dtype=f, device=dev),
-                        torch.tensor(float(rows * width), dtype=f, device=dev), tokens, n, done, padded])
+        stats = _packed_stats(lens.masked_fill(tail, 0.0))
+    return torch.cat([torch.tensor([float(rows), float(rows * width)], dtype=f, device=dev), stats])
+
+
+def _padded_stats(lens: torch.Tensor, rows: int, width: int) -> torch.Tensor:
+    """``(4,) float64``: real tokens, sequences, attention work done (B·T²: every row attends over the padded
+    width) and of padding to the longest, from the ``(rows,)`` real lengths of an ordinary batch."""
+    done = torch.full((), float(rows * width * width), dtype=lens.dtype, device=lens.device)
+    return _stats(lens, done)
+
+
+def _packed_stats(lens: torch.Tensor) -> torch.Tensor:
+    """``(4,) float64`` as :func:`_padded_stats`, for block-diagonal attention over sequences of length ``lens``
+    (zeros for empty slots allowed): the work done is Σ len²."""
+    return _stats(lens, (lens * lens).sum())
+
+
+def _stats(lens: torch.Tensor, done: torch.Tensor) -> torch.Tensor:
+    n = (lens > 0).sum().to(lens.dtype)
+    padded = n * lens.max() ** 2 if lens.numel() else torch.zeros((), dtype=lens.dtype, device=lens.device)
+    return torch.stack([lens.sum(), n, done, padded])
+
+
+def _segment_lengths(mask: torch.Tensor) -> torch.Tensor:
+    """``(B·T,) float64`` — the length of every segment of a LLaMA-Factory ``(B, T)`` integer mask, one slot per
+    position (a segment starts wherever a real token's id differs from its left neighbour's or a row starts;
+    the slots after the last segment are 0). Any id values work: no assumption that they count 1, 2, 3."""
+    real = mask != 0
+    start = real.clone()
+    start[:, 1:] &= mask[:, 1:] != mask[:, :-1]
+    # padding takes the index of the segment before it, and weight 0
+    seg = start.reshape(-1).cumsum(0).sub_(1).clamp_(min=0)
+    count = mask.numel()
+    return torch.bincount(seg, weights=real.reshape(-1).to(torch.float64), minlength=count)[:count]
 
 
 # --------------------------------------------------------------------------------------------------

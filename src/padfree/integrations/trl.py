@@ -47,6 +47,13 @@ padfree's loss rule (:mod:`padfree.integrations.trainer`) makes the loss the tok
 (``padfree_loss="sequence"``: the mean of per-sequence means), and :class:`PackingTelemetryCallback` is added when a
 padfree mode is on.
 
+**Evaluation.** TRL's ``eval_packing`` decides whether the eval set is packed like the train set: None follows
+``packing``, False never packs, True packs in padding-free mode too (reading ``packing_strategy`` and ``max_length``
+as ``packing=True`` would), and in a padfree mode unpacked eval batches are flattened padding-free. ``eval_loss``
+follows the loss rule over the whole eval set — Σ token losses / Σ targets, or the mean of per-sequence means —
+instead of the Trainer's mean of per-batch means, so it is the same packed or not, at any eval batch size (see
+``evaluation_loop``).
+
 Typical use::
 
     from padfree import SFTConfig, SFTTrainer, packing_status
@@ -450,8 +457,18 @@ class _SFTMixin(PadfreeTrainerMixin):
         names = getattr(dataset, "column_names", None) or ()
         if "seq_lens" in names:  # already packed by padfree (evaluate() prepares its datasets again)
             return dataset
+        strategy, overlong = decision.strategy, decision.overlong
+        if pack and decision.mode != PACKING:
+            # eval_packing=True in padding-free mode: the training decision never read packing_strategy or
+            # max_length, so check them here, before tokenizing
+            strategy, overlong = _strategy(args)
+            max_length = args.max_length
+            if max_length is None or isinstance(max_length, bool) or not isinstance(max_length, int) or max_length < 1:
+                raise InvalidArgumentError(
+                    f"eval_packing=True packs the {dataset_name} dataset into rows of max_length tokens: an int >= 1, "
+                    f"got max_length={describe(max_length)}; set max_length, or eval_packing=False / None")
         prep_args = args
-        if pack and decision.overlong == "split":
+        if pack and overlong == "split":
             prep_args = copy.copy(args)  # keep whole sequences: padfree splits them into pieces
             prep_args.max_length = None
         dataset = super()._prepare_dataset(dataset, processing_class, prep_args, False, formatting_func, dataset_name)
@@ -461,12 +478,12 @@ class _SFTMixin(PadfreeTrainerMixin):
             raise InvalidArgumentError(f"packing the {dataset_name} dataset needs a datasets.Dataset, got "
                                        f"{describe(dataset)}; set eval_packing=False or padding_free=True")
         columns = [c for c in ("input_ids", "labels") if c in dataset.column_names]
-        rows, plan = pack_for_trainer(dataset.select_columns(columns), args.max_length, decision.strategy,
-                                      seed=args.seed, overlong=decision.overlong, return_result=True)
+        rows, plan = pack_for_trainer(dataset.select_columns(columns), args.max_length, strategy, seed=args.seed,
+                                      overlong=overlong, return_result=True)
         self._padfree_plans[dataset_name] = plan
         logger.info("padfree: packed the %s dataset — %d sequences (%d pieces) into %d rows of max_length=%d (%s, "
                     "efficiency %.2f%%)", dataset_name, plan.num_sequences, plan.num_pieces, plan.num_bins,
-                    args.max_length, decision.strategy, 100 * plan.efficiency)
+                    args.max_length, strategy, 100 * plan.efficiency)
         return rows
 
     def _set_signature_columns_if_needed(self) -> None:
@@ -492,8 +509,11 @@ class _SFTMixin(PadfreeTrainerMixin):
             if denom is None and self.model.training:
                 out = (out[0] / self.current_gradient_accumulation_steps, out[1]) if return_outputs else (
                     out / self.current_gradient_accumulation_steps)
-            return out
-        return self._sequence_loss(model, inputs, return_outputs, num_items_in_batch)
+        else:
+            out = self._sequence_loss(model, inputs, return_outputs, num_items_in_batch)
+        if self._padfree_eval_sums is not None and not self.model.training:
+            self._padfree_eval_record(out[0] if return_outputs else out, inputs)
+        return out
 
     def _trl_tp(self) -> int:
         getter = getattr(self, "get_tp_size", None)
