@@ -170,6 +170,7 @@ class Plan:
     description: str
     sequences: int = 0
     first_row: Any = None  # packed: the row holding the most sequences, as a PackedBatch, for padfree.verify
+    loss: str = "stock"  # "stock": model(**inputs).loss; "fused": padfree.causal_lm_loss (no logits)
 
     @property
     def real_tokens(self) -> int:
@@ -376,7 +377,12 @@ class _Runner:
         """Train the next step (forward, backward, AdamW); time it; return its real tokens."""
         step = self.plan.steps[self.done]
         c0, t0 = time.process_time(), time.perf_counter()
-        loss = self.model(**step.inputs).loss
+        if self.plan.loss == "fused":
+            from padfree.model.loss import causal_lm_loss
+
+            loss = causal_lm_loss(self.model, step.inputs)
+        else:
+            loss = self.model(**step.inputs).loss
         loss.backward()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -574,6 +580,7 @@ def compare_training(
     check: bool = True,
     progress: ProgressFn | None = None,
     plans: dict[str, Plan] | None = None,
+    fused: Sequence[str] = (),
 ) -> ThroughputReport:
     """Train the same real tokens in every mode and measure real tokens per second.
 
@@ -595,6 +602,9 @@ def compare_training(
         progress: called after every step (:data:`ProgressFn`).
         plans: plans already built by :func:`build_plans` (then ``token_ids``, ``budget`` and ``overlong`` are
             not used).
+        fused: modes to run a second time with padfree's fused loss (:func:`padfree.causal_lm_loss`: the LM head
+            and cross-entropy in chunks, over target positions only) instead of ``model(**inputs).loss``, as modes
+            named ``"<mode>+fused"`` — so that what the loss saves is measured apart from what the layout saves.
 
     Every mode trains its own deep copy of ``model`` (``packed``'s configured), reset to the initial weights and a
     fresh AdamW at the start of every pass, after one untimed warm-up step per mode; only the steps are timed
@@ -613,6 +623,12 @@ def compare_training(
     if plans is None:
         sample = sample_sequences(token_ids, budget, capacity, overlong=overlong, seed=seed)
         plans = build_plans(sample, capacity, rows, modes, seed=seed)
+    for m in fused:
+        if m not in plans:
+            raise InvalidArgumentError(f"fused names mode {m!r}, which is not among the modes {sorted(plans)}")
+    plans = {**plans, **{f"{m}+fused": dataclasses.replace(plans[m], mode=f"{m}+fused", loss="fused",
+                                                            description=plans[m].description + "; fused loss")
+                         for m in fused}}
     num_sequences = next(iter(plans.values())).sequences
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
     # every mode trains its own copy (its weights and optimizer state evolve between its steps); packed's is configured

@@ -93,11 +93,15 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 z.div_(softcap).tanh_()
                 torch.mul(z, z, out=cap_buf[: b - a]).neg_().add_(1.0)  # d tanh = 1 - tanh^2, for the backward
                 z.mul_(softcap)
-            lse = torch.logsumexp(z, dim=1)
-            total += (lse - z[idx, t]).sum()
+            # log-sum-exp in place (torch.logsumexp would allocate a chunk-sized temporary for the exponentials)
+            top = z.amax(dim=1, keepdim=True)
+            target = z[idx, t] - top[:, 0]
+            z.sub_(top).exp_()
+            sums = z.sum(dim=1)
+            total += (sums.log() - target).sum()
             if not (need_h or need_w or need_b):
                 continue
-            g = z.sub_(lse[:, None]).exp_()  # d loss / d logits = softmax - one_hot, in place
+            g = z.div_(sums[:, None])  # d loss / d logits = softmax - one_hot, in place
             g[idx, t] -= 1.0
             if softcap is not None:
                 g.mul_(cap_buf[: b - a])
