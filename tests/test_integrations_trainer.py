@@ -153,6 +153,27 @@ def test_gradient_accumulation_4_padding_free_equal_unpacked(samples, tmp_path):
     assert update_diff(model, before, reference_grads(reference, samples[:12], "token")) <= 1e-5
 
 
+@pytest.mark.parametrize("packed", [True, False])
+def test_fused_loss_gives_the_update_of_the_unpacked_loss(samples, tmp_path, packed):
+    """``padfree_fused_loss=True``: the LM head and the cross-entropy fused (no logits), the same SGD update as the
+    unpacked reference over 4 accumulated micro-batches — packed rows or padding-free batches."""
+    data = datasets.Dataset.from_list(samples[:16])
+    rows = pack_for_trainer(data, max_length=160) if packed else data
+    model = llama()
+    reference = copy.deepcopy(model)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    trainer = Trainer(model=model, args=sgd_args(tmp_path, -(-len(rows) // 4)), train_dataset=rows,
+                      data_collator=PackedRowsCollator(), padfree_fused_loss=True)
+    seen = [list(map(int, b["position_ids"].flatten().eq(0).nonzero().flatten())) for b in
+            trainer.get_train_dataloader()]
+    assert len(seen) == 4
+    trainer.train()
+    assert update_diff(model, before, reference_grads(reference, samples[:16], "token")) <= 1e-5
+    with pytest.raises(InvalidArgumentError, match="padfree_fused_loss=True computes the token-rule loss"):
+        Trainer(model=llama(), args=sgd_args(tmp_path, 2), train_dataset=rows, padfree_loss="sequence",
+                padfree_fused_loss=True)
+
+
 def test_telemetry_on_padded_and_packed_batches():
     cb = PackingTelemetryCallback(pad_token_ids=(0,))
     padded = {"input_ids": torch.tensor([[5, 6, 7, 8], [5, 6, 0, 0]]), "attention_mask": torch.tensor([[1, 1, 1, 1],

@@ -277,27 +277,36 @@ def test_assistant_masks_and_split_strategy_survive_packing(tok, tmp_path):
 def test_gradient_accumulation_update_equals_unpacked(tok, records, tmp_path):
     """One SGD step (lr 1) over 4 accumulated padding-free micro-batches moves every parameter by exactly minus the
     gradient of the unpacked loss: Σ token losses / Σ targets (or the mean of per-sequence means)."""
-    for loss_mode in ("token", "sequence"):
+    for loss_mode, fused, mode in (("token", False, {}), ("sequence", False, {}), ("token", True, {}),
+                                   ("token", True, {"packing": True})):
         model = llama(tok)
         reference = copy.deepcopy(model)
         before = {n: p.detach().clone() for n, p in model.named_parameters()}
-        args = config(tmp_path / loss_mode, per_device_train_batch_size=3, gradient_accumulation_steps=4, max_length=96,
-                      learning_rate=1.0, lr_scheduler_type="constant", optim="sgd", max_grad_norm=0.0,
-                      weight_decay=0.0, padfree_loss=loss_mode)
+        args = config(tmp_path / f"{loss_mode}{fused}{mode}", per_device_train_batch_size=3,
+                      gradient_accumulation_steps=4, max_length=96, learning_rate=1.0, lr_scheduler_type="constant",
+                      optim="sgd", max_grad_norm=0.0, weight_decay=0.0, padfree_loss=loss_mode,
+                      padfree_fused_loss=fused, **mode)
         trainer = ptrl.SFTTrainer(model=model, args=args, train_dataset=prompt_completion(records, 12),
                                   processing_class=tok)
         assert packing_status(trainer).loss == loss_mode
         trainer.train()
         total, count, per_sequence = 0.0, 0, []
-        for row in trainer.train_dataset:
-            logits = reference(input_ids=torch.tensor([row["input_ids"]])).logits
-            loss, mask = token_losses(logits, {"labels": torch.tensor([row["labels"]])})
-            total, count = total + loss.sum(), count + int(mask.sum())
-            per_sequence.append(loss.sum() / mask.sum())
+        for batch in trainer.get_train_dataloader():  # the step's sequences, each run alone
+            for ids, labels in segments(batch):
+                logits = reference(input_ids=ids[None]).logits
+                loss, mask = token_losses(logits, {"labels": labels[None]})
+                total, count = total + loss.sum(), count + int(mask.sum())
+                per_sequence.append(loss.sum() / mask.sum())
         (total / count if loss_mode == "token" else torch.stack(per_sequence).mean()).backward()
         grads = dict(reference.named_parameters())
         diff = max(float((p.detach() - before[n] + grads[n].grad).abs().max()) for n, p in model.named_parameters())
-        assert diff <= 1e-5, (loss_mode, diff)
+        assert diff <= 1e-5, (loss_mode, fused, mode, diff)
+        if fused:  # no logits were made: TRL's logit metrics are absent, the loss is logged
+            assert "loss" in trainer.state.log_history[0] and "mean_token_accuracy" not in trainer.state.log_history[0]
+    with pytest.raises(InvalidArgumentError, match="padfree_fused_loss=True computes the token-rule loss"):
+        ptrl.SFTTrainer(model=llama(tok), args=config(tmp_path / "bad", padfree_loss="sequence",
+                                                       padfree_fused_loss=True),
+                        train_dataset=prompt_completion(records, 4), processing_class=tok)
 
 
 def test_qwen3_5_text_hybrid(tok, records, tmp_path, caplog):

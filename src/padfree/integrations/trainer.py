@@ -356,6 +356,7 @@ class PadfreeTrainerMixin:
 
     padfree_loss: str | None = None
     padfree_balance: bool = True
+    padfree_fused_loss: bool = False
     _padfree_balanced: tuple[Any, Any] | None = None
     _padfree_status: PackingStatus | None = None
     _padfree_telemetry: PackingTelemetryCallback | None = None
@@ -426,6 +427,8 @@ class PadfreeTrainerMixin:
                 or self.label_smoother is not None or self.compute_loss_func is not None):
             return super().compute_loss(model, inputs, return_outputs=return_outputs,
                                         num_items_in_batch=num_items_in_batch)
+        if self._padfree_fuses(return_outputs):
+            return self._padfree_fused(model, inputs, num_items_in_batch)
         model_inputs = {k: v for k, v in inputs.items() if k not in ("labels", "shift_labels")}
         outputs = model(**model_inputs)
         logits = outputs["logits"] if isinstance(outputs, Mapping) else outputs[0]
@@ -437,6 +440,25 @@ class PadfreeTrainerMixin:
         if self._padfree_eval_sums is not None and not self.model.training:
             self._padfree_eval_record(loss, inputs)
         return (loss, outputs) if return_outputs else loss
+
+    def _padfree_fuses(self, return_outputs: bool) -> bool:
+        """Whether this training micro-batch's loss is :func:`padfree.causal_lm_loss` (``padfree_fused_loss``):
+        only in training, with the token rule, when nobody asked for the logits."""
+        return bool(self.padfree_fused_loss and self.padfree_loss == "token" and self.model.training
+                    and not return_outputs)
+
+    def _padfree_fused(self, model: Any, inputs: dict[str, Any], num_items_in_batch: Any) -> torch.Tensor:
+        """The token-rule loss of one training micro-batch without logits: the LM head and the cross-entropy fused
+        over the positions that have a target, divided by the step's targets (or this batch's, then the
+        accumulation mean), plus a MoE model's router loss as its own forward would add it."""
+        from padfree.model.loss import causal_lm_loss
+
+        denom = self._padfree_denominator(0, num_items_in_batch)
+        count = denom if denom is not None else _count_tensors(inputs)[0]
+        if getattr(self, "aux_loss_enabled", False):  # TRL asks MoE models for their router logits
+            inputs = {**inputs, "output_router_logits": True}
+        loss = causal_lm_loss(model, inputs, num_items_in_batch=count)
+        return self._padfree_unscaled(loss, denom)
 
     def _padfree_unscaled(self, loss: torch.Tensor, denom: Any) -> torch.Tensor:
         """A training micro-batch normalised by its own count (no step count) still owes the accumulation mean."""
@@ -945,9 +967,10 @@ class _TrainerMixin(PadfreeTrainerMixin):
     """``__init__`` of :class:`Trainer` and of :func:`enable`'d ``Trainer`` subclasses."""
 
     def __init__(self, *args: Any, padfree_loss: str = "token", padfree_telemetry: bool = True,
-                 padfree_balance: bool = True, **kwargs: Any) -> None:
+                 padfree_balance: bool = True, padfree_fused_loss: bool = False, **kwargs: Any) -> None:
         as_choice(padfree_loss, "padfree_loss", LOSS_MODES)
         self.padfree_balance = _as_flag(padfree_balance, "padfree_balance")
+        self.padfree_fused_loss = _fused_flag(padfree_fused_loss, padfree_loss)
         model = kwargs.get("model", args[0] if args else None)
         collator = kwargs.get("data_collator", args[2] if len(args) > 2 else None)
         train = kwargs.get("train_dataset", args[3] if len(args) > 3 else None)
@@ -969,6 +992,14 @@ class _TrainerMixin(PadfreeTrainerMixin):
                                              padding_free=mode != STANDARD, loss=padfree_loss,
                                              balance=self._padfree_balance_note(), **_model_facts(self.model))
         logger.info("%s", self._padfree_status)
+
+
+def _fused_flag(value: Any, loss: str) -> bool:
+    fused = _as_flag(value, "padfree_fused_loss")
+    if fused and loss != "token":
+        raise InvalidArgumentError(f"padfree_fused_loss=True computes the token-rule loss (padfree_loss='token'); it "
+                                   f"cannot give padfree_loss={loss!r}, which needs every token's loss")
+    return fused
 
 
 def _as_flag(value: Any, name: str) -> bool:

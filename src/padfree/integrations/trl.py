@@ -87,6 +87,7 @@ from padfree.integrations.trainer import (
     PackingStatus,
     PadfreeTrainerMixin,
     _as_flag,
+    _fused_flag,
     _model_facts,
     _unwrap,
     pack_for_trainer,
@@ -137,6 +138,11 @@ class SFTConfig(trl.SFTConfig):
         padfree_balance: with ``packing=True`` under data parallelism (``world_size > 1``), deal the packed rows to
             the ranks in steps balanced in tokens and Σ len² instead of sharding them by count (see
             :class:`~padfree.integrations.trainer.PadfreeTrainerMixin`); no effect in one process.
+        padfree_fused_loss: compute the training loss with :func:`padfree.causal_lm_loss` — the LM head and the
+            cross-entropy fused, in chunks, over the positions that have a target — instead of materialising the
+            logits: less memory, less time (``padfree_loss="token"`` only). TRL's ``entropy`` and
+            ``mean_token_accuracy`` training metrics need the logits, so they are not logged then; evaluation and
+            anything that asks for the outputs run the model's own head.
 
     Every other argument is ``trl.SFTConfig``'s (``max_length`` is the row length when packing).
 
@@ -158,6 +164,9 @@ class SFTConfig(trl.SFTConfig):
         default=True, metadata={"help": "Log packing telemetry when a padfree mode is on."})
     padfree_balance: bool = dataclasses.field(
         default=True, metadata={"help": "Data-parallel packing: balance the ranks' rows (tokens and sum of len^2)."})
+    padfree_fused_loss: bool = dataclasses.field(
+        default=False, metadata={"help": "Training loss without logits: LM head + cross-entropy fused, in chunks, "
+                                         "over target positions only (padfree.causal_lm_loss)."})
 
 
 # --------------------------------------------------------------------------------------------------
@@ -408,6 +417,7 @@ class _SFTMixin(PadfreeTrainerMixin):
         args = _as_config(args, model)
         loss = as_choice(getattr(args, "padfree_loss", "token"), "padfree_loss", LOSS_MODES)
         self.padfree_balance = _as_flag(getattr(args, "padfree_balance", True), "padfree_balance")
+        self.padfree_fused_loss = _fused_flag(getattr(args, "padfree_fused_loss", False), loss)
         if loss == "sequence" and (args.loss_type != "nll" or args.label_smoothing_factor > 0
                                    or kwargs.get("compute_loss_func") is not None):
             raise InvalidArgumentError(
@@ -499,6 +509,8 @@ class _SFTMixin(PadfreeTrainerMixin):
         trl_loss = super(PadfreeTrainerMixin, self).compute_loss  # TRL's (or the user's subclass's) compute_loss
         if self.padfree_loss is None or "labels" not in inputs:
             return trl_loss(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
+        if self._padfree_fuses(return_outputs):
+            return self._padfree_fused(model, inputs, num_items_in_batch)
         if self.padfree_loss == "token":
             denom = self._padfree_denominator(0, num_items_in_batch)
             if denom is not None and self.args.average_tokens_across_devices:
