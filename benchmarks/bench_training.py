@@ -150,7 +150,7 @@ def run_model(kind: str, tokens: Any, args: argparse.Namespace) -> tuple[Any, st
                                 f"(`ValueError: {str(exc).strip().splitlines()[0]}`)")
             log(f"  {kind}: {args.skipped[-1]}")
     done = {"tokens": 0}
-    total = sum(p.real_tokens for p in plans.values()) * args.repetitions
+    total = sum(p.real_tokens * (1 + (m in args.fused)) for m, p in plans.items()) * args.repetitions
     last = [time.perf_counter()]
 
     def progress(mode: str, rep: int, n: int) -> None:
@@ -425,6 +425,12 @@ def render(args: argparse.Namespace, info: dict[str, str], before: str, after: s
         "pure-PyTorch fallback (`torch_chunk_gated_delta_rule`, `torch_causal_conv1d_update`), `packed` runs "
         "padfree's boundary-resetting torch implementation (`padfree.model.mixers`), so its ratios include that "
         "difference, not only padding.",
+        "- `<mode>+fused` computes the same positions with the same decoder; what it drops is the logits: the head "
+        "and the loss run in chunks of about a thousand positions, in place, and only over positions that have a "
+        "target. That helps padded batches most (their padding never reaches the head, so only the decoder still "
+        "pays for it) — which is why `packed+fused` over `padded+fused` is smaller than `packed` over `padded`: "
+        "on a model whose head dominates, most of the padding's cost was the head's. On models whose decoder "
+        "dominates (wider, deeper, smaller vocabulary) the layout's share grows back.",
         "- `ideal` has no boundaries at all and no padding; the gap between it and packed is padfree's boundary "
         "handling (per-segment attention buckets, the layout built from `position_ids` per batch) plus packed's "
         "few padding positions.",
