@@ -30,6 +30,7 @@ def test_demo_quick_on_the_embedded_corpus(capsys, tmp_path):
     for mode in ("padded", "grouped", "packed"):
         assert f"\n  {mode} " in out
     assert "Packed trains" in out and "Loss agreement" in out
+    assert "\n  packed+fused " in out and "With padfree's fused loss as well" in out
     png = out_dir / DEMO_PNG
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert imread(png).shape[1] > 1000  # three panels side by side
@@ -50,7 +51,7 @@ def test_demo_with_data_a_local_model_and_json(capsys, tmp_path):
     assert "gsm8k_train.json (300 records; column 'output')" in summary["data"]
     assert str(model_dir) in summary["model"]
     training = summary["training"]
-    assert set(training["modes"]) == {"padded", "grouped", "packed"}
+    assert set(training["modes"]) == {"padded", "grouped", "packed", "packed+fused"}
     assert training["exactness"]["ok"]
     real = {m["real_tokens"] for m in training["modes"].values()}
     assert len(real) == 1 and real.pop() >= 600  # the same tokens in every mode

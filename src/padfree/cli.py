@@ -1387,8 +1387,10 @@ def _model(args: argparse.Namespace, opts: _TrainingOptions, vocab: int, ids: An
     return model, text
 
 
-def _train(model: Any, sample: Any, opts: _TrainingOptions, modes: Sequence[str], say: _Progress) -> tuple[Any, Any]:
-    """Build the plans, verify, warm up and time every mode (a tqdm bar over all the tokens trained)."""
+def _train(model: Any, sample: Any, opts: _TrainingOptions, modes: Sequence[str], say: _Progress,
+           fused: Sequence[str] = ()) -> tuple[Any, Any]:
+    """Build the plans, verify, warm up and time every mode, and the ``fused`` ones again with padfree's fused loss
+    (a tqdm bar over all the tokens trained)."""
     import torch
 
     from padfree.throughput import build_plans, compare_training
@@ -1396,14 +1398,15 @@ def _train(model: Any, sample: Any, opts: _TrainingOptions, modes: Sequence[str]
     if opts.threads is not None:
         torch.set_num_threads(opts.threads)
     plans = build_plans(sample, opts.capacity, opts.rows, modes, seed=opts.seed)
-    per_pass = sum(p.real_tokens for p in plans.values())
-    warm = sum(p.steps[0].real_tokens for p in plans.values())
-    say(f"training {', '.join(plans)}: {opts.repetitions} timed pass(es) each over the same "
+    per_pass = sum(p.real_tokens * (1 + (m in fused)) for m, p in plans.items())
+    warm = sum(p.steps[0].real_tokens * (1 + (m in fused)) for m, p in plans.items())
+    names = [*plans, *(f"{m}+fused" for m in fused)]
+    say(f"training {', '.join(names)}: {opts.repetitions} timed pass(es) each over the same "
         f"{plans['packed'].real_tokens:,} real tokens (checking exactness first)")
     bar = _bar(per_pass * opts.repetitions + warm, "training", "tok")
     try:
         report = compare_training(model, None, capacity=opts.capacity, rows=opts.rows, plans=plans,
-                                  repetitions=opts.repetitions, seed=opts.seed,
+                                  repetitions=opts.repetitions, seed=opts.seed, fused=fused,
                                   progress=lambda mode, rep, n: (bar.set_postfix_str(mode, refresh=False),
                                                                  bar.update(n)))
     finally:
@@ -1455,7 +1458,7 @@ def _run_demo(args: argparse.Namespace) -> int:
     plan = _pack_all(data.lengths, opts.capacity)
     model, model_text = _model(args, opts, data.vocab, data.ids)
     sample = sample_sequences(data.ids, opts.tokens, opts.capacity, seed=opts.seed)
-    report, plans = _train(model, sample, opts, ("padded", "grouped", "packed"), say)
+    report, plans = _train(model, sample, opts, ("padded", "grouped", "packed"), say, fused=("packed",))
     png = output / DEMO_PNG
     output.mkdir(exist_ok=True)
     _write_demo_plot(png, data, analysis, plan, plans, report)
@@ -1496,7 +1499,7 @@ def render_demo(summary: dict[str, Any], data: _Prepared, analysis: Any, plan: A
     out += (["  " + line for line in str(ex).splitlines()[-2:]] if ex is not None
             else ["  no packed row holds two sequences: no boundary to check"])
     r = report.results
-    out += ["", f"Training the same {_n(r['packed'].real_tokens)} real tokens three ways ({report.repetitions} "
+    out += ["", f"Training the same {_n(r['packed'].real_tokens)} real tokens {len(r)} ways ({report.repetitions} "
                 f"timed pass(es) each, interleaved; AdamW, fresh from the same weights every pass)"]
     rows = [[m, _n(x.steps), _n(x.positions), f"{x.efficiency:.1%}", f"{x.median_seconds:.2f}",
              _n(round(x.tokens_per_second)), f"{report.speedup('packed', m):.2f}x", f"{x.final_loss():.3f}"]
@@ -1505,6 +1508,14 @@ def render_demo(summary: dict[str, Any], data: _Prepared, analysis: Any, plan: A
                   rows, "lrrrrrrr")
     out += ["", f"Packed trains {report.speedup('packed', 'padded'):.2f}x the real tokens per second of random "
                 f"padded batches and {report.speedup('packed', 'grouped'):.2f}x those of length-grouped ones."]
+    if "packed+fused" in r:
+        out += textwrap.wrap(
+            f"With padfree's fused loss as well (padfree_fused_loss=True / padfree.causal_lm_loss: the LM head and "
+            f"the cross-entropy fused, over target positions only, no logits tensor), packed trains "
+            f"{report.speedup('packed+fused', 'padded'):.2f}x random padded batches and "
+            f"{report.speedup('packed+fused', 'grouped'):.2f}x length-grouped ones; the fused loss alone gives packed "
+            f"{report.speedup('packed+fused', 'packed'):.2f}x. It would speed up padded batches too (their padding "
+            "never reaches the head): BENCHMARKS.md measures it apart.", width=110)
     out += textwrap.wrap(
         "Loss agreement: a packed step is exact (verify() above: the same logits, loss and gradients as the "
         "sequences run alone). Over the pass the modes form different optimizer steps (different sequences per "
