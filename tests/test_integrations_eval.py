@@ -157,9 +157,19 @@ def test_sequence_loss_eval_is_the_mean_of_sequence_means(tok, data, reference, 
         return {}
 
     trainer = build(tok, data, tmp_path, mode, padfree_loss="sequence", compute_metrics=metrics)
-    loss = trainer.evaluate()["eval_loss"]
+    forwards = []
+    trainer.model.register_forward_pre_hook(lambda module, args: forwards.append(1))
+    result = trainer.evaluate()
+    loss = result["eval_loss"]
     assert seen and seen[0][-1] == len(tok)  # the logits reached compute_metrics
     assert rel(loss, sequence_mean(reference)) <= 1e-5, (mode, loss, sequence_mean(reference))
+    batches = len(trainer.get_eval_dataloader())
+    assert len(forwards) == batches  # one forward per eval batch: the logits it made also gave the loss
+    # the metrics TRL logs agree with those of its fused head (the path without compute_metrics)
+    fused = build(tok, data, tmp_path / "fused", mode, padfree_loss="sequence").evaluate()
+    assert fused["eval_loss"] == pytest.approx(loss, rel=1e-5)
+    for key in ("eval_entropy", "eval_mean_token_accuracy"):
+        assert result[key] == pytest.approx(fused[key], rel=1e-4, abs=1e-6), key
 
 
 def test_evaluate_prepares_and_packs_a_dataset_passed_to_it(tok, data, reference, tmp_path):

@@ -69,6 +69,7 @@ import copy
 import dataclasses
 import logging
 import os
+from collections.abc import Mapping
 from typing import Any
 
 from padfree.errors import (
@@ -89,9 +90,11 @@ from padfree.integrations.trainer import (
     _as_flag,
     _fused_flag,
     _model_facts,
+    _targets,
     _unwrap,
     pack_for_trainer,
     reduce_loss,
+    token_losses,
 )
 from padfree.packing.inputs import as_choice
 from padfree.packing.strategies import DEFAULT_STRATEGY, STRATEGIES
@@ -537,19 +540,24 @@ class _SFTMixin(PadfreeTrainerMixin):
         inputs["use_cache"] = False
         if self.aux_loss_enabled:
             inputs["output_router_logits"] = True
-        outputs = model(**inputs, fused_lm_head=True)
+        if return_outputs:  # the caller wants the logits: one forward that makes them serves the loss too
+            outputs = model(**{k: v for k, v in inputs.items() if k not in ("labels", "shift_labels")})
+            token_loss, mask, entropy_sum, top1 = _logit_stats(outputs.logits, inputs)
+        else:  # TRL's fused head: per-target log-probs, entropy and top-1 without materialising the logits
+            outputs = model(**inputs, fused_lm_head=True)
+            token_loss, mask = -outputs.log_probs, outputs.label_mask
+            entropy_sum, top1 = outputs.entropy.detach().sum(), outputs.is_top1.sum()
         denom = self._padfree_denominator(1, num_items_in_batch)
-        loss = reduce_loss(-outputs.log_probs, outputs.label_mask, inputs, "sequence", denom,
-                           shifted="shift_labels" not in inputs)
+        loss = reduce_loss(token_loss, mask, inputs, "sequence", denom, shifted="shift_labels" not in inputs)
         loss = self._padfree_unscaled(loss, denom)
         if self.aux_loss_enabled:
             loss = loss + self.router_aux_loss_coef * outputs.aux_loss / (
                 self.current_gradient_accumulation_steps if self.model.training else 1)
         # the metrics TRL's compute_loss records
         gather = self.accelerator.gather_for_metrics
-        num_valid = gather(outputs.label_mask.sum()).sum()
-        entropy = gather(outputs.entropy.detach().sum()).sum()
-        correct = gather(outputs.is_top1.sum()).sum()
+        num_valid = gather(mask.sum()).sum()
+        entropy = gather(entropy_sum).sum()
+        correct = gather(top1).sum()
         self._metrics[mode]["entropy"].append((entropy / num_valid).item() if num_valid > 0 else 0.0)
         self._metrics[mode]["mean_token_accuracy"].append((correct / num_valid).item() if num_valid > 0 else 0.0)
         if mode == "train":
@@ -558,11 +566,22 @@ class _SFTMixin(PadfreeTrainerMixin):
                                                                    device=inputs["position_ids"].device)
             self._total_train_tokens += gather(local).sum().item() // self._tp_size
         self._metrics[mode]["num_tokens"] = [self._total_train_tokens]
-        if return_outputs:
-            with torch.no_grad():
-                outputs = model(**{k: v for k, v in inputs.items() if k != "labels"})
-            return loss, outputs
-        return loss
+        return (loss, outputs) if return_outputs else loss
+
+
+def _logit_stats(logits: torch.Tensor, inputs: Mapping[str, Any]
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(token_loss, mask, entropy_sum, top1)`` from full logits, as TRL's fused head reports them: the fp32
+    cross-entropy and target mask of every scored position (:func:`token_losses`), and over the targets the summed
+    entropy of the predicted distribution and the count of arg-max hits."""
+    token_loss, mask = token_losses(logits, inputs)
+    scored = (logits[:, :-1] if "shift_labels" not in inputs else logits)[mask].float()
+    targets = _targets(inputs)[0][mask]
+    with torch.no_grad():
+        logp = torch.log_softmax(scored, dim=-1)
+        entropy = -(logp.exp() * logp).sum()
+        top1 = (scored.argmax(dim=-1) == targets).sum()
+    return token_loss, mask, entropy, top1
 
 
 class SFTTrainer(_SFTMixin, trl.SFTTrainer):
