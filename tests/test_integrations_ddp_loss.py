@@ -92,7 +92,7 @@ def _worker(rank: int, world: int, tmp: str, port: int) -> None:
             return super().training_step(model, inputs, num_items_in_batch)
 
     out = {}
-    for mode in MODES:
+    for mode in (*MODES, "fused"):  # "fused": the token rule through padfree_fused_loss (no logits)
         args = transformers.TrainingArguments(
             output_dir=f"{tmp}/{mode}", per_device_train_batch_size=1, gradient_accumulation_steps=2, max_steps=1,
             learning_rate=1.0, lr_scheduler_type="constant", optim="sgd", max_grad_norm=0.0, weight_decay=0.0,
@@ -100,7 +100,8 @@ def _worker(rank: int, world: int, tmp: str, port: int) -> None:
             logging_steps=1, disable_tqdm=True, seed=0)
         model = _llama()
         trainer = Recording(model=model, args=args, train_dataset=datasets.Dataset.from_list(_packed_rows()),
-                            data_collator=PackedRowsCollator(), padfree_loss=mode)
+                            data_collator=PackedRowsCollator(), padfree_loss="token" if mode == "fused" else mode,
+                            padfree_fused_loss=mode == "fused")
         trainer.seen = []
         trainer.train()
         out[mode] = {"seen": trainer.seen, "steps": trainer.state.global_step,
@@ -202,21 +203,23 @@ def test_ranks_train_different_amounts_in_one_step(two_ranks):
         assert len({t for t, _ in counts}) == 4
 
 
-@pytest.mark.parametrize("mode", MODES)
-def test_ddp_step_equals_the_unpacked_step(two_ranks, mode):
-    """SGD, lr 1, one step: the update is minus the gradient, which must be the loss rule's over the whole step."""
+@pytest.mark.parametrize("run", [*MODES, "fused"])
+def test_ddp_step_equals_the_unpacked_step(two_ranks, run):
+    """SGD, lr 1, one step: the update is minus the gradient, which must be the loss rule's over the whole step —
+    also with the fused loss, whose head weight gets its gradient outside DDP's forward."""
     tmp, ranks = two_ranks
+    mode = "token" if run == "fused" else run
     model = _llama()
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
-    saved = torch.load(tmp / f"{mode}.pt")
+    saved = torch.load(tmp / f"{run}.pt")
     assert saved.keys() == before.keys()
-    assert _max_diff(saved, ranks[1][mode]["params"]) == 0.0  # DDP kept the replicas identical
+    assert _max_diff(saved, ranks[1][run]["params"]) == 0.0  # DDP kept the replicas identical
     update = {n: before[n] - saved[n] for n in saved}
     loss, true = reference_grads(copy.deepcopy(model), mode)
     diff = _max_diff(update, true)
     assert diff <= 1e-5, diff
     # the logged loss (each rank's sum over its micro-batches, averaged over the ranks) is the step's loss too
-    assert all(r[mode]["logged"] == pytest.approx(loss, rel=1e-5) for r in ranks), (loss, ranks[0][mode]["logged"])
+    assert all(r[run]["logged"] == pytest.approx(loss, rel=1e-5) for r in ranks), (loss, ranks[0][run]["logged"])
     # negative control: on this data a rank-local mean averaged by DDP is a measurably different gradient, and
     # the trained update is far from it
     naive = naive_ddp_grads(copy.deepcopy(model), mode)

@@ -48,6 +48,7 @@ import padfree  # noqa: E402
 from multiproc import as_launched_rank, free_port, run_ranks  # noqa: E402
 from padfree.data.batch import packed_collate_fn  # noqa: E402
 from padfree.integrations.distributed import DistributedPackedBatchSampler  # noqa: E402
+from padfree.model.loss import causal_lm_loss  # noqa: E402
 from zoo import tiny_model  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -142,6 +143,17 @@ def _fsdp_worker(rank: int, world: int, tmp: str, port: int) -> None:
                 out["step1"] = _full_params(model)
         out["epoch"] = _full_params(model)
 
+        fused = _sharded_model()  # the same first step with padfree's fused loss (no logits)
+        opt = torch.optim.SGD(fused.parameters(), lr=1.0)
+        batch = next(iter(loader))
+        try:
+            loss = causal_lm_loss(fused, batch.model_inputs(), num_items_in_batch=_global_targets(batch)[1]) * world
+            loss.backward()
+            opt.step()
+            out["fused_step1"] = _full_params(fused)
+        except Exception as exc:  # carried back to the test, which shows it
+            out["fused_step1"] = f"{type(exc).__name__}: {exc}"
+
         naive = _sharded_model()  # the negative control: one step normalised per rank
         opt = torch.optim.SGD(naive.parameters(), lr=1.0)
         _step(naive, opt, next(iter(loader)), world, naive=True)
@@ -149,7 +161,7 @@ def _fsdp_worker(rank: int, world: int, tmp: str, port: int) -> None:
 
         out["accelerate"] = _accelerate_part(rank, world, port, loader)
         if rank != 0:  # rank 0 carries the parameters back
-            for key in ("step1", "epoch", "naive"):
+            for key in ("step1", "epoch", "naive", "fused_step1"):
                 out.pop(key)
         with open(f"{tmp}/rank{rank}.pkl", "wb") as f:
             pickle.dump(out, f)
@@ -268,6 +280,16 @@ def test_fsdp2_step_equals_the_single_process_reference(two_ranks):
     assert _max_diff(r0["step1"], first) <= TOL
     assert _max_diff(first, initial) > 1e-2  # the step moved the parameters: the comparison is not vacuous
     assert _max_diff(r0["epoch"], _reference(steps)) <= TOL  # and so on, step after step, over the epoch
+
+
+@pytest.mark.slow
+def test_fsdp2_step_with_the_fused_loss_equals_the_reference(two_ranks):
+    """padfree.causal_lm_loss under FSDP2: the head's weight is sharded between forwards; the fused loss uses it
+    after the model's forward, and the step must still be the reference step."""
+    r0, r1 = two_ranks
+    steps = [list(pair) for pair in zip(r0["batches"], r1["batches"], strict=True)]
+    assert not isinstance(r0["fused_step1"], str), r0["fused_step1"]
+    assert _max_diff(r0["fused_step1"], _reference(steps[:1])) <= TOL
 
 
 @pytest.mark.slow

@@ -253,7 +253,10 @@ def _head_inputs(model: Any) -> Iterator[list[torch.Tensor]]:
 
     def forward(x: torch.Tensor) -> torch.Tensor:
         seen.append(x)
-        return x.new_zeros((*x.shape[:-1], 0))
+        # (..., 0) logits that cost nothing but still hang off the head's parameters in the autograd graph: DDP
+        # with find_unused_parameters walks the graph from the forward's outputs, and a head it could not reach
+        # would be reduced as unused, then marked ready a second time when its real gradient arrives
+        return F.linear(x, head.weight[:0], None if head.bias is None else head.bias[:0])
 
     head.forward = forward  # an instance attribute: nn.Module.__call__ finds it before the class's forward
     try:
