@@ -55,6 +55,27 @@ def test_matches_full_logits_loss_and_gradients(n, vocab, chunk, bias, scale, so
         torch.testing.assert_close(mine, theirs, atol=1e-5, rtol=1e-5)
 
 
+@settings(max_examples=25, deadline=None)
+@given(n=st.integers(1, 30), vocab=st.integers(2, 40), chunk=st.integers(1, 30),
+       softcap=st.sampled_from([None, 2.0]), seed=st.integers(0, 99))
+def test_stats_are_the_entropy_and_accuracy_of_the_full_logits(n, vocab, chunk, softcap, seed):
+    g = torch.Generator().manual_seed(seed)
+    h, w = torch.randn(n, 6, generator=g), torch.randn(vocab, 6, generator=g)
+    t = torch.randint(0, vocab, (n,), generator=g)
+    t[torch.rand(n, generator=g) < 0.3] = -100
+    loss, count, entropy, correct = linear_cross_entropy(h, w, t, softcap=softcap, chunk_size=chunk,
+                                                         with_stats=True)
+    logits = h @ w.T
+    if softcap is not None:
+        logits = torch.tanh(logits / softcap) * softcap
+    keep = t != -100
+    logp = torch.log_softmax(logits[keep], dim=-1)
+    torch.testing.assert_close(entropy, -(logp.exp() * logp).sum(), atol=1e-4, rtol=1e-5)
+    assert int(correct) == int((logits[keep].argmax(-1) == t[keep]).sum())
+    assert int(count) == int(keep.sum())
+    torch.testing.assert_close(loss, _reference(h, w, t, softcap=softcap), atol=1e-5, rtol=1e-5)
+
+
 def test_no_grad_and_detached_inputs_compute_only_the_loss():
     h, w = torch.randn(3, 7, 4), torch.randn(9, 4)
     t = torch.randint(0, 9, (3, 7))

@@ -457,8 +457,12 @@ class PadfreeTrainerMixin:
         count = denom if denom is not None else _count_tensors(inputs)[0]
         if getattr(self, "aux_loss_enabled", False):  # TRL asks MoE models for their router logits
             inputs = {**inputs, "output_router_logits": True}
-        loss = causal_lm_loss(model, inputs, num_items_in_batch=count)
+        loss, stats = causal_lm_loss(model, inputs, num_items_in_batch=count, with_stats=True)
+        self._padfree_fused_metrics(stats, inputs)
         return self._padfree_unscaled(loss, denom)
+
+    def _padfree_fused_metrics(self, stats: dict[str, torch.Tensor], inputs: dict[str, Any]) -> None:
+        """What a trainer logs from the logits, given the fused loss's entropy and top-1 counts (none here)."""
 
     def _padfree_unscaled(self, loss: torch.Tensor, denom: Any) -> torch.Tensor:
         """A training micro-batch normalised by its own count (no step count) still owes the accumulation mean."""

@@ -144,8 +144,8 @@ class SFTConfig(trl.SFTConfig):
         padfree_fused_loss: compute the training loss with :func:`padfree.causal_lm_loss` — the LM head and the
             cross-entropy fused, in chunks, over the positions that have a target — instead of materialising the
             logits: less memory, less time (``padfree_loss="token"`` only). TRL's ``entropy`` and
-            ``mean_token_accuracy`` training metrics need the logits, so they are not logged then; evaluation and
-            anything that asks for the outputs run the model's own head.
+            ``mean_token_accuracy`` metrics come from the fused pass's own counts; evaluation and anything that
+            asks for the outputs run the model's own head.
 
     Every other argument is ``trl.SFTConfig``'s (``max_length`` is the row length when packing).
 
@@ -536,7 +536,6 @@ class _SFTMixin(PadfreeTrainerMixin):
 
     def _sequence_loss(self, model: Any, inputs: dict[str, Any], return_outputs: bool, num_items_in_batch: Any
                        ) -> Any:
-        mode = "train" if self.model.training else "eval"
         inputs["use_cache"] = False
         if self.aux_loss_enabled:
             inputs["output_router_logits"] = True
@@ -553,20 +552,29 @@ class _SFTMixin(PadfreeTrainerMixin):
         if self.aux_loss_enabled:
             loss = loss + self.router_aux_loss_coef * outputs.aux_loss / (
                 self.current_gradient_accumulation_steps if self.model.training else 1)
-        # the metrics TRL's compute_loss records
+        self._trl_metrics(mask.sum(), entropy_sum, top1, inputs)
+        return (loss, outputs) if return_outputs else loss
+
+    def _padfree_fused_metrics(self, stats: dict[str, torch.Tensor], inputs: dict[str, Any]) -> None:
+        self._trl_metrics(stats["targets"], stats["entropy"], stats["correct"], inputs)
+
+    def _trl_metrics(self, targets: torch.Tensor, entropy_sum: torch.Tensor, top1: torch.Tensor,
+                     inputs: dict[str, Any]) -> None:
+        """The metrics TRL's ``compute_loss`` records (entropy, token accuracy, tokens seen), from counts."""
+        mode = "train" if self.model.training else "eval"
+        dev = entropy_sum.device
         gather = self.accelerator.gather_for_metrics
-        num_valid = gather(mask.sum()).sum()
-        entropy = gather(entropy_sum).sum()
-        correct = gather(top1).sum()
+        num_valid = gather(targets.to(dev).reshape(1)).sum()
+        entropy = gather(entropy_sum.reshape(1)).sum()
+        correct = gather(top1.to(dev).reshape(1)).sum()
         self._metrics[mode]["entropy"].append((entropy / num_valid).item() if num_valid > 0 else 0.0)
         self._metrics[mode]["mean_token_accuracy"].append((correct / num_valid).item() if num_valid > 0 else 0.0)
         if mode == "train":
             ref = inputs.get("attention_mask")
             local = ref.sum() if ref is not None else torch.tensor(inputs["position_ids"].numel(),
                                                                    device=inputs["position_ids"].device)
-            self._total_train_tokens += gather(local).sum().item() // self._tp_size
+            self._total_train_tokens += gather(local.reshape(1)).sum().item() // self._tp_size
         self._metrics[mode]["num_tokens"] = [self._total_train_tokens]
-        return (loss, outputs) if return_outputs else loss
 
 
 def _logit_stats(logits: torch.Tensor, inputs: Mapping[str, Any]

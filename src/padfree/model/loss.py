@@ -56,13 +56,16 @@ class _LinearCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                targets: torch.Tensor, scale: float, softcap: float | None, chunk: int) -> torch.Tensor:
+                targets: torch.Tensor, scale: float, softcap: float | None, chunk: int, stats: bool
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         n, vocab = hidden.shape[0], weight.shape[0]
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         need_b = bias is not None and ctx.needs_input_grad[2]
         f32, dev = torch.float32, hidden.device
         low = hidden.dtype != f32  # bf16 / fp16: the head runs in that precision, the loss in float32
         total = torch.zeros((), dtype=f32, device=dev)
+        entropy = torch.zeros((), dtype=f32, device=dev)  # Σ entropy of the predicted distributions (stats)
+        correct = torch.zeros((), dtype=torch.int64, device=dev)  # targets that are the arg-max (stats)
         dh = torch.empty_like(hidden) if need_h else None
         dw = torch.zeros(weight.shape, dtype=f32, device=dev) if need_w else None
         db = torch.zeros(vocab, dtype=f32, device=dev) if need_b else None
@@ -73,6 +76,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         low_buf = torch.empty((rows, vocab), dtype=hidden.dtype, device=dev) if low else None
         cap_buf = torch.empty((rows, vocab), dtype=f32, device=dev) if softcap is not None else None
         w_tmp = torch.empty_like(weight) if need_w and low else None
+        ent_buf = torch.empty((rows, vocab), dtype=f32, device=dev) if stats else None
         arange = torch.arange(rows, device=dev)
         for a in range(0, n, rows):  # over chunks of positions, never over tokens
             b = min(a + rows, n)
@@ -99,6 +103,9 @@ class _LinearCrossEntropy(torch.autograd.Function):
             z.sub_(top).exp_()
             sums = z.sum(dim=1)
             total += (sums.log() - target).sum()
+            if stats:  # H = log S - Σ e·z' / S with e = exp(z'), z' = logits - max: one more pass, in a buffer
+                correct += (target == 0).sum()
+                entropy += (sums.log() - torch.xlogy(z, z, out=ent_buf[: b - a]).sum(dim=1) / sums).sum()
             if not (need_h or need_w or need_b):
                 continue
             g = z.div_(sums[:, None])  # d loss / d logits = softmax - one_hot, in place
@@ -119,16 +126,17 @@ class _LinearCrossEntropy(torch.autograd.Function):
                     dw.addmm_(gl.t(), h)
         ctx.save_for_backward(dh, dw, db)
         ctx.dtypes = (weight.dtype, None if bias is None else bias.dtype)
-        return total
+        ctx.mark_non_differentiable(entropy, correct)
+        return total, entropy, correct
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+    def backward(ctx: Any, grad: torch.Tensor, *_: Any) -> tuple[Any, ...]:
         dh, dw, db = ctx.saved_tensors
         w_dtype, b_dtype = ctx.dtypes
         return (None if dh is None else dh * grad.to(dh.dtype),
                 None if dw is None else (dw * grad).to(w_dtype),
                 None if db is None else (db * grad).to(b_dtype),
-                None, None, None, None)
+                None, None, None, None, None)
 
 
 def linear_cross_entropy(
@@ -141,7 +149,8 @@ def linear_cross_entropy(
     softcap: float | None = None,
     ignore_index: int = IGNORE_INDEX,
     chunk_size: int | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    with_stats: bool = False,
+) -> tuple[torch.Tensor, ...]:
     """``(loss_sum, num_targets)``: Σ cross-entropy of ``softcap(scale * (hidden @ weight.T + bias))`` against
     ``targets``, never holding more than ``chunk_size`` rows of logits.
 
@@ -159,9 +168,13 @@ def linear_cross_entropy(
         scale: multiplies the logits (Cohere's ``logit_scale``; ``1 / logits_scaling`` for Granite).
         softcap: ``softcap * tanh(logits / softcap)`` after the scale (Gemma 2 / 3's ``final_logit_softcapping``).
         chunk_size: rows of logits per chunk (default :func:`default_chunk_size`).
+        with_stats: also return, over the targets, the summed entropy of the predicted distributions and the count
+            of targets that are the arg-max (the "entropy" and "token accuracy" trainers log; one more pass over
+            each chunk).
 
     Returns:
-        ``loss_sum``: ``()`` float32, differentiable; ``num_targets``: ``()`` int64, the positions that had one.
+        ``loss_sum``: ``()`` float32, differentiable; ``num_targets``: ``()`` int64, the positions that had one;
+        with ``with_stats``, then ``entropy_sum`` ``()`` float32 and ``num_correct`` ``()`` int64 (no gradient).
 
     >>> torch.manual_seed(0) is not None
     True
@@ -193,11 +206,15 @@ def linear_cross_entropy(
         bad = int(t.min()) if int(t.min()) < 0 else int(t.max())
         raise InvalidArgumentError(f"targets must be in [0, {weight.shape[0]}) or ignore_index={ignore_index}, got "
                                    f"{bad}")
+    count = torch.tensor(t.numel(), dtype=torch.int64)
     if t.numel() == 0:  # keep the graph: a zero that still flows into every input's gradient
         zero = (hidden.sum() * 0 + weight.sum() * 0).float()
-        return (zero if bias is None else zero + bias.sum().float() * 0), torch.zeros((), dtype=torch.int64)
-    loss = _LinearCrossEntropy.apply(h, weight, bias, t, float(scale), softcap, chunk)
-    return loss, torch.tensor(t.numel(), dtype=torch.int64)
+        loss = zero if bias is None else zero + bias.sum().float() * 0
+        entropy, correct = torch.zeros(()), torch.zeros((), dtype=torch.int64)
+    else:
+        loss, entropy, correct = _LinearCrossEntropy.apply(h, weight, bias, t, float(scale), softcap, chunk,
+                                                           bool(with_stats))
+    return (loss, count, entropy, correct) if with_stats else (loss, count)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -307,7 +324,8 @@ def causal_lm_loss(
     num_items_in_batch: int | torch.Tensor | None = None,
     reduction: str = "mean",
     chunk_size: int | None = None,
-) -> torch.Tensor:
+    with_stats: bool = False,
+) -> Any:
     """The loss ``model(**inputs).loss`` computes, without materialising the logits.
 
     Runs ``model`` on ``inputs`` minus the labels with its output head short-circuited (its input is caught),
@@ -326,9 +344,12 @@ def causal_lm_loss(
             this batch's count.
         reduction: ``"mean"`` (default; over targets, or ``num_items_in_batch``) or ``"sum"``.
         chunk_size: positions per chunk of logits (default :func:`default_chunk_size`).
+        with_stats: also return ``{"targets", "entropy", "correct"}`` — the positions with a target, the summed
+            entropy of their predicted distributions and how many targets are the arg-max (``()`` tensors, no
+            gradient): what a trainer logs as entropy and token accuracy, without the logits.
 
     Returns:
-        ``()`` float32 — the loss, differentiable through the model.
+        ``()`` float32 — the loss, differentiable through the model (and the stats with ``with_stats``).
     """
     if reduction not in ("mean", "sum"):
         raise InvalidArgumentError(f"reduction must be 'mean' or 'sum', got {describe(reduction)}")
@@ -354,8 +375,9 @@ def causal_lm_loss(
         raise InvalidArgumentError(f"the labels' shape {tuple(targets.shape)} does not match the model's positions "
                                    f"{tuple(hidden.shape[:-1])}")
     head = base.get_output_embeddings()
-    loss, count = linear_cross_entropy(hidden, head.weight, targets.to(hidden.device), bias=head.bias, scale=scale,
-                                       softcap=softcap, chunk_size=chunk_size)
+    loss, count, *stats = linear_cross_entropy(hidden, head.weight, targets.to(hidden.device), bias=head.bias,
+                                               scale=scale, softcap=softcap, chunk_size=chunk_size,
+                                               with_stats=with_stats)
     if reduction == "mean":
         denom = count if num_items_in_batch is None else num_items_in_batch
         denom = denom.to(loss.device) if isinstance(denom, torch.Tensor) else torch.tensor(float(denom))
@@ -364,4 +386,6 @@ def causal_lm_loss(
     coef = getattr(base.config, "router_aux_loss_coef", None)
     if aux is not None and coef is not None:  # as the MoE models' own forward adds it when given labels
         loss = loss + coef * aux.to(loss.device)
+    if with_stats:
+        return loss, {"targets": count, "entropy": stats[0], "correct": stats[1]}
     return loss
