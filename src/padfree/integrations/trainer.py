@@ -457,12 +457,17 @@ class PadfreeTrainerMixin:
         count = denom if denom is not None else _count_tensors(inputs)[0]
         if getattr(self, "aux_loss_enabled", False):  # TRL asks MoE models for their router logits
             inputs = {**inputs, "output_router_logits": True}
+        if not self._padfree_logit_metrics:
+            return self._padfree_unscaled(causal_lm_loss(model, inputs, num_items_in_batch=count), denom)
         loss, stats = causal_lm_loss(model, inputs, num_items_in_batch=count, with_stats=True)
         self._padfree_fused_metrics(stats, inputs)
         return self._padfree_unscaled(loss, denom)
 
+    #: whether this trainer logs metrics of the logits (entropy, token accuracy): the fused loss then counts them
+    _padfree_logit_metrics = False
+
     def _padfree_fused_metrics(self, stats: dict[str, torch.Tensor], inputs: dict[str, Any]) -> None:
-        """What a trainer logs from the logits, given the fused loss's entropy and top-1 counts (none here)."""
+        """Log what would have come from the logits, from the fused loss's entropy and top-1 counts."""
 
     def _padfree_unscaled(self, loss: torch.Tensor, denom: Any) -> torch.Tensor:
         """A training micro-batch normalised by its own count (no step count) still owes the accumulation mean."""

@@ -555,6 +555,8 @@ class _SFTMixin(PadfreeTrainerMixin):
         self._trl_metrics(mask.sum(), entropy_sum, top1, inputs)
         return (loss, outputs) if return_outputs else loss
 
+    _padfree_logit_metrics = True  # TRL logs entropy and mean_token_accuracy
+
     def _padfree_fused_metrics(self, stats: dict[str, torch.Tensor], inputs: dict[str, Any]) -> None:
         self._trl_metrics(stats["targets"], stats["entropy"], stats["correct"], inputs)
 
