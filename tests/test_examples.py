@@ -28,6 +28,9 @@ def test_pack_dataset():
 def test_dataloader_training():
     out = run("dataloader_training.py", "--steps", "2", "--capacity", "256")
     assert "padfree_sdpa" in out and "step 1: loss" in out
+    fused = run("dataloader_training.py", "--steps", "2", "--capacity", "256", "--fused")
+    step0 = [next(line for line in text.splitlines() if line.startswith("step 0:")) for text in (out, fused)]
+    assert step0[0] == step0[1]  # the same weights and batch: the same loss, to the printed digits
 
 
 def test_configure_and_verify():
