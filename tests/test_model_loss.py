@@ -218,6 +218,26 @@ def test_a_model_whose_logits_it_cannot_reproduce_is_refused():
         causal_lm_loss(model, {"input_ids": ids, "labels": ids})
 
 
+def test_a_head_whose_weight_exists_only_inside_its_forward_is_refused():
+    """What DeepSpeed ZeRO-3 does to every module: gather the weight before its forward, release it after."""
+    model = zoo_model("llama")
+    head = model.lm_head
+    full = head.weight.data
+
+    def gather(module, args):
+        module.weight.data = full
+
+    def release(module, args, out):
+        module.weight.data = torch.empty(0)
+
+    head.register_forward_pre_hook(gather)
+    head.register_forward_hook(release)
+    ids = torch.randint(3, 96, (1, 6))
+    assert model(input_ids=ids, labels=ids).loss.isfinite()  # the model itself works
+    with pytest.raises(padfree.UnsupportedModelError, match="not materialised there"):
+        causal_lm_loss(model, {"input_ids": ids, "labels": ids})
+
+
 @pytest.mark.parametrize(("inputs", "kwargs", "match"), [
     ({"input_ids": torch.ones(1, 3, dtype=torch.long)}, {}, "exactly one of labels"),
     ({"input_ids": torch.ones(1, 3, dtype=torch.long), "labels": torch.ones(1, 3, dtype=torch.long),

@@ -282,6 +282,18 @@ def _head_inputs(model: Any) -> Iterator[list[torch.Tensor]]:
         del head.forward
 
 
+def _materialised_head(model: Any, hidden: torch.Tensor) -> torch.nn.Linear:
+    """The output head, refused when its weight is not there outside its own forward (DeepSpeed ZeRO-3 gathers a
+    module's parameters only inside it, and the fused loss uses them after)."""
+    head = model.get_output_embeddings()
+    if head.weight.dim() != 2 or head.weight.shape[1] != hidden.shape[-1]:
+        raise UnsupportedModelError(
+            f"causal_lm_loss: the output head's weight is {tuple(head.weight.shape)} outside the head's forward, not "
+            f"(vocab, {hidden.shape[-1]}): its parameters are partitioned or not materialised there; use the model's "
+            f"own loss (padfree_fused_loss=False)")
+    return head
+
+
 def _check_head(model: Any) -> tuple[float, float | None]:
     """The model's :func:`head_transform`, once verified on a few tokens (cached on the model)."""
     cached = getattr(model, "_padfree_head_transform", None)
@@ -289,7 +301,8 @@ def _check_head(model: Any) -> tuple[float, float | None]:
         return cached
     scale, softcap = head_transform(model)
     head = model.get_output_embeddings()
-    vocab = head.weight.shape[0]
+    # the vocabulary from the config: a head partitioned outside its forward has no rows to count here
+    vocab = int(getattr(model.config.get_text_config(), "vocab_size", 0) or head.weight.shape[0] or 8)
     ids = (torch.arange(7, device=head.weight.device) * 7919 + 3) % vocab
     training = model.training
     model.eval()  # dropout would make the two runs differ
@@ -301,6 +314,7 @@ def _check_head(model: Any) -> tuple[float, float | None]:
             if len(seen) != 1:
                 raise UnsupportedModelError(f"{type(model).__name__} calls its output head {len(seen)} times per "
                                             f"forward; causal_lm_loss cannot stand in for it")
+            head = _materialised_head(model, seen[0])
             mine = F.linear(seen[0], head.weight, head.bias).float() * scale
             if softcap is not None:
                 mine = torch.tanh(mine / softcap) * softcap
@@ -374,7 +388,7 @@ def causal_lm_loss(
     if tuple(targets.shape) != tuple(hidden.shape[:-1]):
         raise InvalidArgumentError(f"the labels' shape {tuple(targets.shape)} does not match the model's positions "
                                    f"{tuple(hidden.shape[:-1])}")
-    head = base.get_output_embeddings()
+    head = _materialised_head(base, hidden)
     loss, count, *stats = linear_cross_entropy(hidden, head.weight, targets.to(hidden.device), bias=head.bias,
                                                scale=scale, softcap=softcap, chunk_size=chunk_size,
                                                with_stats=with_stats)
