@@ -153,8 +153,8 @@ def test_gradient_accumulation_4_padding_free_equal_unpacked(samples, tmp_path):
     assert update_diff(model, before, reference_grads(reference, samples[:12], "token")) <= 1e-5
 
 
-@pytest.mark.parametrize("packed", [True, False])
-def test_fused_loss_gives_the_update_of_the_unpacked_loss(samples, tmp_path, packed):
+@pytest.mark.parametrize(("packed", "mode"), [(True, "token"), (False, "token"), (True, "sequence")])
+def test_fused_loss_gives_the_update_of_the_unpacked_loss(samples, tmp_path, packed, mode):
     """``padfree_fused_loss=True``: the LM head and the cross-entropy fused (no logits), the same SGD update as the
     unpacked reference over 4 accumulated micro-batches — packed rows or padding-free batches."""
     data = datasets.Dataset.from_list(samples[:16])
@@ -163,15 +163,12 @@ def test_fused_loss_gives_the_update_of_the_unpacked_loss(samples, tmp_path, pac
     reference = copy.deepcopy(model)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     trainer = Trainer(model=model, args=sgd_args(tmp_path, -(-len(rows) // 4)), train_dataset=rows,
-                      data_collator=PackedRowsCollator(), padfree_fused_loss=True)
+                      data_collator=PackedRowsCollator(), padfree_fused_loss=True, padfree_loss=mode)
     seen = [list(map(int, b["position_ids"].flatten().eq(0).nonzero().flatten())) for b in
             trainer.get_train_dataloader()]
     assert len(seen) == 4
     trainer.train()
-    assert update_diff(model, before, reference_grads(reference, samples[:16], "token")) <= 1e-5
-    with pytest.raises(InvalidArgumentError, match="padfree_fused_loss=True computes the token-rule loss"):
-        Trainer(model=llama(), args=sgd_args(tmp_path, 2), train_dataset=rows, padfree_loss="sequence",
-                padfree_fused_loss=True)
+    assert update_diff(model, before, reference_grads(reference, samples[:16], mode)) <= 1e-5
 
 
 def test_telemetry_on_padded_and_packed_batches():

@@ -279,7 +279,7 @@ def test_gradient_accumulation_update_equals_unpacked(tok, records, tmp_path):
     gradient of the unpacked loss: Σ token losses / Σ targets (or the mean of per-sequence means)."""
     metrics = {}
     for loss_mode, fused, mode in (("token", False, {}), ("sequence", False, {}), ("token", True, {}),
-                                   ("token", True, {"packing": True})):
+                                   ("token", True, {"packing": True}), ("sequence", True, {"packing": True})):
         model = llama(tok)
         reference = copy.deepcopy(model)
         before = {n: p.detach().clone() for n, p in model.named_parameters()}
@@ -307,9 +307,8 @@ def test_gradient_accumulation_update_equals_unpacked(tok, records, tmp_path):
     # without logits, the fused pass reports the same entropy and token accuracy as TRL's own head
     for key in ("loss", "entropy", "mean_token_accuracy"):
         assert metrics["token", True, ()][key] == pytest.approx(metrics["token", False, ()][key], rel=1e-4), key
-    with pytest.raises(InvalidArgumentError, match="padfree_fused_loss=True computes the token-rule loss"):
-        ptrl.SFTTrainer(model=llama(tok), args=config(tmp_path / "bad", padfree_loss="sequence",
-                                                       padfree_fused_loss=True),
+    with pytest.raises(InvalidArgumentError, match="padfree_fused_loss must be True or False"):
+        ptrl.SFTTrainer(model=llama(tok), args=config(tmp_path / "bad", padfree_fused_loss="yes"),
                         train_dataset=prompt_completion(records, 4), processing_class=tok)
 
 

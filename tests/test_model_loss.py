@@ -76,6 +76,23 @@ def test_stats_are_the_entropy_and_accuracy_of_the_full_logits(n, vocab, chunk, 
     torch.testing.assert_close(loss, _reference(h, w, t, softcap=softcap), atol=1e-5, rtol=1e-5)
 
 
+def test_weights_scale_each_position_and_its_gradient():
+    g = torch.Generator().manual_seed(5)
+    h = torch.randn(3, 7, 6, generator=g, requires_grad=True)
+    w = torch.randn(13, 6, generator=g, requires_grad=True)
+    t = torch.randint(0, 13, (3, 7), generator=g)
+    t[0, :2] = -100
+    weights = torch.rand(3, 7, generator=g)
+    loss, _ = linear_cross_entropy(h, w, t, chunk_size=4, weights=weights)
+    per = F.cross_entropy((h @ w.T).reshape(-1, 13), t.reshape(-1), reduction="none", ignore_index=-100)
+    ref = (per * weights.reshape(-1)).sum()
+    torch.testing.assert_close(loss, ref)
+    for mine, theirs in zip(_grads(loss, h, w), _grads(ref, h, w), strict=True):
+        torch.testing.assert_close(mine, theirs)
+    with pytest.raises(padfree.InvalidArgumentError, match="weights must be floats of the targets' shape"):
+        linear_cross_entropy(h, w, t, weights=torch.ones(3, 6))
+
+
 def test_no_grad_and_detached_inputs_compute_only_the_loss():
     h, w = torch.randn(3, 7, 4), torch.randn(9, 4)
     t = torch.randint(0, 9, (3, 7))

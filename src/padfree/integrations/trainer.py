@@ -288,6 +288,18 @@ def _target_sequences(batch: Mapping[str, Any], shape: torch.Size, shifted: bool
     return (seq[:, 1:] if shifted else seq.reshape(shape)), seq.numel()
 
 
+def _sequence_weights(batch: Mapping[str, Any]) -> torch.Tensor:
+    """Floats shaped like the batch's labels (``labels`` or ``shift_labels``): ``1 / (targets of its sequence)``
+    for every label that is a target, 0 elsewhere — the weights that make a sum of token losses the sum of the
+    sequences' mean losses (the ``"sequence"`` rule, before its division by the sequence count)."""
+    targets, shifted = _targets(batch)
+    mask = targets != IGNORE
+    seq, slots = _target_sequences(batch, targets.shape, shifted)
+    counts = torch.bincount(seq.masked_fill(~mask, slots).reshape(-1), minlength=slots + 1)[:-1]
+    scored = torch.where(mask, 1.0 / counts.clamp(min=1)[seq].float(), 0.0)
+    return torch.nn.functional.pad(scored, (1, 0)) if shifted else scored
+
+
 def token_losses(logits: torch.Tensor, batch: Mapping[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
     """``(loss, mask)``, both ``(B, T - 1)`` (``(B, T)`` with ``shift_labels``): the fp32 cross-entropy of every
     scored position (0 where ignored) and whether it is a target — what transformers' ``ForCausalLMLoss`` sums.
@@ -443,23 +455,27 @@ class PadfreeTrainerMixin:
 
     def _padfree_fuses(self, return_outputs: bool) -> bool:
         """Whether this training micro-batch's loss is :func:`padfree.causal_lm_loss` (``padfree_fused_loss``):
-        only in training, with the token rule, when nobody asked for the logits."""
-        return bool(self.padfree_fused_loss and self.padfree_loss == "token" and self.model.training
+        only in training, when nobody asked for the logits."""
+        return bool(self.padfree_fused_loss and self.padfree_loss is not None and self.model.training
                     and not return_outputs)
 
     def _padfree_fused(self, model: Any, inputs: dict[str, Any], num_items_in_batch: Any) -> torch.Tensor:
-        """The token-rule loss of one training micro-batch without logits: the LM head and the cross-entropy fused
-        over the positions that have a target, divided by the step's targets (or this batch's, then the
-        accumulation mean), plus a MoE model's router loss as its own forward would add it."""
+        """The loss of one training micro-batch without logits: the LM head and the cross-entropy fused over the
+        positions that have a target, divided by the step's targets (sequence rule: each label weighted by
+        1 / its sequence's targets, divided by the step's sequences) — or by this batch's own count, then the
+        accumulation mean — plus a MoE model's router loss as its own forward would add it."""
         from padfree.model.loss import causal_lm_loss
 
-        denom = self._padfree_denominator(0, num_items_in_batch)
-        count = denom if denom is not None else _count_tensors(inputs)[0]
+        which = 0 if self.padfree_loss == "token" else 1
+        denom = self._padfree_denominator(which, num_items_in_batch)
+        count = denom if denom is not None else _count_tensors(inputs)[which]
+        weights = None if which == 0 else _sequence_weights(inputs)
         if getattr(self, "aux_loss_enabled", False):  # TRL asks MoE models for their router logits
             inputs = {**inputs, "output_router_logits": True}
         if not self._padfree_logit_metrics:
-            return self._padfree_unscaled(causal_lm_loss(model, inputs, num_items_in_batch=count), denom)
-        loss, stats = causal_lm_loss(model, inputs, num_items_in_batch=count, with_stats=True)
+            loss = causal_lm_loss(model, inputs, num_items_in_batch=count, weights=weights)
+            return self._padfree_unscaled(loss, denom)
+        loss, stats = causal_lm_loss(model, inputs, num_items_in_batch=count, with_stats=True, weights=weights)
         self._padfree_fused_metrics(stats, inputs)
         return self._padfree_unscaled(loss, denom)
 
@@ -979,7 +995,7 @@ class _TrainerMixin(PadfreeTrainerMixin):
                  padfree_balance: bool = True, padfree_fused_loss: bool = False, **kwargs: Any) -> None:
         as_choice(padfree_loss, "padfree_loss", LOSS_MODES)
         self.padfree_balance = _as_flag(padfree_balance, "padfree_balance")
-        self.padfree_fused_loss = _fused_flag(padfree_fused_loss, padfree_loss)
+        self.padfree_fused_loss = _as_flag(padfree_fused_loss, "padfree_fused_loss")
         model = kwargs.get("model", args[0] if args else None)
         collator = kwargs.get("data_collator", args[2] if len(args) > 2 else None)
         train = kwargs.get("train_dataset", args[3] if len(args) > 3 else None)
@@ -1001,14 +1017,6 @@ class _TrainerMixin(PadfreeTrainerMixin):
                                              padding_free=mode != STANDARD, loss=padfree_loss,
                                              balance=self._padfree_balance_note(), **_model_facts(self.model))
         logger.info("%s", self._padfree_status)
-
-
-def _fused_flag(value: Any, loss: str) -> bool:
-    fused = _as_flag(value, "padfree_fused_loss")
-    if fused and loss != "token":
-        raise InvalidArgumentError(f"padfree_fused_loss=True computes the token-rule loss (padfree_loss='token'); it "
-                                   f"cannot give padfree_loss={loss!r}, which needs every token's loss")
-    return fused
 
 
 def _as_flag(value: Any, name: str) -> bool:

@@ -88,7 +88,6 @@ from padfree.integrations.trainer import (
     PackingStatus,
     PadfreeTrainerMixin,
     _as_flag,
-    _fused_flag,
     _model_facts,
     _targets,
     _unwrap,
@@ -143,7 +142,7 @@ class SFTConfig(trl.SFTConfig):
             :class:`~padfree.integrations.trainer.PadfreeTrainerMixin`); no effect in one process.
         padfree_fused_loss: compute the training loss with :func:`padfree.causal_lm_loss` — the LM head and the
             cross-entropy fused, in chunks, over the positions that have a target — instead of materialising the
-            logits: less memory, less time (``padfree_loss="token"`` only). TRL's ``entropy`` and
+            logits: less memory, less time, either loss rule. TRL's ``entropy`` and
             ``mean_token_accuracy`` metrics come from the fused pass's own counts; evaluation and anything that
             asks for the outputs run the model's own head.
 
@@ -420,7 +419,7 @@ class _SFTMixin(PadfreeTrainerMixin):
         args = _as_config(args, model)
         loss = as_choice(getattr(args, "padfree_loss", "token"), "padfree_loss", LOSS_MODES)
         self.padfree_balance = _as_flag(getattr(args, "padfree_balance", True), "padfree_balance")
-        self.padfree_fused_loss = _fused_flag(getattr(args, "padfree_fused_loss", False), loss)
+        self.padfree_fused_loss = _as_flag(getattr(args, "padfree_fused_loss", False), "padfree_fused_loss")
         if loss == "sequence" and (args.loss_type != "nll" or args.label_smoothing_factor > 0
                                    or kwargs.get("compute_loss_func") is not None):
             raise InvalidArgumentError(

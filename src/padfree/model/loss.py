@@ -56,8 +56,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                targets: torch.Tensor, scale: float, softcap: float | None, chunk: int, stats: bool
-                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                targets: torch.Tensor, weights: torch.Tensor | None, scale: float, softcap: float | None, chunk: int,
+                stats: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         n, vocab = hidden.shape[0], weight.shape[0]
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         need_b = bias is not None and ctx.needs_input_grad[2]
@@ -81,6 +81,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         for a in range(0, n, rows):  # over chunks of positions, never over tokens
             b = min(a + rows, n)
             h, t, z, idx = hidden[a:b], targets[a:b], z_buf[: b - a], arange[: b - a]
+            w = None if weights is None else weights[a:b]
             if low:  # what the stock head + loss do: logits in the model's precision, upcast for the loss
                 head = low_buf[: b - a]
                 torch.mm(h, weight.t(), out=head)
@@ -102,7 +103,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
             target = z[idx, t] - top[:, 0]
             z.sub_(top).exp_()
             sums = z.sum(dim=1)
-            total += (sums.log() - target).sum()
+            losses = sums.log() - target
+            total += (losses if w is None else losses * w).sum()
             if stats:  # H = log S - Σ e·z' / S with e = exp(z'), z' = logits - max: one more pass, in a buffer
                 correct += (target == 0).sum()
                 entropy += (sums.log() - torch.xlogy(z, z, out=ent_buf[: b - a]).sum(dim=1) / sums).sum()
@@ -114,6 +116,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 g.mul_(cap_buf[: b - a])
             if scale != 1.0:
                 g.mul_(scale)
+            if w is not None:
+                g.mul_(w[:, None])
             if need_b:
                 db += g.sum(dim=0)
             gl = low_buf[: b - a].copy_(g) if low else g
@@ -136,7 +140,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         return (None if dh is None else dh * grad.to(dh.dtype),
                 None if dw is None else (dw * grad).to(w_dtype),
                 None if db is None else (db * grad).to(b_dtype),
-                None, None, None, None, None)
+                None, None, None, None, None, None)
 
 
 def linear_cross_entropy(
@@ -150,6 +154,7 @@ def linear_cross_entropy(
     ignore_index: int = IGNORE_INDEX,
     chunk_size: int | None = None,
     with_stats: bool = False,
+    weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, ...]:
     """``(loss_sum, num_targets)``: Σ cross-entropy of ``softcap(scale * (hidden @ weight.T + bias))`` against
     ``targets``, never holding more than ``chunk_size`` rows of logits.
@@ -168,6 +173,8 @@ def linear_cross_entropy(
         scale: multiplies the logits (Cohere's ``logit_scale``; ``1 / logits_scaling`` for Granite).
         softcap: ``softcap * tanh(logits / softcap)`` after the scale (Gemma 2 / 3's ``final_logit_softcapping``).
         chunk_size: rows of logits per chunk (default :func:`default_chunk_size`).
+        weights: ``(...)`` float, the leading shape of ``hidden``, or None: each position's loss (and gradient) is
+            multiplied by its weight in the sum — e.g. ``1 / (targets in its sequence)`` for a mean per sequence.
         with_stats: also return, over the targets, the summed entropy of the predicted distributions and the count
             of targets that are the arg-max (the "entropy" and "token accuracy" trainers log; one more pass over
             each chunk).
@@ -202,6 +209,12 @@ def linear_cross_entropy(
     keep = (flat_t != ignore_index).nonzero().squeeze(1)
     h = hidden.reshape(-1, hidden.shape[-1]).index_select(0, keep)  # positions without a target never reach the head
     t = flat_t.index_select(0, keep).long()
+    w = None
+    if weights is not None:
+        if tuple(weights.shape) != tuple(targets.shape) or not weights.dtype.is_floating_point:
+            raise InvalidArgumentError(f"weights must be floats of the targets' shape {tuple(targets.shape)}, got "
+                                       f"{tuple(weights.shape)} {weights.dtype}")
+        w = weights.reshape(-1).index_select(0, keep).float().detach()
     if t.numel() and (int(t.min()) < 0 or int(t.max()) >= weight.shape[0]):
         bad = int(t.min()) if int(t.min()) < 0 else int(t.max())
         raise InvalidArgumentError(f"targets must be in [0, {weight.shape[0]}) or ignore_index={ignore_index}, got "
@@ -212,7 +225,7 @@ def linear_cross_entropy(
         loss = zero if bias is None else zero + bias.sum().float() * 0
         entropy, correct = torch.zeros(()), torch.zeros((), dtype=torch.int64)
     else:
-        loss, entropy, correct = _LinearCrossEntropy.apply(h, weight, bias, t, float(scale), softcap, chunk,
+        loss, entropy, correct = _LinearCrossEntropy.apply(h, weight, bias, t, w, float(scale), softcap, chunk,
                                                            bool(with_stats))
     return (loss, count, entropy, correct) if with_stats else (loss, count)
 
@@ -339,6 +352,7 @@ def causal_lm_loss(
     reduction: str = "mean",
     chunk_size: int | None = None,
     with_stats: bool = False,
+    weights: torch.Tensor | None = None,
 ) -> Any:
     """The loss ``model(**inputs).loss`` computes, without materialising the logits.
 
@@ -358,6 +372,8 @@ def causal_lm_loss(
             this batch's count.
         reduction: ``"mean"`` (default; over targets, or ``num_items_in_batch``) or ``"sum"``.
         chunk_size: positions per chunk of logits (default :func:`default_chunk_size`).
+        weights: floats shaped like the labels given (``labels`` or ``shift_labels``): the weight of each label's
+            loss in the sum (None: 1 each) — e.g. ``1 / (targets of its sequence)`` for a mean per sequence.
         with_stats: also return ``{"targets", "entropy", "correct"}`` — the positions with a target, the summed
             entropy of their predicted distributions and how many targets are the arg-max (``()`` tensors, no
             gradient): what a trainer logs as entropy and token accuracy, without the logits.
@@ -385,13 +401,19 @@ def causal_lm_loss(
     else:
         labels = inputs["labels"]
         targets = F.pad(labels[..., 1:], (0, 1), value=IGNORE_INDEX)
+        if weights is not None:  # shifted with the labels they weigh
+            if tuple(weights.shape) != tuple(labels.shape):
+                raise InvalidArgumentError(f"weights must have the labels' shape {tuple(labels.shape)}, got "
+                                           f"{tuple(weights.shape)}")
+            weights = F.pad(weights[..., 1:], (0, 1), value=0.0)
     if tuple(targets.shape) != tuple(hidden.shape[:-1]):
         raise InvalidArgumentError(f"the labels' shape {tuple(targets.shape)} does not match the model's positions "
                                    f"{tuple(hidden.shape[:-1])}")
     head = _materialised_head(base, hidden)
     loss, count, *stats = linear_cross_entropy(hidden, head.weight, targets.to(hidden.device), bias=head.bias,
                                                scale=scale, softcap=softcap, chunk_size=chunk_size,
-                                               with_stats=with_stats)
+                                               with_stats=with_stats,
+                                               weights=None if weights is None else weights.to(hidden.device))
     if reduction == "mean":
         denom = count if num_items_in_batch is None else num_items_in_batch
         denom = denom.to(loss.device) if isinstance(denom, torch.Tensor) else torch.tensor(float(denom))
