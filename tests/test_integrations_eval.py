@@ -183,6 +183,26 @@ def test_evaluate_prepares_and_packs_a_dataset_passed_to_it(tok, data, reference
     assert trainer.evaluate(eval_dataset=packed)["eval_loss"] == pytest.approx(first, rel=1e-9)
 
 
+def test_an_eval_set_named_train_is_not_the_train_set(tok, data, reference, tmp_path):
+    """TRL names each eval set of a dict by its key: a key "train" must neither be packed by the train rule nor
+    replace the train set's plan."""
+    from padfree import packing_status
+
+    plain = build(tok, data, tmp_path / "plain", "packing", eval_dataset=False)
+    base = dict(output_dir=str(tmp_path / "dict"), report_to="none", use_cpu=True, bf16=False,
+                activation_checkpointing=False, save_strategy="no", disable_tqdm=True, max_length=MAX_LENGTH,
+                per_device_eval_batch_size=EVAL_BATCH, seed=0, packing=True, eval_packing=False)
+    trainer = ptrl.SFTTrainer(model=model_for(tok), args=ptrl.SFTConfig(**base), train_dataset=data[0],
+                              eval_dataset={"train": data[1], "other": data[1]}, processing_class=tok)
+    assert packing_status(trainer).rows == packing_status(plain).rows  # the train plan, not the eval set's
+    assert "seq_lens" in trainer.train_dataset.column_names
+    for name in ("train", "other"):
+        assert "seq_lens" not in trainer.eval_dataset[name].column_names  # eval_packing=False holds for both
+        assert len(trainer.eval_dataset[name]) == len(reference)
+    loss = trainer.evaluate()
+    assert rel(loss["eval_train_loss"], token_mean(reference)) <= 1e-5
+
+
 def test_eval_packing_in_padding_free_mode_reads_packing_strategy_and_max_length(tok, data, reference, tmp_path):
     """Padding-free training never read ``packing_strategy`` nor needed ``max_length``; packing the eval set does."""
     split = build(tok, data, tmp_path / "split", "padding_free", eval_packing=True, packing_strategy="bfd_split")

@@ -413,6 +413,7 @@ class _SFTMixin(PadfreeTrainerMixin):
     """What :class:`SFTTrainer` adds to ``trl.SFTTrainer`` (and :func:`padfree.enable` to its subclasses)."""
 
     _padfree_decision: _Decision | None = None
+    _padfree_train_prepared = False
 
     def __init__(self, model: Any, args: Any = None, data_collator: Any = None, train_dataset: Any = None,
                  eval_dataset: Any = None, processing_class: Any = None, *rest: Any, **kwargs: Any) -> None:
@@ -462,7 +463,11 @@ class _SFTMixin(PadfreeTrainerMixin):
         decision = self._padfree_decision
         if decision is None or decision.mode == STANDARD:
             return super()._prepare_dataset(dataset, processing_class, args, packing, formatting_func, dataset_name)
-        if dataset_name == "train":
+        # TRL names the train set "train" and each eval set by its key, which may be "train" too: the train set is
+        # the first one prepared
+        is_train = dataset_name == "train" and not self._padfree_train_prepared
+        self._padfree_train_prepared = True
+        if is_train:
             pack = decision.mode == PACKING
         else:
             pack = decision.mode == PACKING if args.eval_packing is None else bool(args.eval_packing)
@@ -492,7 +497,7 @@ class _SFTMixin(PadfreeTrainerMixin):
         columns = [c for c in ("input_ids", "labels") if c in dataset.column_names]
         rows, plan = pack_for_trainer(dataset.select_columns(columns), args.max_length, strategy, seed=args.seed,
                                       overlong=overlong, return_result=True)
-        self._padfree_plans[dataset_name] = plan
+        self._padfree_plans["train" if is_train else f"eval/{dataset_name}"] = plan
         logger.info("padfree: packed the %s dataset — %d sequences (%d pieces) into %d rows of max_length=%d (%s, "
                     "efficiency %.2f%%)", dataset_name, plan.num_sequences, plan.num_pieces, plan.num_bins,
                     args.max_length, strategy, 100 * plan.efficiency)
