@@ -1044,8 +1044,12 @@ class Trainer(_TrainerMixin, transformers.Trainer):
             or ``"sequence"`` (the mean over the step's sequences of each sequence's mean token loss).
         padfree_telemetry: add :class:`PackingTelemetryCallback`.
         padfree_balance: under data parallelism (``world_size > 1``) with a train dataset of packed rows
-            (:func:`pack_for_trainer`), deal the rows to the ranks in steps balanced in tokens and Σ len²
-            (:class:`PadfreeTrainerMixin`); ``False`` keeps the Trainer's sampler. No effect in one process.
+            (:func:`pack_for_trainer`) or of samples flattened padding-free, deal them to the ranks in steps
+            balanced in tokens and Σ len² (:class:`PadfreeTrainerMixin`); ``False`` keeps the Trainer's sampler.
+            No effect in one process.
+        padfree_fused_loss: train with :func:`padfree.causal_lm_loss` — the LM head and the cross-entropy fused, in
+            chunks, over target positions only, no logits tensor — under either loss rule (default False).
+            Evaluation, and any call that asks for the outputs, runs the model's own head.
 
     When ``data_collator`` is one of padfree's (:class:`PackedRowsCollator`, ``PaddingFreeCollator``,
     ``packed_collate_fn``) the model is passed to :func:`padfree.configure_packing` first, which makes it exact
