@@ -44,6 +44,16 @@ def machine(dists: Sequence[str]) -> dict[str, str]:
     }
 
 
+def allocator() -> str:
+    """glibc's allocator settings from the environment (``MALLOC_*``), which move large-tensor step times on
+    virtual machines that fault fresh memory in slowly."""
+    given = {k: v for k, v in sorted(os.environ.items()) if k.startswith("MALLOC_")}
+    if not given:
+        return ("glibc malloc defaults (blocks above 32 MiB are mmapped fresh and unmapped when freed, so a step "
+                "faults its large tensors in again)")
+    return "glibc malloc with " + " ".join(f"`{k}={v}`" for k, v in given.items())
+
+
 def load_snapshot() -> str:
     """Load average and CPU busy share over one second, to record the conditions of a run."""
     import psutil

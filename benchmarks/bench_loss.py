@@ -21,7 +21,7 @@ import sys
 import time
 from pathlib import Path
 
-from _common import load_snapshot, machine, table, write_section
+from _common import allocator, load_snapshot, machine, table, write_section
 
 REPO = Path(__file__).resolve().parents[1]
 START, END = "<!-- bench_loss:start -->", "<!-- bench_loss:end -->"
@@ -136,7 +136,7 @@ def main() -> None:
         f"{(time.perf_counter() - t0) / 60:.1f} min. Regenerating replaces only this section._",
         "",
         f"- CPU: {info['cpu']}, {info['cores']}, {info['memory']} RAM; {info['os']}; {info['versions']}; torch "
-        f"threads {args.threads}",
+        f"threads {args.threads}; {allocator()}",
         f"- Load at start: {before}. At end: {after}. A shared machine: times drift ±20%; the two modes of a row ran "
         "back to back.",
         "- Step: one packed row of the given positions (random sequences, lognormal lengths, median 300, labels on "

@@ -53,7 +53,7 @@ from typing import Any
 
 import numpy as np
 
-from _common import load_snapshot, machine, table, write_section
+from _common import allocator, load_snapshot, machine, table, write_section
 
 REPO = Path(__file__).resolve().parents[1]
 MODES = ("padded", "grouped", "trl", "packed", "ideal")
@@ -293,7 +293,7 @@ def render(args: argparse.Namespace, info: dict[str, str], before: str, after: s
         "",
         f"- {'Device: ' + info['gpu'] + '; host ' if gpu else ''}CPU: {info['cpu']}, {info['cores']}, "
         f"{info['memory']} RAM; {info['os']}",
-        f"- Versions: {info['versions']}; torch threads {info['threads']}",
+        f"- Versions: {info['versions']}; torch threads {info['threads']}; {allocator()}",
         f"- Load at start: {before}. At end: {after}.",
         "- **A shared machine**: other engineers' tests and benchmarks ran on the same cores during this run, so "
         "absolute tokens/s are low and drift. The modes run their passes together in one process, interleaved "
