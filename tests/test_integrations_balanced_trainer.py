@@ -12,7 +12,6 @@ from __future__ import annotations
 import itertools
 import pickle
 from collections import Counter
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -26,7 +25,7 @@ import padfree  # noqa: E402
 from multiproc import as_launched_rank, free_port, run_ranks  # noqa: E402
 from padfree.integrations.distributed import DistributedPackedBatchSampler  # noqa: E402
 from padfree.integrations.trainer import PackedRowsCollator, pack_for_trainer  # noqa: E402
-from zoo import tiny_model  # noqa: E402
+from zoo import mistral_tokenizer, tiny_model  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -279,14 +278,12 @@ def test_opt_out_and_skip_reasons_are_reported(tmp_path, monkeypatch):
 
 def test_sft_config_opt_out(tmp_path, monkeypatch):
     """padfree.SFTTrainer(packing=True) takes the option from its SFTConfig and reports the choice."""
-    import shutil
 
-    mistral_common = pytest.importorskip("mistral_common")
+    pytest.importorskip("mistral_common")
     pytest.importorskip("trl")
     from padfree.integrations.trl import SFTConfig, SFTTrainer
 
-    shutil.copy(Path(mistral_common.__file__).parent / "data" / "tokenizer.model.v1", tmp_path / "tokenizer.model")
-    tok = transformers.LlamaTokenizer.from_pretrained(str(tmp_path))
+    tok = mistral_tokenizer(tmp_path)
     monkeypatch.setattr(transformers.TrainingArguments, "world_size", property(lambda self: 2))
     rng = np.random.default_rng(1)
     data = datasets.Dataset.from_dict({"input_ids": [rng.integers(3, 90, int(n)).tolist()

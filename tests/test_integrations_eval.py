@@ -11,7 +11,6 @@ which changes with packing and the eval batch size.
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import pytest
@@ -25,7 +24,7 @@ mistral_common = pytest.importorskip("mistral_common")
 import padfree.integrations.trl as ptrl  # noqa: E402
 from padfree.errors import InvalidArgumentError  # noqa: E402
 from padfree.integrations.trainer import token_losses  # noqa: E402
-from zoo import tiny_model  # noqa: E402
+from zoo import mistral_tokenizer, tiny_model  # noqa: E402
 
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k_train.json"
 datasets.disable_progress_bars()
@@ -47,9 +46,7 @@ def _clean_env(monkeypatch):
 
 @pytest.fixture(scope="module")
 def tok(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("spm")
-    shutil.copy(Path(mistral_common.__file__).parent / "data" / "tokenizer.model.v1", folder / "tokenizer.model")
-    return transformers.LlamaTokenizer.from_pretrained(str(folder))
+    return mistral_tokenizer(tmp_path_factory.mktemp("spm"))
 
 
 def prompt_completion(records):

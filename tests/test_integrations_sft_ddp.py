@@ -15,7 +15,6 @@ from __future__ import annotations
 import itertools
 import json
 import pickle
-import shutil
 from pathlib import Path
 
 import pytest
@@ -31,6 +30,7 @@ import padfree  # noqa: E402
 from multiproc import as_launched_rank, free_port, run_ranks  # noqa: E402
 from padfree.integrations.trainer import count_loss_items, token_losses  # noqa: E402
 from padfree.integrations.trl import SFTConfig, SFTTrainer  # noqa: E402
+from zoo import mistral_tokenizer  # noqa: E402
 
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k_train.json"
 datasets.disable_progress_bars()
@@ -42,11 +42,6 @@ RECORDS = 40
 # (rows of 128 would hold one), so every trained micro-batch is a row of several packed sequences
 MAX_LENGTH = 256
 DEADLINE = 120
-
-
-def _tokenizer(folder: Path) -> transformers.PreTrainedTokenizerBase:
-    shutil.copy(Path(mistral_common.__file__).parent / "data" / "tokenizer.model.v1", folder / "tokenizer.model")
-    return transformers.LlamaTokenizer.from_pretrained(str(folder))
 
 
 def _dataset() -> datasets.Dataset:
@@ -107,7 +102,7 @@ def _worker(rank: int, world: int, tmp: str, port: int, tok) -> None:
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("sft_ddp")
-    tok = _tokenizer(tmp_path_factory.mktemp("spm"))
+    tok = mistral_tokenizer(tmp_path_factory.mktemp("spm"))
     _llama(len(tok))  # warm-up (transformers' Llama modules) that both forked children inherit
     return tmp, tok, run_ranks(_worker, tmp, free_port(), tok, deadline=DEADLINE)
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 import copy
 import json
 import logging
-import shutil
 from pathlib import Path
 
 import pytest
@@ -29,6 +28,7 @@ from padfree.integrations.trainer import (  # noqa: E402
     packing_status,
     token_losses,
 )
+from zoo import mistral_tokenizer  # noqa: E402
 
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k_train.json"
 datasets.disable_progress_bars()
@@ -40,9 +40,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 @pytest.fixture(scope="module")
 def samples(tmp_path_factory):
     """GSM8K records as prompt (masked) + answer, at most 96 tokens each."""
-    folder = tmp_path_factory.mktemp("spm")
-    shutil.copy(Path(mistral_common.__file__).parent / "data" / "tokenizer.model.v1", folder / "tokenizer.model")
-    tok = transformers.LlamaTokenizer.from_pretrained(str(folder))
+    tok = mistral_tokenizer(tmp_path_factory.mktemp("spm"))
     out = []
     for r in json.loads(DATA.read_text())[:64]:
         prompt = tok(r["instruction"])["input_ids"][:60]

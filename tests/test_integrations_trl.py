@@ -12,7 +12,6 @@ import copy
 import itertools
 import json
 import logging
-import shutil
 from pathlib import Path
 
 import pytest
@@ -32,6 +31,7 @@ from padfree.integrations.trainer import (  # noqa: E402
     packing_status,
     token_losses,
 )
+from zoo import mistral_tokenizer  # noqa: E402
 
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k_train.json"
 datasets.disable_progress_bars()
@@ -48,9 +48,7 @@ def _clean_env(monkeypatch):
 
 @pytest.fixture(scope="module")
 def tok(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("spm")
-    shutil.copy(Path(mistral_common.__file__).parent / "data" / "tokenizer.model.v1", folder / "tokenizer.model")
-    return transformers.LlamaTokenizer.from_pretrained(str(folder))
+    return mistral_tokenizer(tmp_path_factory.mktemp("spm"))
 
 
 @pytest.fixture(scope="module")

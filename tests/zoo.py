@@ -34,6 +34,18 @@ def tiny_model(model_type: str, *, seed: int = 0, attn: str | None = None, **ove
     return _library_tiny_model(model_type, seed=seed, attn_implementation=attn, **overrides)
 
 
+def mistral_tokenizer(folder) -> transformers.PreTrainedTokenizerBase:
+    """mistral-common's 32k SentencePiece model (Mistral 7B v0.1) through ``transformers``, offline: copied into
+    ``folder`` (a test's own directory, so no user cache is written) and loaded from there."""
+    import shutil
+    from pathlib import Path
+
+    import mistral_common
+
+    shutil.copy(Path(mistral_common.__file__).parent / "data" / "tokenizer.model.v1", Path(folder) / "tokenizer.model")
+    return transformers.LlamaTokenizer.from_pretrained(str(folder))
+
+
 def sequences(lengths: list[int], seed: int = 1) -> list[list[int]]:
     """Random token ids (never 0, the padding id) of the given lengths."""
     g = torch.Generator().manual_seed(seed)
