@@ -44,6 +44,20 @@ def machine(dists: Sequence[str]) -> dict[str, str]:
     }
 
 
+def rss() -> int:
+    """This process's resident set size, in bytes."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def peak_rss() -> int:
+    """``VmHWM``: the peak RSS of this process image, in bytes. Not ``ru_maxrss``, which a child inherits from its
+    parent's RSS at fork time (Linux keeps it across ``exec``), so it would start at whatever the orchestrating
+    process held."""
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
+
+
 def allocator() -> str:
     """glibc's allocator settings from the environment (``MALLOC_*``), which move large-tensor step times on
     virtual machines that fault fresh memory in slowly."""

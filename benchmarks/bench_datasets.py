@@ -44,7 +44,7 @@ from pathlib import Path
 
 import numpy as np
 
-from _common import load_snapshot, machine, table, write_section
+from _common import load_snapshot, machine, peak_rss, rss, table, write_section
 
 REPO = Path(__file__).resolve().parents[1]
 START_MARK = "<!-- bench_datasets:start -->"
@@ -106,18 +106,6 @@ def contenders() -> list[Contender]:
 # ------------------------------------------------------------------------------------------------------------------
 
 
-def _rss() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
-def _peak_rss() -> int:
-    """``VmHWM``: the peak RSS of this process image. Not ``ru_maxrss``, which a child inherits from its parent's RSS
-    at fork time (Linux keeps it across ``exec``), so it would start at whatever the orchestrating process held."""
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
-
-
 def worker(kind: str, data: str, config: dict) -> dict:
     import datasets
     import pyarrow.compute as pc
@@ -145,13 +133,13 @@ def worker(kind: str, data: str, config: dict) -> dict:
 
     import resource
 
-    before = _rss()
+    before = rss()
     cpu0 = resource.getrusage(resource.RUSAGE_SELF)
     started = time.perf_counter()
     out = call()
     seconds = time.perf_counter() - started
     cpu1 = resource.getrusage(resource.RUSAGE_SELF)
-    peak = _peak_rss()
+    peak = peak_rss()
     files = [f["filename"] for f in out.cache_files if f["filename"] not in inputs]
     lens_column = "seq_lengths" if "seq_lengths" in out.column_names else "seq_lens"
     lens = out.data.column(lens_column)

@@ -21,24 +21,13 @@ import sys
 import time
 from pathlib import Path
 
-from _common import allocator, load_snapshot, machine, table, write_section
+from _common import allocator, load_snapshot, machine, peak_rss, rss, table, write_section
 
 REPO = Path(__file__).resolve().parents[1]
 START, END = "<!-- bench_loss:start -->", "<!-- bench_loss:end -->"
 CONFIGS = [(32000, 2048), (32000, 8192), (32000, 16384), (151936, 2048), (151936, 4096)]
 QUICK = [(32000, 1024), (151936, 512)]
 MODES = ("stock", "fused")
-
-
-def _peak_rss() -> int:
-    """``VmHWM``, this process image's peak RSS (``ru_maxrss`` would start at the parent's, carried over fork)."""
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
-
-
-def _rss() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
 def child(vocab: int, positions: int, mode: str, threads: int) -> dict:
@@ -73,11 +62,11 @@ def child(vocab: int, positions: int, mode: str, threads: int) -> dict:
 
     if mode == "fused":  # the one-time check of the model's head (a few tokens) off the memory reading
         _check_head(model)
-    before = _rss()
+    before = rss()
     start = time.perf_counter()
     step()
     first = time.perf_counter() - start
-    peak = _peak_rss() - before
+    peak = peak_rss() - before
     times = []
     for _ in range(3):
         start = time.perf_counter()
