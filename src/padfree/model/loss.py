@@ -215,8 +215,9 @@ def linear_cross_entropy(
             raise InvalidArgumentError(f"weights must be floats of the targets' shape {tuple(targets.shape)}, got "
                                        f"{tuple(weights.shape)} {weights.dtype}")
         w = weights.reshape(-1).index_select(0, keep).float().detach()
-    if t.numel() and (int(t.min()) < 0 or int(t.max()) >= weight.shape[0]):
-        bad = int(t.min()) if int(t.min()) < 0 else int(t.max())
+    lo, hi = (int(t.min()), int(t.max())) if t.numel() else (0, 0)
+    if lo < 0 or hi >= weight.shape[0]:
+        bad = lo if lo < 0 else hi
         raise InvalidArgumentError(f"targets must be in [0, {weight.shape[0]}) or ignore_index={ignore_index}, got "
                                    f"{bad}")
     count = torch.tensor(t.numel(), dtype=torch.int64)
