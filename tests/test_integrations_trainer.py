@@ -274,3 +274,21 @@ def test_status_enable_and_refusals(samples, tmp_path):
         Trainer(model=gpt2, args=args, train_dataset=ds, data_collator=PackedRowsCollator())
     with pytest.raises(InvalidArgumentError, match=r"trainer must be a transformers\.Trainer"):
         packing_status(object())
+
+
+def test_torch_compile_gives_the_update_of_the_unpacked_loss(samples, tmp_path):
+    """``TrainingArguments(torch_compile=True)``: the Trainer compiles the configured model; 4 accumulated
+    padding-free micro-batches (a new row width and new boundaries each) still give the unpacked update. Compiled
+    with ``aot_eager`` (dynamo + AOTAutograd, what padfree's code meets; inductor's C++ build is slow here and is
+    tested once in test_model_compile.py), with the fused loss, whose head hook must reach through the
+    compile wrapper."""
+    torch._dynamo.reset()
+    model = llama()
+    reference = copy.deepcopy(model)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    trainer = Trainer(model=model, args=sgd_args(tmp_path, 3, torch_compile=True, torch_compile_backend="aot_eager"),
+                      train_dataset=datasets.Dataset.from_list(samples[:12]), data_collator=PackedRowsCollator(),
+                      padfree_fused_loss=True)
+    trainer.train()
+    torch._dynamo.reset()
+    assert update_diff(model, before, reference_grads(reference, samples[:12], "token")) <= 1e-5

@@ -113,7 +113,8 @@ def run_packed(model, ids, pos, seqs, *, grad=True, **kwargs):
     grads = {}
     if grad:
         loss_of(per_seq, seqs, sum(len(s) - 1 for _, _, s in seqs)).backward()
-        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        inner = getattr(model, "_orig_mod", model)  # torch.compile's wrapper prefixes every parameter name
+        grads = {n: p.grad.clone() for n, p in inner.named_parameters() if p.grad is not None}
     return [x.detach() for x in per_seq], grads
 
 

@@ -172,6 +172,7 @@ def _varlen(module, query, key, value, lay, *, scaling, dropout, sliding_window,
     return out.view(batch, seq_len, heads, value.shape[3])
 
 
+@torch.compiler.disable  # host-side bucket sizes: traced, every new set of lengths would recompile (see configure)
 def packed_forward(
     backend: str, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     lay: PackedLayout, *, scaling: float | None = None, dropout: float = 0.0, sliding_window: int | None = None,

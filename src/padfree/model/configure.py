@@ -410,10 +410,14 @@ def configure_packing(model: Any, *, backend: str = "auto", strict: bool = True)
     decoder = model.get_decoder() if hasattr(model, "get_decoder") else model
     target = decoder if _takes_positions(decoder) else model
     forward = target is decoder
+    # Under torch.compile the hooks (like the packed attention and the mixers' segment primitives) run outside the
+    # graphs: they read the boundaries on the host, and traced, each new set of lengths would fail a guard and
+    # recompile — after eight, dynamo gives up on the model. Outside, the graphs see only (dynamic) tensor shapes.
+    before = torch.compiler.disable(lambda m, a, k: _before(state, config, a, k, forward=forward))
+    after = torch.compiler.disable(lambda m, a, k, o: _after(state))
     state.handles = [
-        target.register_forward_pre_hook(lambda m, a, k: _before(state, config, a, k, forward=forward),
-                                         with_kwargs=True),
-        target.register_forward_hook(lambda m, a, k, o: _after(state), with_kwargs=True, always_call=True),
+        target.register_forward_pre_hook(before, with_kwargs=True),
+        target.register_forward_hook(after, with_kwargs=True, always_call=True),
     ]
     model._padfree_state = state
     log.info("configure_packing(%s): %s", type(model).__name__, report)

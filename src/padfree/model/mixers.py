@@ -573,6 +573,10 @@ def segment_selective_scan(
 # ---- the packed primitives (transformers' signatures), reading the layout of the call in flight ------------------
 
 
+# The primitives below run outside torch.compile's graphs (torch.compiler.disable): they read the boundaries on the
+# host, and traced, every new set of lengths would be a recompile. The projections around them still compile.
+
+
 @dataclasses.dataclass
 class _Call:
     lay: PackedLayout
@@ -589,6 +593,7 @@ def _current(what: str) -> _Call:
     return call
 
 
+@torch.compiler.disable
 def _packed_conv1d(hidden_states, weight, bias=None, activation=None, **kwargs):
     call = _current("causal_conv1d_fn")
     if call.mixer.use_conv_kernel:
@@ -599,6 +604,7 @@ def _packed_conv1d(hidden_states, weight, bias=None, activation=None, **kwargs):
     return segment_causal_conv1d(hidden_states, weight, bias, activation, call.lay)
 
 
+@torch.compiler.disable
 def _packed_gated_delta_rule(query, key, value, g, beta, chunk_size=64, initial_state=None, output_final_state=False,
                              use_qk_l2norm_in_kernel=False, **kwargs):
     call = _current("chunk_gated_delta_rule")
@@ -615,6 +621,7 @@ def _packed_gated_delta_rule(query, key, value, g, beta, chunk_size=64, initial_
     return out, None
 
 
+@torch.compiler.disable
 def _packed_ssd(hidden_states, dt, A, B, C, chunk_size, D=None, dt_bias=None, initial_states=None, dt_softplus=False,
                 dt_limit=(0.0, float("inf")), return_final_states=False, **kwargs):
     call = _current("mamba2_chunk_scan")
@@ -630,6 +637,7 @@ def _packed_ssd(hidden_states, dt, A, B, C, chunk_size, D=None, dt_bias=None, in
                             dt_softplus=dt_softplus, dt_limit=dt_limit)
 
 
+@torch.compiler.disable
 def _packed_selective_scan(hidden_states, dt, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False,
                            return_last_state=False, use_mambapy=False, use_associative_scan=False, **kwargs):
     call = _current("mamba_selective_scan")
@@ -854,15 +862,22 @@ def _live(state: Any) -> bool:
 _TRIVIAL_BOUNDARY_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx")
 
 
+@torch.compiler.disable
+def _layout_of(info: _Mixer, hidden: Any, who: str) -> tuple[bool, PackedLayout | None]:
+    """``(hooks live, layout of the forward in flight or None)`` for one mixer call."""
+    live = _live(info.state)
+    if live and isinstance(hidden, torch.Tensor) and hidden.dim() >= 2:
+        return live, configure.current_layout(info.state, hidden, who)
+    return live, None
+
+
 def _mixer_forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
     """Installed as ``module.forward``: transformers' forward for an ordinary batch, the packed one otherwise."""
     info: _Mixer = self._padfree_mixer
     hidden = args[0] if args else kwargs.get("hidden_states", kwargs.get("input_states"))
-    lay = None
-    if _live(info.state) and isinstance(hidden, torch.Tensor) and hidden.dim() >= 2:
-        lay = configure.current_layout(info.state, hidden, type(self).__name__)
+    live, lay = _layout_of(info, hidden, type(self).__name__)
     if lay is None:
-        if _live(info.state):
+        if live:
             # An ordinary batch (one sequence per row): boundary kwargs a collator sent describe nothing to reset,
             # and transformers' own mixer refuses any of them without its CUDA kernels. Dropping them is exact.
             for key in _TRIVIAL_BOUNDARY_KWARGS:
