@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 
@@ -194,6 +195,20 @@ def test_trl_mode_runs_trl_collator_and_reports_its_boundaries(sequences):
     trl_steps = report["trl"].steps
     assert report.cross_targets["trl"] == report.sequences - trl_steps
     assert report.cross_targets["packed"] == 0
+
+
+def test_trl_mode_takes_its_loss_through_trls_fused_head_as_sfttrainer_does(sequences):
+    utils = pytest.importorskip("trl.trainer.utils")
+    if not hasattr(utils, "add_fused_lm_head"):
+        pytest.skip("this TRL has no fused LM head: the trl mode uses the stock loss")
+    sample = sample_sequences(sequences, 300, 64, seed=0)
+    plans = build_plans(sample, 64, 2, ("trl",), seed=0)
+    assert plans["trl"].loss == "trl"
+    plans["trl_stock"] = dataclasses.replace(plans["trl"], mode="trl_stock", loss="stock")
+    report = compare_training(tiny_llama(), None, capacity=64, rows=2, plans=plans, repetitions=1)
+    # the same steps, the same weights and AdamW: TRL's head gives the stock loss, step after step
+    assert len(report["trl"].losses) >= 2
+    assert report["trl"].losses == pytest.approx(report["trl_stock"].losses, abs=1e-5)
 
 
 def test_boundary_leak_sees_a_model_that_mixes_sequences():

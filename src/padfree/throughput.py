@@ -14,7 +14,9 @@ Modes (:data:`MODES`), for ``rows`` = the batch size ``B`` and ``capacity`` = th
   of ``50 * B`` sequences, each sorted longest first), then the same padded batches.
 - ``trl`` — TRL's packing as ``SFTTrainer(packing=True)`` runs it: ``trl.data_utils.pack_dataset(..., "bfd")`` rows
   of ``C``, ``B`` rows per step flattened by ``DataCollatorForLanguageModeling(padding_free=True)`` into one row with
-  restarting ``position_ids``, ``use_cache=False``, the stock model (transformers detects the restarts).
+  restarting ``position_ids``, ``use_cache=False``, the stock model (transformers detects the restarts), and the
+  loss as SFTTrainer computes it: through TRL's fused LM head (``trl.trainer.utils.add_fused_lm_head``, in TRL
+  versions that have it; no logits tensor, the logits recomputed in tiles in the backward).
 - ``packed`` — padfree: :func:`padfree.pack_sequences` rows of ``C``, ``B`` rows per step,
   :meth:`~padfree.PackedBatch.model_inputs`, a :func:`padfree.configure_packing` copy of the model.
 - ``ideal`` — no padding and no boundaries: the same tokens concatenated and cut into full rows of ``C`` (one
@@ -76,7 +78,8 @@ logger = logging.getLogger("padfree")
 MODES: dict[str, str] = {
     "padded": "random order, B sequences per batch padded to the longest (HF default collator)",
     "grouped": "HF group_by_length order (megabatches of 50·B sorted by length), B per batch, padded to the longest",
-    "trl": "TRL pack_dataset(bfd) rows of C, B rows flattened by its padding-free collator, stock model",
+    "trl": "TRL pack_dataset(bfd) rows of C, B rows flattened by its padding-free collator, stock model, "
+           "SFTTrainer's loss (TRL's fused LM head where TRL has one)",
     "packed": "padfree pack_sequences rows of C, B rows per step, configure_packing model",
     "ideal": "no padding, no boundaries: the same tokens concatenated and cut into rows of C, stock model",
 }
@@ -170,7 +173,8 @@ class Plan:
     description: str
     sequences: int = 0
     first_row: Any = None  # packed: the row holding the most sequences, as a PackedBatch, for padfree.verify
-    loss: str = "stock"  # "stock": model(**inputs).loss; "fused": padfree.causal_lm_loss (no logits)
+    # "stock": model(**inputs).loss; "fused": padfree.causal_lm_loss (no logits); "trl": TRL's fused LM head
+    loss: str = "stock"
 
     @property
     def real_tokens(self) -> int:
@@ -294,7 +298,17 @@ def _plan_trl(buf: TokenBuffers, capacity: int, rows: int, seed: int | None) -> 
         inputs["use_cache"] = False  # what SFTTrainer.compute_loss sets
         n = int(inputs["input_ids"].numel())
         steps.append(Step(inputs, n, n))
-    return Plan("trl", steps, "stock", MODES["trl"])
+    return Plan("trl", steps, "stock", MODES["trl"], loss="trl" if _trl_fused_head() is not None else "stock")
+
+
+def _trl_fused_head() -> Callable | None:
+    """TRL's ``add_fused_lm_head`` (what ``SFTTrainer`` computes its loss through), or None in TRL versions
+    without it."""
+    try:
+        from trl.trainer.utils import add_fused_lm_head
+    except ImportError:
+        return None
+    return add_fused_lm_head
 
 
 def build_plans(sample: TokenBuffers, capacity: int, rows: int, modes: Sequence[str] = tuple(MODES), *,
@@ -381,6 +395,8 @@ class _Runner:
             from padfree.model.loss import causal_lm_loss
 
             loss = causal_lm_loss(self.model, step.inputs)
+        elif self.plan.loss == "trl":
+            loss = self.model(**step.inputs, fused_lm_head=True).loss
         else:
             loss = self.model(**step.inputs).loss
         loss.backward()
@@ -637,6 +653,8 @@ def compare_training(
         models[m] = copy.deepcopy(model)
         if plan.model == "packed":
             configure_packing(models[m])
+        if plan.loss == "trl":
+            _trl_fused_head()(models[m])
     report = ThroughputReport({}, capacity, rows, num_sequences, repetitions)
     if check and "packed" in plans and plans["packed"].first_row.num_sequences >= 2:  # else: no boundary to check
         # fp32: exact to float noise; a half-precision model rounds differently in the packed and the per-sequence
