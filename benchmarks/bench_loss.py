@@ -110,7 +110,7 @@ def main() -> None:
         print(json.dumps(child(int(vocab), int(positions), mode, int(threads))))
         return
     t0 = time.perf_counter()
-    info = machine(("torch", "transformers", "padfree"))
+    info = machine(("torch", "transformers", "trl", "padfree"))
     before = load_snapshot()
     results = []
     for vocab, positions in QUICK if args.quick else CONFIGS:
