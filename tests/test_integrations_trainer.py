@@ -269,6 +269,13 @@ def test_status_enable_and_refusals(samples, tmp_path):
         enable(dict)
     with pytest.raises(InvalidArgumentError, match="padfree_loss must be one of"):
         Trainer(model=llama(), args=args, train_dataset=ds, padfree_loss="mean")
+    smoothing = transformers.TrainingArguments(output_dir=str(tmp_path), report_to="none", use_cpu=True,
+                                               label_smoothing_factor=0.1)
+    with pytest.raises(InvalidArgumentError, match=r"padfree_fused_loss=True computes.*label_smoothing_factor=0.1"):
+        Trainer(model=llama(), args=smoothing, train_dataset=ds, padfree_fused_loss=True)
+    with pytest.raises(InvalidArgumentError, match=r"padfree_fused_loss=True computes.*a compute_loss_func"):
+        Trainer(model=llama(), args=args, train_dataset=ds, padfree_fused_loss=True,
+                compute_loss_func=lambda outputs, labels, **kw: outputs.loss)
     gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=64, n_embd=32, n_layer=1, n_head=4))
     with pytest.raises(UnsupportedModelError, match="gpt2"):
         Trainer(model=gpt2, args=args, train_dataset=ds, data_collator=PackedRowsCollator())

@@ -365,6 +365,16 @@ def test_bad_input(tok, records, tmp_path):
         build(packing=True, padding_free=False)
     with pytest.raises(InvalidArgumentError, match="padfree_loss must be one of"):
         build(padfree_loss="mean")
+    # padfree's own NLL (the sequence rule, the fused loss) would silently replace another loss: refused
+    with pytest.raises(InvalidArgumentError, match=r"padfree_loss='sequence' computes.*loss_type='dft'"):
+        build(padfree_loss="sequence", loss_type="dft")
+    with pytest.raises(InvalidArgumentError, match=r"padfree_fused_loss=True computes.*loss_type='dft'"):
+        build(padfree_fused_loss=True, loss_type="dft")
+    with pytest.raises(InvalidArgumentError, match=r"padfree_fused_loss=True computes.*label_smoothing_factor=0.1"):
+        build(padfree_fused_loss=True, label_smoothing_factor=0.1)
+    with pytest.raises(InvalidArgumentError, match=r"padfree_fused_loss=True computes.*a compute_loss_func"):
+        ptrl.SFTTrainer(model=llama(tok), args=config(tmp_path, padfree_fused_loss=True), train_dataset=ds,
+                        processing_class=tok, compute_loss_func=lambda outputs, labels, **kw: outputs.loss)
     with pytest.raises(InvalidArgumentError, match=r"packing=True packs the whole dataset at once.*IterableDataset"):
         build(packing=True, dataset=ds.to_iterable_dataset())
     with pytest.raises(InvalidArgumentError, match="ProcessorMixin"):

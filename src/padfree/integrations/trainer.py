@@ -996,6 +996,9 @@ class _TrainerMixin(PadfreeTrainerMixin):
         as_choice(padfree_loss, "padfree_loss", LOSS_MODES)
         self.padfree_balance = _as_flag(padfree_balance, "padfree_balance")
         self.padfree_fused_loss = _as_flag(padfree_fused_loss, "padfree_fused_loss")
+        if self.padfree_fused_loss:
+            _refuse_with_own_nll("padfree_fused_loss=True", kwargs.get("args", args[1] if len(args) > 1 else None),
+                                 kwargs.get("compute_loss_func"))
         model = kwargs.get("model", args[0] if args else None)
         collator = kwargs.get("data_collator", args[2] if len(args) > 2 else None)
         train = kwargs.get("train_dataset", args[3] if len(args) > 3 else None)
@@ -1023,6 +1026,29 @@ def _as_flag(value: Any, name: str) -> bool:
     if not isinstance(value, (bool, np.bool_)):
         raise InvalidArgumentError(f"{name} must be True or False, got {describe(value)}")
     return bool(value)
+
+
+def _own_nll_conflicts(args: Any, compute_loss_func: Any) -> list[str]:
+    """What in ``args`` / ``compute_loss_func`` would change the loss away from the plain negative log-likelihood
+    that padfree computes itself (the sequence rule, the fused loss): empty when nothing does."""
+    conflicts = []
+    loss_type = getattr(args, "loss_type", "nll")  # TRL's SFTConfig: "nll" or "dft"
+    if loss_type not in (None, "nll"):
+        conflicts.append(f"loss_type={loss_type!r}")
+    smoothing = getattr(args, "label_smoothing_factor", 0.0) or 0.0
+    if smoothing > 0:
+        conflicts.append(f"label_smoothing_factor={smoothing}")
+    if compute_loss_func is not None:
+        conflicts.append("a compute_loss_func")
+    return conflicts
+
+
+def _refuse_with_own_nll(what: str, args: Any, compute_loss_func: Any) -> None:
+    conflicts = _own_nll_conflicts(args, compute_loss_func)
+    if conflicts:
+        raise InvalidArgumentError(
+            f"{what} computes the negative log-likelihood itself; it cannot be combined with "
+            f"{', '.join(conflicts)} (accepted: loss_type='nll', no label smoothing, no compute_loss_func)")
 
 
 def _configure(model: Any) -> Any:
@@ -1054,7 +1080,8 @@ class Trainer(_TrainerMixin, transformers.Trainer):
     When ``data_collator`` is one of padfree's (:class:`PackedRowsCollator`, ``PaddingFreeCollator``,
     ``packed_collate_fn``) the model is passed to :func:`padfree.configure_packing` first, which makes it exact
     for packed rows or raises :class:`~padfree.errors.UnsupportedModelError`. A ``compute_loss_func`` or label
-    smoothing takes over the loss (then transformers' normalisation applies).
+    smoothing takes over the loss (then transformers' normalisation applies); with ``padfree_fused_loss=True`` they
+    are refused (InvalidArgumentError), as the fused loss would silently compute another loss.
 
     Typical use::
 

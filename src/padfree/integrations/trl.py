@@ -89,6 +89,7 @@ from padfree.integrations.trainer import (
     PadfreeTrainerMixin,
     _as_flag,
     _model_facts,
+    _refuse_with_own_nll,
     _targets,
     _unwrap,
     pack_for_trainer,
@@ -421,12 +422,10 @@ class _SFTMixin(PadfreeTrainerMixin):
         loss = as_choice(getattr(args, "padfree_loss", "token"), "padfree_loss", LOSS_MODES)
         self.padfree_balance = _as_flag(getattr(args, "padfree_balance", True), "padfree_balance")
         self.padfree_fused_loss = _as_flag(getattr(args, "padfree_fused_loss", False), "padfree_fused_loss")
-        if loss == "sequence" and (args.loss_type != "nll" or args.label_smoothing_factor > 0
-                                   or kwargs.get("compute_loss_func") is not None):
-            raise InvalidArgumentError(
-                f"padfree_loss='sequence' computes the negative log-likelihood itself; it cannot be combined with "
-                f"loss_type={args.loss_type!r}, label_smoothing_factor={args.label_smoothing_factor} or a "
-                f"compute_loss_func (accepted: loss_type='nll', no label smoothing, no compute_loss_func)")
+        for flag, what in ((loss == "sequence", "padfree_loss='sequence'"),
+                           (self.padfree_fused_loss, "padfree_fused_loss=True")):
+            if flag:
+                _refuse_with_own_nll(what, args, kwargs.get("compute_loss_func"))
         config = _model_config(model, args)
         decision = _decide(args, model, config, processing_class, data_collator, train_dataset,
                            kwargs.get("formatting_func"))
