@@ -164,9 +164,12 @@ def main() -> None:
         "The stock step holds the logits, their log-softmax and both gradients at once (a few times `positions × "
         "vocab` floats); the fused step holds one chunk of them, reused, plus the head's gradient — so its memory "
         "stops growing with the vocabulary times the row length, and the time saved is the memory traffic (and, on "
-        "this VM, the page faults of fresh memory) of those tensors. TRL's head saves the same memory but does "
-        "four vocabulary-sized matrix products per position where padfree does three (it recomputes the logits "
-        "in the backward instead of keeping the gradients from the forward).",
+        "this VM, the page faults of fresh memory) of those tensors. TRL's head, off Triton devices, folds each "
+        "tile of logits with torch operations that allocate tile-sized temporaries, scores the masked positions "
+        "too, and recomputes the logits in the backward (four vocabulary-sized matrix products per position "
+        "where padfree does three, keeping the gradients from the forward): on this CPU it can take more memory "
+        "than the stock loss and is the slowest of the three. On CUDA it folds the tiles in a Triton kernel over "
+        "target positions only; that comparison has not been run here (no GPU).",
         END,
     ])
     if args.no_write:
