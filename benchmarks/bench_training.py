@@ -11,8 +11,9 @@ step per batch, and is timed over the whole pass:
   length, then the same padded batches;
 - ``trl`` — ``trl.data_utils.pack_dataset(ds, C, "bfd")`` rows, ``B`` rows per step through
   ``DataCollatorForLanguageModeling(padding_free=True)`` (one flattened row with restarting ``position_ids``),
-  ``use_cache=False`` as ``SFTTrainer.compute_loss`` sets it, the stock model — what ``SFTTrainer(packing=True)``
-  runs on a model without flash-attention;
+  ``use_cache=False`` as ``SFTTrainer.compute_loss`` sets it, the stock model, and the loss through TRL's fused LM
+  head as ``SFTTrainer.compute_loss`` computes it (``add_fused_lm_head``, ``fused_lm_head=True``; the stock loss in
+  TRL versions without one) — what ``SFTTrainer(packing=True)`` runs on a model without flash-attention;
 - ``packed`` — padfree: ``pack_sequences`` rows of ``C``, ``B`` rows per step, ``PackedBatch.model_inputs()``, a
   ``configure_packing`` copy of the model;
 - ``ideal`` — the same tokens concatenated and cut into ``B`` full rows of ``C`` per step, no mask, no boundaries.
@@ -307,7 +308,8 @@ def render(args: argparse.Namespace, info: dict[str, str], before: str, after: s
         f"- Batching: C = {args.capacity:,} tokens per row, B = {args.rows} (HF's default "
         "`per_device_train_batch_size`): a padded batch holds B sequences, a packed step B rows, so no step of any "
         f"mode computes more than B × C = {args.rows * args.capacity:,} positions (the same peak memory bound).",
-        "- Step: `model(**inputs).loss` (transformers' own causal-LM loss over all positions it is given), "
+        "- Step: `model(**inputs).loss` (transformers' own causal-LM loss over all positions it is given; `trl`: "
+        "TRL's fused LM head, `model(**inputs, fused_lm_head=True).loss`, as SFTTrainer computes its loss), "
         "`backward()`, `AdamW(lr=1e-3).step()`; each pass starts from the same initial weights and a fresh "
         "optimizer, after one untimed warm-up step per mode. Batches are built before the clock starts (data "
         "loading is not timed for any mode); padfree's per-batch layout work inside the forward is timed.",
@@ -419,8 +421,10 @@ def render(args: argparse.Namespace, info: dict[str, str], before: str, after: s
         "to B full rows (memory must be sized for the largest), many more optimizer steps for the same tokens, "
         "and length-correlated batches.",
         "- TRL's path computes the same positions as packed, but transformers hands SDPA a dense (B·C)² "
-        "block-diagonal mask for its one flattened row: every attention layer pays the full square. On the "
-        "hybrid, transformers refuses TRL's packed batch outright unless the CUDA kernels are installed.",
+        "block-diagonal mask for its one flattened row: every attention layer pays the full square; and its "
+        "loss goes through TRL's fused LM head, whose CPU fallback (no Triton) is slower than the stock loss "
+        "here (`bench_loss.py`; `trl+fused` swaps in padfree's loss on TRL's batches). On the hybrid, "
+        "transformers refuses TRL's packed batch outright unless the CUDA kernels are installed.",
         "- The hybrid's modes also differ in their GatedDeltaNet code: the stock modes run transformers' "
         "pure-PyTorch fallback (`torch_chunk_gated_delta_rule`, `torch_causal_conv1d_update`), `packed` runs "
         "padfree's boundary-resetting torch implementation (`padfree.model.mixers`), so its ratios include that "
