@@ -64,6 +64,22 @@ def test_compiled_packed_steps_are_exact_and_do_not_recompile_per_batch(model_ty
         assert grad_diff(g_packed, g_alone) <= ATOL, (rows, grad_diff(g_packed, g_alone))
 
 
+def test_compiled_packed_steps_with_activation_checkpointing_are_exact():
+    """Checkpointed layers recompute their forward in the backward, inside the compiled graphs, from the layout of
+    the batch in flight."""
+    model = _configured("llama", "sdpa")
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    compiled = torch.compile(model, backend="aot_eager")
+    for i, rows in enumerate(ROW_SETS[:3]):
+        ids, pos, seqs = packed_rows(rows, seed=i)
+        alone, g_alone = run_separately(model, seqs)
+        with torch._dynamo.config.patch(error_on_recompile=i >= 2):
+            packed, g_packed = run_packed(compiled, ids, pos, seqs)
+        assert max_diff(packed, alone) <= ATOL
+        assert grad_diff(g_packed, g_alone) <= ATOL
+
+
 def test_compiled_model_still_runs_unpacked_padded_batches_exactly():
     """After packed calls, an ordinary right-padded batch takes transformers' own masked path (the mask function
     decides per call, at run time, not once at trace time)."""
