@@ -50,18 +50,23 @@ def _configured(model_type: str, backend: str | None):
     return model
 
 
-@pytest.mark.parametrize(("model_type", "backend"), CASES, ids=[f"{m}-{b}" for m, b in CASES])
-def test_compiled_packed_steps_are_exact_and_do_not_recompile_per_batch(model_type, backend):
-    model = _configured(model_type, backend)
-    compiled = torch.compile(model, backend="aot_eager")
-    for i, rows in enumerate(ROW_SETS):
+def _assert_exact_without_recompiles(model, compiled, row_sets, *, compiles: int = 2) -> None:
+    """Every batch of ``row_sets`` through ``compiled`` gives the per-sequence logits and gradients of ``model``, and
+    after the first ``compiles`` batches (static shapes, then dynamic ones) no batch recompiles."""
+    for i, rows in enumerate(row_sets):
         ids, pos, seqs = packed_rows(rows, seed=i)
         alone, g_alone = run_separately(model, seqs)
-        # the first batch compiles for its shapes, the second makes them dynamic; no later batch may recompile
-        with torch._dynamo.config.patch(error_on_recompile=i >= 2):
+        with torch._dynamo.config.patch(error_on_recompile=i >= compiles):
             packed, g_packed = run_packed(compiled, ids, pos, seqs)
         assert max_diff(packed, alone) <= ATOL, (rows, max_diff(packed, alone))
         assert grad_diff(g_packed, g_alone) <= ATOL, (rows, grad_diff(g_packed, g_alone))
+
+
+@pytest.mark.parametrize(("model_type", "backend"), CASES, ids=[f"{m}-{b}" for m, b in CASES])
+def test_compiled_packed_steps_are_exact_and_do_not_recompile_per_batch(model_type, backend):
+    model = _configured(model_type, backend)
+    # the first batch compiles for its shapes, the second makes them dynamic; no later batch may recompile
+    _assert_exact_without_recompiles(model, torch.compile(model, backend="aot_eager"), ROW_SETS)
 
 
 def test_compiled_packed_steps_with_activation_checkpointing_are_exact():
@@ -70,14 +75,7 @@ def test_compiled_packed_steps_with_activation_checkpointing_are_exact():
     model = _configured("llama", "sdpa")
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()
-    compiled = torch.compile(model, backend="aot_eager")
-    for i, rows in enumerate(ROW_SETS[:3]):
-        ids, pos, seqs = packed_rows(rows, seed=i)
-        alone, g_alone = run_separately(model, seqs)
-        with torch._dynamo.config.patch(error_on_recompile=i >= 2):
-            packed, g_packed = run_packed(compiled, ids, pos, seqs)
-        assert max_diff(packed, alone) <= ATOL
-        assert grad_diff(g_packed, g_alone) <= ATOL
+    _assert_exact_without_recompiles(model, torch.compile(model, backend="aot_eager"), ROW_SETS[:3])
 
 
 def test_compiled_model_still_runs_unpacked_padded_batches_exactly():
@@ -126,11 +124,4 @@ def test_inductor_compiled_packed_steps_are_exact():
     """The default backend, C++ code generation included; dynamic shapes from the start, so it compiles once (about
     half a minute here) and no later batch recompiles."""
     model = _configured("llama", "sdpa")
-    compiled = torch.compile(model, dynamic=True)
-    for i, rows in enumerate(ROW_SETS[:3]):
-        ids, pos, seqs = packed_rows(rows, seed=i)
-        alone, g_alone = run_separately(model, seqs)
-        with torch._dynamo.config.patch(error_on_recompile=i >= 1):
-            packed, g_packed = run_packed(compiled, ids, pos, seqs)
-        assert max_diff(packed, alone) <= ATOL
-        assert grad_diff(g_packed, g_alone) <= ATOL
+    _assert_exact_without_recompiles(model, torch.compile(model, dynamic=True), ROW_SETS[:3], compiles=1)
