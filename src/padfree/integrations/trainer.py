@@ -1028,9 +1028,9 @@ def _as_flag(value: Any, name: str) -> bool:
     return bool(value)
 
 
-def _own_nll_conflicts(args: Any, compute_loss_func: Any) -> list[str]:
-    """What in ``args`` / ``compute_loss_func`` would change the loss away from the plain negative log-likelihood
-    that padfree computes itself (the sequence rule, the fused loss): empty when nothing does."""
+def _refuse_with_own_nll(what: str, args: Any, compute_loss_func: Any) -> None:
+    """InvalidArgumentError when ``args`` / ``compute_loss_func`` would change the loss away from the plain negative
+    log-likelihood that ``what`` (the sequence rule, the fused loss) computes itself."""
     conflicts = []
     loss_type = getattr(args, "loss_type", "nll")  # TRL's SFTConfig: "nll" or "dft"
     if loss_type not in (None, "nll"):
@@ -1040,11 +1040,6 @@ def _own_nll_conflicts(args: Any, compute_loss_func: Any) -> list[str]:
         conflicts.append(f"label_smoothing_factor={smoothing}")
     if compute_loss_func is not None:
         conflicts.append("a compute_loss_func")
-    return conflicts
-
-
-def _refuse_with_own_nll(what: str, args: Any, compute_loss_func: Any) -> None:
-    conflicts = _own_nll_conflicts(args, compute_loss_func)
     if conflicts:
         raise InvalidArgumentError(
             f"{what} computes the negative log-likelihood itself; it cannot be combined with "
