@@ -268,9 +268,7 @@ def test_padding_free_collator_matches_data_collator_with_flattening():
             assert inputs[key].dtype == hf[key].dtype, key
         assert inputs["max_length_q"] == hf["max_length_q"] and inputs["max_length_k"] == hf["max_length_k"]
         assert torch.equal(ours.cu_seqlens, hf["cu_seq_lens_q"])
-    # where HF's differs: an empty sample gets a label without a token, so every later label is misaligned
-    hf = DataCollatorWithFlattening()([{"input_ids": [1, 2]}, {"input_ids": []}, {"input_ids": [3, 4]}])
-    assert hf["labels"].shape[1] == hf["input_ids"].shape[1] + 1
+    # an empty sample is a fault of the data (transformers < 5.24 misaligned every later label on it): refused
     with pytest.raises(InvalidTokensError, match=r"samples\[1\]\['input_ids'\] is empty"):
         PaddingFreeCollator()([{"input_ids": [1, 2]}, {"input_ids": []}, {"input_ids": [3, 4]}])
 
