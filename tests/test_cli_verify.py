@@ -62,3 +62,14 @@ def test_a_broken_checkpoint_is_a_clear_error(tmp_path, capsys):
 def test_model_type_and_model_are_exclusive(capsys):
     assert main(["verify", "--model-type", "llama", "--model", "x"]) == 2
     assert "not allowed with argument" in capsys.readouterr().err
+
+
+def test_a_device_this_torch_cannot_use_is_one_error_line(capsys):
+    import torch
+
+    # on a CPU-only build "cuda" itself; with CUDA, an ordinal past the last GPU
+    device = f"cuda:{torch.cuda.device_count()}" if torch.cuda.is_available() else "cuda"
+    assert main(["verify", "--model-type", "llama", "--device", device]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1 and "Traceback" not in err
+    assert err.startswith(f"padfree: error: --device {device!r} is not available here (") and "--device cpu" in err

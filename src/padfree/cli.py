@@ -11,12 +11,22 @@ This module is the only place in padfree that prints. Library code raises :class
 for bad input; :func:`main` turns it into one line, ``padfree: error: ...``, on stderr and exit status 2 (the
 status argparse uses for usage errors), and writes no output file: ``pack`` builds its output in a hidden work
 directory beside ``--output`` and renames it into place only when complete (see :class:`_AtomicOutput`).
+
+Optional packages: ``padfree --help`` and every ``padfree COMMAND --help`` need only numpy and numba. A command
+checks the packages its work needs (:func:`_require`) after its cheap argument checks and before it reads,
+tokenizes or trains anything, and stops with one line naming the package and the extra that installs it
+(:func:`_install_hint`). What only decorates a run is skipped instead: without tqdm there are no progress bars;
+without matplotlib ``padfree demo`` does all its work and says in one line that the picture was not drawn (``analyze
+--plot`` asks for the picture itself, so it stops up front). An ``ImportError`` that still escapes becomes one line
+too (:func:`main`).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
+import importlib
 import json
 import logging
 import os
@@ -65,7 +75,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return args.run(args)
     except PadfreeError as exc:
-        print(f"padfree: error: {exc}", file=sys.stderr)
+        print(f"padfree: error: {_one_line(exc)}", file=sys.stderr)
+        return 2
+    except ImportError as exc:  # an optional package a path needs that no _require() named up front
+        missing = exc.name or "a package"
+        print(f"padfree: error: padfree {args.command} could not import {missing} ({_one_line(exc)}); install it "
+              f"with: {_install_hint(missing)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("padfree: interrupted", file=sys.stderr)
@@ -94,6 +109,67 @@ def _configure_logging(verbose: bool) -> None:
         handler._padfree_cli = True  # type: ignore[attr-defined]
         logger.addHandler(handler)
     logger.setLevel(logging.DEBUG if verbose else logging.WARNING)
+
+
+def _one_line(exc: BaseException) -> str:
+    """The message of ``exc`` on one line (a multi-line message would read as several errors)."""
+    return " ".join(str(exc).split()) or type(exc).__name__
+
+
+# ---- optional packages -------------------------------------------------------------------------------
+
+#: top-level module -> (the name pip knows it by, the extra of pyproject.toml that installs it). Every package the
+#: commands import beyond numpy and numba is in the ``cli`` extra, except torch and trl.
+_OPTIONAL = {
+    "torch": ("torch", "torch"),
+    "transformers": ("transformers", "cli"),
+    "datasets": ("datasets", "cli"),
+    "pyarrow": ("pyarrow", "cli"),
+    "tqdm": ("tqdm", "cli"),
+    "matplotlib": ("matplotlib", "cli"),
+    "mistral_common": ("mistral-common", "cli"),
+    "sentencepiece": ("sentencepiece", "cli"),
+    "google": ("protobuf", "cli"),
+    "trl": ("trl", "trl"),
+}
+
+#: torch is in no extra but its own, and the wheel pip picks by default is the CUDA one on Linux
+_CPU_TORCH = "pip install torch --index-url https://download.pytorch.org/whl/cpu"
+
+
+def _install_hint(module: str) -> str:
+    """What to run to install ``module`` (a dotted name is fine): the padfree extra that brings it."""
+    top = module.partition(".")[0]
+    package, extra = _OPTIONAL.get(top, (top, "all"))
+    if top == "torch":
+        return f"pip install 'padfree[torch]' (without an NVIDIA GPU, install the CPU wheel instead: {_CPU_TORCH})"
+    return f"pip install 'padfree[{extra}]' (it brings {package})"
+
+
+def _require(needed_for: str, *modules: str) -> None:
+    """Import ``modules`` now, or stop with one line naming the first that cannot be imported and its extra.
+
+    Called before a command does any work, so that a missing package costs milliseconds, not a tokenized corpus.
+    """
+    for module in modules:
+        try:
+            importlib.import_module(module)
+        except ImportError as exc:
+            package = _OPTIONAL.get(module.partition(".")[0], (module,))[0]
+            # the hint names what is missing, which may be a package the wanted one needs (transformers: tqdm)
+            missing = exc.name if exc.name and exc.name.partition(".")[0] in _OPTIONAL else module
+            raise BackendUnavailableError(f"{needed_for} needs {package}, which could not be imported "
+                                          f"({_one_line(exc)}); install it with: {_install_hint(missing)}") from exc
+
+
+def _importable(module: str) -> bool:
+    """Whether ``module`` imports (a broken install counts as missing: it would fail later, mid-run)."""
+    try:
+        importlib.import_module(module)
+    except ImportError as exc:
+        logger.debug("%s cannot be imported (%s)", module, exc)
+        return False
+    return True
 
 
 # ==================================================================================================
@@ -127,6 +203,7 @@ def _add_analyze(subparsers: Any) -> None:
     p.add_argument("--plot", metavar="PNG", help="write a length histogram with the capacity marked to this PNG")
     p.add_argument("--seed", type=int, default=0, help="seed of the random batch order and of 'ffs' (default: 0)")
     p.add_argument("--limit", type=int, metavar="N", help="analyze only the first N records (or documents)")
+    p.add_argument("--json", action="store_true", help="print the analysis as JSON on stdout")
     p.set_defaults(run=_run_analyze)
 
 
@@ -160,15 +237,32 @@ def _run_analyze(args: argparse.Namespace) -> int:
             raise InvalidArgumentError("--tokenizer is not used with --lengths-column (nothing is tokenized)")
     if args.data is None and args.fields:
         raise InvalidArgumentError("--field needs DATA: the embedded corpus has no columns")
+    if plot is not None:
+        _require("padfree analyze --plot", "matplotlib")
+    if args.lengths_column is None:
+        _require("padfree analyze (it tokenizes the text)", "transformers")
 
     measured = _measure(args, limit)
     analysis = analyze_lengths(measured.lengths, capacity, batch_size=batch_size, strategies=strategies, seed=seed)
     if plot is not None:
         _write_plot(plot, measured, analysis)
+    if args.json:
+        print(json.dumps(analysis_json(analysis, measured, plot), indent=2))
+        return 0
     print(render_analysis(analysis, measured))
     if plot is not None:
         print(f"\nplot written to {plot}")
     return 0
+
+
+def analysis_json(analysis: Any, measured: _Lengths, plot: Path | None) -> dict[str, Any]:
+    """What ``padfree analyze --json`` prints: the :class:`~padfree.analysis.LengthAnalysis` as plain data, with
+    where the lengths came from and the padded batches' waste."""
+    result = dataclasses.asdict(analysis)
+    result["padded"].update(waste_longest=analysis.padded.waste_longest,
+                            waste_capacity=analysis.padded.waste_capacity)
+    return {"data": measured.source, "lengths": measured.measure, "skipped_empty": measured.skipped,
+            **result, "plot": None if plot is None else str(plot)}
 
 
 def _parse_strategies(text: str | None) -> list[str] | None:
@@ -218,7 +312,7 @@ def _measure(args: argparse.Namespace, limit: int | None) -> _Lengths:
 
     tokenizer = corpus.load_tokenizer(args.tokenizer)
     name = corpus.DEFAULT_TOKENIZER_NAME if args.tokenizer is None else f"{args.tokenizer} ({type(tokenizer).__name__})"
-    raw = corpus.token_lengths(texts, tokenizer, progress=None)
+    raw = corpus.token_lengths(texts, tokenizer, progress=None if _importable("tqdm") else False)
     # a record with no tokens cannot be packed (and would not be trained on): skip it, but say how many
     keep = raw > 0
     if not keep.any():
@@ -232,6 +326,7 @@ def _measure(args: argparse.Namespace, limit: int | None) -> _Lengths:
 def _read_table(data: str) -> Any:
     """``data`` as a ``pyarrow.Table``, or a :class:`DataLoadError` naming the path and the accepted formats."""
     path = _data_path(data)
+    _require_readers(data, path)
     with _reading(data):
         if path.is_dir():
             # save_to_disk writes the selected rows themselves (no indices mapping): the backing table is the data
@@ -242,6 +337,8 @@ def _read_table(data: str) -> Any:
 def _read_dataset(data: str) -> Any:
     """``data`` as a ``datasets.Dataset``: a saved dataset directory memory-mapped, a file read into memory."""
     path = _data_path(data)
+    _require_readers(data, path)
+    _require(f"reading {data}", "datasets")
     with _reading(data):
         if path.is_dir():
             return _load_saved_dataset(path, data)
@@ -257,6 +354,13 @@ def _data_path(data: str) -> Path:
     if not path.exists():
         raise DataLoadError(f"DATA {data!r}: no such file or directory")
     return path
+
+
+def _require_readers(data: str, path: Path) -> None:
+    # pyarrow reads every file; a save_to_disk directory needs datasets
+    _require(f"reading {data}", "pyarrow")
+    if path.is_dir():
+        _require(f"reading the saved dataset {data}", "datasets")
 
 
 @contextlib.contextmanager
@@ -685,6 +789,9 @@ def _run_pack(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     opts = _pack_options(args)  # every cheap check first: a typo fails before anything is read or tokenized
     _check_pack_input_args(args)
+    _require("padfree pack", "pyarrow", "datasets")
+    if args.data is None or (args.input_ids_column is None and _text_flags(args)):
+        _require("padfree pack (it tokenizes the text)", "transformers")
     say = _Progress(enabled=not args.quiet)
     with _progress_bars(not args.quiet), _AtomicOutput(opts.output, replace=args.overwrite) as out:
         packing = _pack_input(args, opts, out.cache, say)
@@ -932,6 +1039,7 @@ def _tokenize(ds: Any, args: argparse.Namespace, opts: _PackOptions, cache: Path
     if completion is not None:
         note = (f"prompt {' + '.join(map(repr, prompt))}, then completion {completion!r} (the only targets), "
                 "joined with newlines" if prompt else f"column {completion!r}, every token a target")
+    _require("padfree pack (it tokenizes the text)", "transformers")
     tokenizer = corpus.load_tokenizer(args.tokenizer)
     name = corpus.DEFAULT_TOKENIZER_NAME if args.tokenizer is None else f"{args.tokenizer} ({type(tokenizer).__name__})"
     if completion is not None and not getattr(tokenizer, "is_fast", False):
@@ -1049,11 +1157,7 @@ class _Progress:
 @contextlib.contextmanager
 def _progress_bars(enabled: bool) -> Iterator[None]:
     """``datasets``' progress bars (tqdm) on or off for the block, then as they were."""
-    try:
-        from datasets.utils import logging as ds_logging
-    except ImportError as exc:
-        raise BackendUnavailableError(f"padfree pack needs datasets, which could not be imported ({exc}); install "
-                                      "it with: pip install 'padfree[cli]'") from exc
+    from datasets.utils import logging as ds_logging
 
     was = ds_logging.is_progress_bar_enabled()
     (ds_logging.enable_progress_bar if enabled else ds_logging.disable_progress_bar)()
@@ -1264,10 +1368,30 @@ def _training_options(args: argparse.Namespace, command: str) -> _TrainingOption
 
 
 def _bar(total: int, desc: str, unit: str) -> Any:
-    """A tqdm progress bar on stderr (drawn only on a terminal)."""
+    """A tqdm progress bar on stderr (drawn only on a terminal); without tqdm, one that draws nothing."""
+    if not _importable("tqdm"):
+        return _NoBar()
     from tqdm.auto import tqdm
 
     return tqdm(total=total, desc=desc, unit=unit, unit_scale=True, disable=None, leave=False, file=sys.stderr)
+
+
+class _NoBar:
+    """What :func:`_bar` returns without tqdm: the calls the commands make, doing nothing."""
+
+    def update(self, n: int = 1) -> None:
+        pass
+
+    def set_postfix_str(self, text: str = "", refresh: bool = True) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def _note(message: str) -> None:
+    """One line on stderr about something a run left out (shown even with ``-q``: it is not progress)."""
+    print(f"padfree: note: {message}", file=sys.stderr, flush=True)
 
 
 def _texts(args: argparse.Namespace, opts: _TrainingOptions) -> tuple[list[str], str]:
@@ -1431,9 +1555,10 @@ def _add_demo(subparsers: Any) -> None:
             "The whole story on your machine, offline: tokenize a real corpus (the embedded one: CPython's standard "
             "library and pydoc topics; or --data), analyze its lengths, pack it, build a small Llama (or load "
             "--model), prove with verify() that a packed step equals the per-sequence steps, then train the same "
-            "real tokens three ways — random padded batches, length-grouped padded batches, padfree packed rows — "
-            f"and report real tokens/s, the speedups and the losses; writes {DEMO_PNG} (lengths, row fill, "
-            "throughput) to --output."
+            "real tokens four ways — random padded batches, length-grouped padded batches, padfree packed rows, and "
+            "packed rows with padfree's fused loss — and report real tokens/s, the speedups and the losses; writes "
+            f"{DEMO_PNG} (lengths, row fill, throughput) to --output. Needs torch and transformers; without "
+            "matplotlib everything runs and only the picture is left out (one line says so)."
         ),
     )
     _add_training_args(p, "demo")
@@ -1451,6 +1576,9 @@ def _run_demo(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     opts = _training_options(args, "demo")
     output = _check_output_dir(args.output)
+    _require("padfree demo", "torch", "transformers")
+    # the picture only illustrates the numbers: without matplotlib the demo runs and says what it left out
+    draw = _importable("matplotlib")
     say = _Progress(enabled=not args.quiet)
     data = _prepare(args, opts, say)
     say(f"analyzing {data.lengths.shape[0]:,} lengths and packing them into rows of {opts.capacity:,}")
@@ -1459,15 +1587,19 @@ def _run_demo(args: argparse.Namespace) -> int:
     model, model_text = _model(args, opts, data.vocab, data.ids)
     sample = sample_sequences(data.ids, opts.tokens, opts.capacity, seed=opts.seed)
     report, plans = _train(model, sample, opts, ("padded", "grouped", "packed"), say, fused=("packed",))
-    png = output / DEMO_PNG
-    output.mkdir(exist_ok=True)
-    _write_demo_plot(png, data, analysis, plan, plans, report)
+    png = output / DEMO_PNG if draw else None
+    if png is not None:
+        output.mkdir(exist_ok=True)
+        _write_demo_plot(png, data, analysis, plan, plans, report)
     summary = {"data": data.source, "tokenizer": data.tokenizer_name, "model": model_text,
                "sequences": int(data.lengths.shape[0]), "tokens": int(data.lengths.sum()),
                "packing": {"capacity": opts.capacity, "rows": plan.num_bins, "efficiency": plan.efficiency,
                            "padded_waste": analysis.padded.waste_longest},
-               "training": report.as_dict(), "png": str(png), "seconds": round(time.perf_counter() - started, 1)}
+               "training": report.as_dict(), "png": None if png is None else str(png),
+               "seconds": round(time.perf_counter() - started, 1)}
     print(json.dumps(summary, indent=2) if args.json else render_demo(summary, data, analysis, plan, report))
+    if png is None:
+        _note(f"{DEMO_PNG} was not drawn: matplotlib is not installed; {_install_hint('matplotlib')} draws it")
     return 0
 
 
@@ -1522,7 +1654,9 @@ def render_demo(summary: dict[str, Any], data: _Prepared, analysis: Any, plan: A
         "step, different step counts), so their curves are not identical; 'final loss' is the token-weighted "
         "mean loss over the last quarter of the tokens, for comparing where each mode got to.",
         width=110, initial_indent="  ", subsequent_indent="  ")
-    out += ["", f"plot written to {summary['png']} ({summary['seconds']:.0f} s in all)"]
+    done = (f"plot written to {summary['png']}" if summary["png"] is not None
+            else f"no plot ({DEMO_PNG} needs matplotlib)")
+    out += ["", f"{done} ({summary['seconds']:.0f} s in all)"]
     return "\n".join(out)
 
 
@@ -1610,6 +1744,11 @@ def _run_bench(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     opts = _training_options(args, "bench")
     n = _optional_positive(args.lengths, "--lengths") or (100_000 if opts.quick else 1_000_000)
+    if not args.no_training:
+        _require("padfree bench (its training part; --no-training measures packing alone)", "torch", "transformers")
+    elif args.data is not None:
+        _require("padfree bench --data (it tokenizes the text)", "transformers")
+    with_trl = not args.no_training and _importable("trl")
     say = _Progress(enabled=not args.quiet)
     rng = np.random.default_rng(opts.seed)
     synthetic = np.clip(np.rint(rng.lognormal(np.log(250), 1.0, n)), 1, opts.capacity).astype(np.int64)
@@ -1624,7 +1763,7 @@ def _run_bench(args: argparse.Namespace) -> int:
     if not args.no_training:
         assert data is not None
         model, model_text = _model(args, opts, data.vocab, data.ids)
-        modes = [m for m in MODES if m != "trl" or _importable("trl")]
+        modes = [m for m in MODES if m != "trl" or with_trl]
         sample = sample_sequences(data.ids, opts.tokens, opts.capacity, seed=opts.seed)
         report, _ = _train(model, sample, opts, modes, say)
     summary: dict[str, Any] = {"capacity": opts.capacity, "packing": {}, "seconds": 0.0}
@@ -1640,13 +1779,9 @@ def _run_bench(args: argparse.Namespace) -> int:
         summary["training"]["model"] = model_text
     summary["seconds"] = round(time.perf_counter() - started, 1)
     print(json.dumps(summary, indent=2) if args.json else render_bench(summary, packing, report))
+    if not args.no_training and not with_trl:
+        _note(f"trl is not installed, so TRL's packing was not measured; {_install_hint('trl')} adds it")
     return 0
-
-
-def _importable(name: str) -> bool:
-    import importlib.util
-
-    return importlib.util.find_spec(name) is not None
 
 
 def render_bench(summary: dict[str, Any], packing: dict[str, Any], report: Any) -> str:
@@ -1681,17 +1816,15 @@ def render_bench(summary: dict[str, Any], packing: dict[str, Any], report: Any) 
 
 
 def _add_verify(subparsers: Any) -> None:
-    from padfree.model.support import LENGTHS
-
     p = subparsers.add_parser(
         "verify",
         help="prove a model exact on packed rows, on every attention backend available here",
         description=(
             "Configure the model for each attention backend in turn (padfree.configure_packing) and compare one packed "
-            f"step with one step per sequence (padfree.verify: {len(LENGTHS)} sequences of {min(LENGTHS)}-"
-            f"{max(LENGTHS)} tokens in two rows): logits, loss and every parameter gradient. Prints the result per "
-            "backend and the model's row of the README support table. Exit status 0: exact on every backend that "
-            "ran; 1: a mismatch, or no backend could run (e.g. an unsupported model type)."
+            "step with one step per sequence (padfree.verify: a few short sequences of different lengths in two "
+            "rows): logits, loss and every parameter gradient. Prints the result per backend and the model's row of "
+            "the README support table. Exit status 0: exact on every backend that ran; 1: a mismatch, or no backend "
+            "could run (e.g. an unsupported model type). Needs torch and transformers."
         ),
     )
     which = p.add_mutually_exclusive_group(required=True)
@@ -1729,16 +1862,12 @@ def _load_model(args: argparse.Namespace) -> Any:
 
 
 def _run_verify(args: argparse.Namespace) -> int:
-    from padfree.model.support import check_support
-
-    try:
-        import torch
-
-        device = torch.device(args.device)
-    except (ImportError, RuntimeError) as exc:
-        raise InvalidArgumentError(f"--device {args.device!r} is not a torch device: {exc}") from exc
     if not args.atol >= 0:
         raise InvalidArgumentError(f"--atol must be a number >= 0, got {args.atol}")
+    _require("padfree verify", "torch", "transformers")
+    device = _torch_device(args.device)
+    from padfree.model.support import check_support
+
     model = _load_model(args).to(device)
     row = check_support(model, args.backends, atol=args.atol)
     if args.json:
@@ -1758,6 +1887,25 @@ def _run_verify(args: argparse.Namespace) -> int:
         print("|---" * (len(row.checks) + 1) + "|")
         print(row.markdown())
     return 0 if row.ok else 1
+
+
+def _torch_device(name: str) -> Any:
+    """``--device`` as a ``torch.device`` this machine can allocate on, or one line saying why not."""
+    import torch
+
+    try:
+        device = torch.device(name)
+    except RuntimeError as exc:
+        raise InvalidArgumentError(f"--device {name!r} is not a torch device: {_one_line(exc)}") from exc
+    try:
+        torch.empty(0, device=device)  # torch.device() only parses: "cuda" on a CPU-only build fails here
+    except (AssertionError, RuntimeError) as exc:  # torch asserts for a backend it was built without
+        build = f"torch {torch.__version__}" + (", built without CUDA" if device.type == "cuda" and not
+                                                torch.version.cuda else "")
+        why = _one_line(exc).split(". ")[0]  # torch may append a list of every backend it was built with
+        raise BackendUnavailableError(f"--device {name!r} is not available here ({why}; {build}); use --device "
+                                      "cpu, or a torch built for that device") from exc
+    return device
 
 
 COMMANDS: dict[str, Callable[[Any], None]] = {
