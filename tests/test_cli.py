@@ -131,6 +131,21 @@ def test_plot_is_a_valid_png(tmp_path, capsys):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["lengths.png"]  # no temporary file left behind
 
 
+def test_analyze_json_is_the_analysis_as_data(tmp_path, capsys):
+    png = tmp_path / "lengths.png"
+    path = tmp_path / "lengths.parquet"
+    pq.write_table(pa.table({"n": [5, 0, 12, 3000, 7]}), path)
+    code, out, err = run(capsys, "analyze", path, "--lengths-column", "n", "--capacity", "16", "--batch-size", "2",
+                         "--strategies", "obfd,nf", "--plot", png, "--json")
+    assert code == 0, err
+    result = json.loads(out)
+    assert result["stats"]["count"] == 4 and result["stats"]["total_tokens"] == 3024 and result["skipped_empty"] == 1
+    assert [s["name"] for s in result["strategies"]] == ["obfd", "nf"]
+    assert result["padded"]["truncated_sequences"] == 1 and 0 < result["padded"]["waste_longest"] < 1
+    assert result["recommended"] in [c["capacity"] for c in result["candidates"]]
+    assert result["plot"] == str(png) and png.read_bytes()[:8] == PNG_MAGIC
+
+
 @pytest.fixture
 def parquet(tmp_path) -> Path:
     path = tmp_path / "in.parquet"
