@@ -3,6 +3,7 @@ ordinary (unpacked) batches and unconfigured models are left exactly as transfor
 
 from __future__ import annotations
 
+import inspect
 import json
 import warnings
 from pathlib import Path
@@ -194,7 +195,7 @@ def test_real_text_through_the_collator_is_exact():
 # ---- guards: fail closed ---------------------------------------------------------------------------------------------
 
 
-def test_packed_batch_with_a_cache_is_refused(batch):
+def test_packed_batch_with_use_cache_is_refused(batch):
     model = tiny_model("llama")
     configure_packing(model)
     with pytest.raises(PackingDisabledError, match="use_cache=True"):
@@ -202,9 +203,50 @@ def test_packed_batch_with_a_cache_is_refused(batch):
     model.config.use_cache = True  # the config default is read when the call says nothing
     with pytest.raises(PackingDisabledError, match="use_cache"):
         model(input_ids=batch.input_ids, position_ids=batch.position_ids)
-    cache = transformers.DynamicCache(config=model.config)
-    with pytest.raises(PackingDisabledError, match="past_key_values"):
-        model(input_ids=batch.input_ids, position_ids=batch.position_ids, past_key_values=cache, use_cache=False)
+
+
+def _cache_keywords(model) -> list[str]:
+    """Every keyword the installed forward takes a cache under: the cache-like parameters of its signature and the
+    deprecated spellings transformers still renames (``past_key_values``, ``cache_params``)."""
+    names = [n for n in inspect.signature(model.forward).parameters
+             if ("cache" in n or "past" in n) and n not in ("use_cache", "cache_position")]
+    return list(dict.fromkeys([*names, "past_key_values", "cache_params"]))
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen3_5_text", "mamba2", "mamba"])  # dense, hybrid, SSM
+def test_packed_batch_with_a_cache_is_refused_under_every_name(model_type):
+    """Whatever carries the cache — today's ``cache``, the deprecated names transformers still accepts, or a
+    positional argument — a packed batch with it is refused; without padfree the same call runs (and leaks)."""
+    model = tiny_model(model_type)
+    ids = torch.randint(3, 90, (1, 7))
+    pos = torch.tensor([[0, 1, 2, 0, 1, 2, 3]])
+
+    def cache():  # the cache object the model itself builds
+        with torch.no_grad():
+            return model(input_ids=ids[:, :2], use_cache=True).cache
+
+    accepted = []
+    for name in _cache_keywords(model):
+        try:
+            with torch.no_grad():
+                model(input_ids=ids, position_ids=pos, use_cache=False, **{name: cache()})
+        except TypeError:  # not a keyword this forward takes
+            continue
+        accepted.append(name)
+    assert "cache" in accepted or "past_key_values" in accepted
+    params = list(inspect.signature(model.forward).parameters)
+    index = params.index("cache" if "cache" in params else "past_key_values")
+    configure_packing(model)
+    for name in accepted:
+        with pytest.raises(PackingDisabledError, match=r"\w+=\w*Cache \(a cache\)"):
+            model(input_ids=ids, position_ids=pos, use_cache=False, **{name: cache()})
+    positional = [ids, None, pos] if params[:3] == ["input_ids", "attention_mask", "position_ids"] else None
+    if positional is not None:
+        args = [*positional, *[None] * (index - 3), cache()]
+        with pytest.raises(PackingDisabledError, match="a cache"):
+            model(*args, use_cache=False)
+    out = model(input_ids=ids, position_ids=pos, use_cache=False)  # the same batch without a cache runs
+    assert out.logits.shape[:2] == (1, 7)
 
 
 @pytest.mark.parametrize("kind", ["all-ones", "padding", "4-D"])
@@ -218,6 +260,24 @@ def test_packed_batch_with_a_binary_or_prepared_mask_is_refused(batch, kind):
         model(input_ids=batch.input_ids, position_ids=batch.position_ids, attention_mask=mask.long()
               if kind != "4-D" else mask)
     assert "PackedBatch.model_inputs()" in str(err.value)
+
+
+def test_dense_masks_are_refused_whatever_carries_them(batch):
+    """A dense mask is recognised by its shape, not its name: positional, a per-layer-type mapping (transformers'
+    ``{"full_attention": mask}``), a 3-D mask, or under a keyword a later release might invent."""
+    model = tiny_model("llama")
+    configure_packing(model)
+    ids, pos = batch.input_ids, batch.position_ids
+    b, t = ids.shape
+    four = torch.ones(b, 1, t, t, dtype=torch.bool).tril()
+    with pytest.raises(PackingDisabledError, match="0/1 attention_mask"):
+        model(ids, torch.ones_like(ids), pos, use_cache=False)  # positional 0/1 mask
+    with pytest.raises(PackingDisabledError, match=r"'full_attention' entry is a 4-D mask"):
+        model(input_ids=ids, position_ids=pos, attention_mask={"full_attention": four}, use_cache=False)
+    with pytest.raises(PackingDisabledError, match="3-D mask"):
+        model(input_ids=ids, position_ids=pos, attention_mask=four[:, 0], use_cache=False)
+    with pytest.raises(PackingDisabledError, match=r"some_future_mask \(a 4-D mask"):
+        model(input_ids=ids, position_ids=pos, some_future_mask=four, use_cache=False)
 
 
 def test_unconfigured_model_is_not_guarded(batch):

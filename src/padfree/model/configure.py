@@ -13,9 +13,12 @@ forwards take no ``position_ids``) that, for every call,
 3. hands the layout to every attention layer (and every boundary-aware mixer), or — for an ordinary padded batch —
    lets transformers run exactly its own code.
 
-Support is a registry: a model type is supported when the test suite proves packed == per-sequence for it
-(``tests/test_model_matrix.py``); anything else is refused with :class:`UnsupportedModelError` unless
-``strict=False``. Only the configured model is touched.
+Support is proven, never listed: a model is accepted when the support table that the test suite's sweep writes
+(:mod:`padfree.model.registry`, one tiny model per causal-LM type of transformers, packed against per-sequence in
+every backend and precision) covers it — its type, class, module classes, config features and transformers
+version — or else when an on-the-spot certification of a tiny twin of its own class and config proves it exact
+(:mod:`padfree.model.certify`, cached on disk). Anything else is refused with :class:`UnsupportedModelError`
+naming the module and the reason, unless ``strict=False``. Only the configured model is touched.
 
 >>> import torch, transformers
 >>> from padfree import configure_packing
@@ -34,12 +37,15 @@ True
 from __future__ import annotations
 
 import dataclasses
+import functools
+import importlib
 import importlib.util
 import inspect
 import logging
 import re
-import sys
+import types
 import warnings
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -53,68 +59,87 @@ from padfree.errors import (
     describe,
 )
 from padfree.layout import position_ids_to_segment_ids
+from padfree.model import guards
 from padfree.model.attention import BACKENDS, LAYOUT_KWARG, PACKED_FORWARD, register_backends
 from padfree.model.packed import PackedLayout
+from padfree.model.state import PackingState, current_layout, packing_state
 
 __all__ = [
     "BACKEND_CHOICES",
-    "MIXER_HANDLERS",
-    "SUPPORTED_MODEL_TYPES",
+    "FAMILY_MODULES",
     "PackingReport",
     "configure_packing",
     "current_layout",
+    "install_packing",
     "packing_state",
     "unconfigure_packing",
 ]
 
 log = logging.getLogger("padfree")
 
-SUPPORTED_MODEL_TYPES: dict[str, str] = {
-    # model type -> what the test matrix proves for it (tests/test_model_matrix.py compares packed with per-sequence
-    # logits and gradients on tiny random-weight models for every entry).
-    "llama": "",
-    "mistral": "sliding window per sequence",
-    "mixtral": "sliding window per sequence; MoE routing is per token",
-    "qwen2": "with and without sliding window",
-    "qwen2_moe": "",
-    "qwen3": "",
-    "qwen3_moe": "",
-    "gemma": "",
-    "gemma2": "logit softcapping and sliding window; sdpa resolves to padfree_eager (no SDPA path in transformers)",
-    "gemma3_text": "sliding window layers",
-    "phi3": "",
-    "olmo2": "",
-    "olmo": "",
-    "granite": "custom attention scaling",
-    "starcoder2": "",
-    "gpt_oss": "attention sinks; sdpa resolves to padfree_eager; flex refused on the CPU (no sinks there)",
-    "granitemoehybrid": "attention and Mamba-2 layers: conv taps and SSD state restart per sequence",
-    "cohere": "",
-    "glm": "",
-    "helium": "",
-    "smollm3": "",
-}
+_State = PackingState  # the name the rest of the package grew up with
+
+# Modules that make a kind of sequence mixer boundary-exact beyond the attention interface. Each defines
+# ``CLASSES`` (module class name -> what it makes exact), ``install(module, state) -> description`` and
+# ``uninstall(model)``; configure_packing imports them (they never import it) and routes every instance of a
+# listed class to its installer. A module of this list that is not present is skipped.
+FAMILY_MODULES = (
+    "padfree.model.mixers",  # GatedDeltaNet, Mamba-1 / Mamba-2 scans, short convolutions
+    "padfree.model.families.alibi",  # ALiBi attention biases
+    "padfree.model.families.positions",  # learned absolute position embeddings
+    "padfree.model.families.indexers",  # top-k key indexers of sparse attention (DSA)
+    "padfree.model.families.lightning",  # lightning attention (MiniMax)
+    "padfree.model.families.kda",  # Kimi delta attention
+    "padfree.model.families.rglru",  # RG-LRU (RecurrentGemma)
+    "padfree.model.families.rwkv",  # RWKV time mixing
+    "padfree.model.families.xlstm",  # xLSTM
+    "padfree.model.families.convs",  # short convolutions of newer hybrids
+)
 
 # Class-name fragments of sequence mixers other than attention: recurrent state, a short causal convolution or a
 # token shift that runs across packed boundaries unless it is told where sequences start. Linear-attention classes
 # named *Attention (DeltaAttention, LightningAttention, RWKV's SelfAttention) are mixers, not softmax attention;
-# top-k key indexers of sparse attention score every key of the row, so they refuse too until proven.
+# top-k key indexers of sparse attention score every key of the row, so they refuse too until a family claims them.
 _MIXER_PATTERN = re.compile(
     r"Mamba|GatedDeltaNet|DeltaNet|DeltaAttention|LightningAttention|ShortConv|SSM|LinearAttention|(?i:rwkv)|"
     r"Retention|Hyena|LSTM|Lstm|Recurrent|RgLru|Mixer$|Conv1d|NGram|CCAProjection|TokenShift|TimeMix|Indexer$"
 )
 # Classes the scan never takes for a mixer although their names match: per-token norms (MambaRMSNormGated) and
 # rotary tables. Models (PreTrainedModel) and decoder layers (GradientCheckpointingLayer) are containers: the scan
-# looks inside them instead (MambaForCausalLM, JambaMambaDecoderLayer).
+# looks inside them instead (MambaForCausalLM, JambaMambaDecoderLayer) unless a family claims the class itself.
 _NOT_A_MIXER = re.compile(r"Norm(Gated)?$|RotaryEmbedding$")
-
-# Mixer class name -> installer(module, state) returning a description of the exact implementation it installed.
-# Filled by padfree.model.mixers for the kinds it can make exact; everything else found by _MIXER_PATTERN refuses.
-MIXER_HANDLERS: dict[str, Any] = {}
 
 BACKEND_CHOICES = ("auto", "sdpa", "eager", "flex_attention", "varlen", "flash_attention_2", *BACKENDS)
 _ALIASES = {"sdpa": "padfree_sdpa", "eager": "padfree_eager", "flex_attention": "padfree_flex",
             "varlen": "padfree_varlen"}
+
+
+@functools.cache
+def families() -> Mapping[str, types.ModuleType]:
+    """Module class name -> the family module that makes it boundary-exact (see :data:`FAMILY_MODULES`)."""
+    found: dict[str, types.ModuleType] = {}
+    for name in FAMILY_MODULES:
+        try:
+            module = importlib.import_module(name)
+        except ModuleNotFoundError as exc:
+            if exc.name is not None and name.startswith(exc.name):
+                continue
+            raise
+        for cls in module.CLASSES:
+            found[cls] = module
+    return types.MappingProxyType(found)
+
+
+def _supported_types() -> Mapping[str, str]:
+    from padfree.model import registry
+
+    return registry.supported_types()
+
+
+def __getattr__(name: str) -> Any:
+    if name == "SUPPORTED_MODEL_TYPES":  # read from the support table on first use
+        return _supported_types()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 @dataclasses.dataclass
@@ -127,12 +152,14 @@ class PackingReport:
         reason: why that backend (``auto``'s choice, or the request).
         kernels: optional kernels importable here and whether they can run (name -> bool).
         attention_modules: qualified names of the attention modules, now boundary-exact.
-        mixers: qualified name -> implementation, for every other sequence mixer made exact: for its scan and its
+        mixers: qualified name -> implementation, for every other boundary-aware module: for a scan and a
             conv, the kernel selected or the exact torch reference, and why (a kernel that is not installed, cannot
             run here, failed to import, or failed at its first call — the entry is rewritten then).
         unsupported: qualified name -> what is missing, for every module padfree could not make exact.
-        supported: the model type is in the registry and nothing is unsupported.
+        supported: the model is proven packing-exact (see ``proof``) and nothing is unsupported.
         cache_disabled: ``config.use_cache`` was switched off (packed training never uses a cache).
+        proof: what proved the model exact (the support table of a sweep, or an on-the-spot certification, and
+            where it is cached), or why nothing could.
     """
 
     model_type: str
@@ -144,6 +171,7 @@ class PackingReport:
     unsupported: dict[str, str]
     supported: bool
     cache_disabled: bool
+    proof: str = ""
 
     @property
     def mixer_kinds(self) -> dict[str, list[str]]:
@@ -164,49 +192,10 @@ class PackingReport:
         for impl, quals in self.mixer_kinds.items():  # one line per kind of mixer, not per layer
             where = quals[0] if len(quals) == 1 else f"{len(quals)} layers ({quals[0]}, ...)"
             lines.append(f"mixers          {where}: {impl}")
+        if self.proof:
+            lines.append(f"proof           {self.proof}")
         lines += [f"UNSUPPORTED     {name}: {why}" for name, why in self.unsupported.items()]
         return "\n".join(lines)
-
-
-@dataclasses.dataclass(eq=False)
-class _State:
-    """Per configured model: backend, hook handles, the layout of the forward in flight (for mixers that are not
-    handed keyword arguments), and what to restore."""
-
-    backend: str
-    report: PackingReport
-    handles: list = dataclasses.field(default_factory=list)
-    layout: PackedLayout | None = None
-    tokens: list = dataclasses.field(default_factory=list)
-    previous: tuple = (None, None)
-
-
-def packing_state(model: torch.nn.Module) -> _State | None:
-    """The padfree state of a configured model (None if :func:`configure_packing` was never called on it)."""
-    return getattr(model, "_padfree_state", None)
-
-
-def current_layout(state: _State, hidden: torch.Tensor, who: str) -> PackedLayout | None:
-    """The layout of the forward in flight for a mixer that receives no keyword arguments (None: unpacked batch).
-
-    The layout stays set after the forward so that activation checkpointing can recompute a layer during backward;
-    its shape is checked against ``hidden`` so a stale layout is an error, never a silent wrong boundary.
-    """
-    lay = state.layout
-    if lay is not None:
-        lay.check_tokens(hidden, who)
-    return lay
-
-
-def _load_mixers() -> None:
-    """Import :mod:`padfree.model.mixers`, which fills :data:`MIXER_HANDLERS` and extends the registry."""
-    import importlib
-
-    try:
-        importlib.import_module("padfree.model.mixers")
-    except ModuleNotFoundError as exc:
-        if exc.name != "padfree.model.mixers":
-            raise
 
 
 def _kernels() -> dict[str, bool]:
@@ -224,7 +213,7 @@ def _kernels() -> dict[str, bool]:
     }
 
 
-def _check_model(model: Any) -> tuple[torch.nn.Module, str]:
+def _check_model(model: Any) -> tuple[Any, str]:
     from transformers import PreTrainedModel
 
     if not isinstance(model, PreTrainedModel):
@@ -232,29 +221,29 @@ def _check_model(model: Any) -> tuple[torch.nn.Module, str]:
             f"model must be a transformers PreTrainedModel (a causal LM such as LlamaForCausalLM), got "
             f"{describe(model, 40)}"
         )
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, MODEL_MAPPING_NAMES
+    from padfree.model import kinds
 
-    config = model.config
-    name, model_type = type(model).__name__, str(config.model_type)
-    causal = set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
-    base = model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES and MODEL_MAPPING_NAMES.get(model_type) == name
-    if getattr(config, "is_encoder_decoder", False) or not (name in causal or base):
-        raise UnsupportedModelError(
-            f"model is a {name}: configure_packing makes decoder-only causal LMs packing-exact (a *ForCausalLM or "
-            f"its base *Model); packing does not apply to encoder-decoder, classification or vision-language heads"
-        )
-    return config, model_type
+    why = kinds.not_a_causal_lm(model)
+    if why is not None:
+        raise UnsupportedModelError(why)
+    return model.config, str(model.config.model_type)
 
 
-def _scan(model: torch.nn.Module) -> tuple[list[tuple[str, torch.nn.Module]], list[tuple[str, torch.nn.Module]]]:
-    """``(attention modules, other sequence mixers)`` by qualified name; a mixer's submodules are not listed."""
+def _scan(model: torch.nn.Module) -> tuple[list[tuple[str, torch.nn.Module]], list[tuple[str, torch.nn.Module]],
+                                           list[tuple[str, torch.nn.Module]]]:
+    """``(attention modules, modules a family handles, other sequence mixers)`` by qualified name; the submodules
+    of a handled module or of a mixer are not listed."""
     from transformers import PreTrainedModel
     from transformers.modeling_layers import GradientCheckpointingLayer
 
-    attention, mixers = [], []
+    handlers = families()
+    attention, handled, mixers = [], [], []
     for name, module in model.named_modules():
         cls = type(module).__name__
-        if any(name.startswith(m + ".") for m, _ in mixers):
+        if any(name.startswith(m + ".") for m, _ in (*handled, *mixers)):
+            continue
+        if cls in handlers:
+            handled.append((name, module))
             continue
         if isinstance(module, (PreTrainedModel, GradientCheckpointingLayer)) or _NOT_A_MIXER.search(cls):
             continue
@@ -262,7 +251,7 @@ def _scan(model: torch.nn.Module) -> tuple[list[tuple[str, torch.nn.Module]], li
             attention.append((name, module))
         elif _MIXER_PATTERN.search(cls) or isinstance(module, torch.nn.Conv1d):
             mixers.append((name, module))
-    return attention, mixers
+    return attention, handled, mixers
 
 
 def _takes_positions(module: torch.nn.Module) -> bool:
@@ -335,66 +324,87 @@ def configure_packing(model: Any, *, backend: str = "auto", strict: bool = True)
         backend: ``"auto"`` (the fastest exact backend here: flash-attn or torch varlen on CUDA, per-segment SDPA
             otherwise), ``"sdpa"``, ``"eager"``, ``"flex_attention"``, ``"varlen"`` (CUDA), ``"flash_attention_2"``
             (CUDA + flash-attn), or a ``padfree_*`` name.
-        strict: refuse (:class:`UnsupportedModelError`) a model type the test matrix does not cover, or a sequence
-            mixer padfree cannot make exact; with False, warn and configure what can be configured.
+        strict: refuse (:class:`UnsupportedModelError`) a model that is not proven packing-exact — by the support
+            table, or by certifying a tiny twin of its class on the spot — or that holds a sequence mixer padfree
+            cannot make exact; with False, warn and configure what can be configured.
 
     Returns:
-        A :class:`PackingReport`. Calling again replaces the previous configuration (e.g. another backend).
+        A :class:`PackingReport`; ``report.proof`` says what proved the model exact. Calling again replaces the
+        previous configuration (e.g. another backend).
 
     After the call, pass boundaries as ``position_ids`` restarting at 0 (``PackedBatch.model_inputs()`` does), a
     LLaMA-Factory segment mask as ``attention_mask``, or ``cu_seq_lens_q``; never together with a cache or a 0/1
     mask (:class:`PackingDisabledError`). Unpacked batches, and generation, run transformers' own code under the
     base backend (``sdpa`` for ``padfree_sdpa``, ...).
     """
+    report = install_packing(model, backend=backend, strict=strict)
+    if report.unsupported:  # strict=False: some modules stay as they are; nothing to prove
+        report.proof = "none: some modules could not be made exact"
+        return report
+    from padfree.model import registry
+
+    verdict = registry.decide(model, report)
+    report.proof = verdict.how
+    if not verdict.ok:
+        report.supported = False
+        report.unsupported[verdict.module or type(model).__name__] = verdict.reason
+        message = f"cannot make {type(model).__name__} packing-exact: {verdict.module or 'the model'}: " \
+                  f"{verdict.reason}"
+        if strict:
+            unconfigure_packing(model)
+            raise UnsupportedModelError(message)
+        warnings.warn(f"padfree: {message} (strict=False: configured anyway)", stacklevel=2)
+    log.info("configure_packing(%s): %s", type(model).__name__, report)
+    return report
+
+
+def install_packing(model: Any, *, backend: str = "auto", strict: bool = True) -> PackingReport:
+    """:func:`configure_packing`'s machinery without its support decision: backend, boundary-aware modules, cache
+    off, forward hooks. Refuses (``strict``) only what it cannot install: a sequence mixer no family handles.
+    This is what the support sweep and certification measure; users call :func:`configure_packing`."""
     config, model_type = _check_model(model)
-    _load_mixers()
     if not isinstance(backend, str) or backend not in BACKEND_CHOICES:
         raise InvalidArgumentError(f"backend must be one of {', '.join(BACKEND_CHOICES)}; got {describe(backend)}")
     if not isinstance(strict, bool):
         raise InvalidArgumentError(f"strict must be True or False, got {describe(strict)}")
     unconfigure_packing(model)
 
-    attention, mixers = _scan(model)
+    attention, handled, mixers = _scan(model)
     kernels = _kernels()
     device = next(model.parameters()).device
     if attention:
         name, reason = _choose_backend(backend, device, _features(model, attention, config), kernels)
-    else:  # a pure state-space model: its mixers are its only token mixing
+    else:  # no softmax attention: the boundary-aware modules are the model's only token mixing
         name, reason = "none", "the model has no attention layers (its sequence mixers are made exact instead)"
-    state = _State(name, report=None)  # type: ignore[arg-type]
+    state = PackingState(name, report=None)
 
     unsupported: dict[str, str] = {}
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        unsupported[type(model).__name__] = (
-            f"model type {model_type!r} is not in padfree's support registry (it joins when the packed-vs-separate "
-            f"test matrix covers it); supported: {', '.join(sorted(SUPPORTED_MODEL_TYPES))}"
-        )
-    if not attention and not mixers:
+    if not attention and not handled and not mixers:
         unsupported[type(model).__name__] = ("no sequence-mixing module found (expected classes named *Attention, "
                                              "or a known state-space / linear-attention mixer)")
-    mixer_impls: dict[str, str] = {}
     for qual, module in mixers:
-        handler = MIXER_HANDLERS.get(type(module).__name__)
-        if handler is None:
-            unsupported[qual] = (
-                f"{type(module).__name__} carries state, a causal convolution or a token shift across tokens and "
-                f"padfree has no boundary-resetting implementation for it (needs a reset at every sequence start)"
-            )
-            continue
-        try:
-            mixer_impls[qual] = handler(module, state)
-        except UnsupportedModelError as exc:  # e.g. a transformers version whose mixer forward is not the proven one
-            unsupported[qual] = str(exc)
+        unsupported[qual] = (
+            f"{type(module).__name__} carries state, a causal convolution or a token shift across tokens and "
+            f"padfree has no boundary-resetting implementation for it (needs a reset at every sequence start)"
+        )
+    impls: dict[str, str] = {}
+    if not unsupported or not strict:
+        handlers = families()
+        for qual, module in handled:
+            try:
+                impls[qual] = handlers[type(module).__name__].install(module, state)
+            except UnsupportedModelError as exc:  # e.g. a forward that is not the shape padfree proved
+                unsupported[qual] = str(exc)
 
     report = PackingReport(
         model_type=model_type, backend=name, reason=reason, kernels=kernels,
-        attention_modules=[qual for qual, _ in attention], mixers=mixer_impls, unsupported=unsupported,
+        attention_modules=[qual for qual, _ in attention], mixers=impls, unsupported=unsupported,
         supported=not unsupported, cache_disabled=bool(getattr(config, "use_cache", False)),
     )
     if unsupported:
         what = "; ".join(f"{k}: {v}" for k, v in unsupported.items())
         if strict:
-            _uninstall_mixers(model)
+            _uninstall_families(model)
             raise UnsupportedModelError(f"cannot make {type(model).__name__} packing-exact: {what}")
         warnings.warn(f"padfree: {type(model).__name__} is only partly packing-exact: {what}", stacklevel=2)
 
@@ -413,21 +423,19 @@ def configure_packing(model: Any, *, backend: str = "auto", strict: bool = True)
     # Under torch.compile the hooks (like the packed attention and the mixers' segment primitives) run outside the
     # graphs: they read the boundaries on the host, and traced, each new set of lengths would fail a guard and
     # recompile — after eight, dynamo gives up on the model. Outside, the graphs see only (dynamic) tensor shapes.
-    before = torch.compiler.disable(lambda m, a, k: _before(state, config, a, k, forward=forward))
+    before = torch.compiler.disable(lambda m, a, k: _before(state, config, m, a, k, forward=forward))
     after = torch.compiler.disable(lambda m, a, k, o: _after(state))
     state.handles = [
         target.register_forward_pre_hook(before, with_kwargs=True),
         target.register_forward_hook(after, with_kwargs=True, always_call=True),
     ]
     model._padfree_state = state
-    log.info("configure_packing(%s): %s", type(model).__name__, report)
     return report
 
 
-def _uninstall_mixers(model: torch.nn.Module) -> None:
-    mixers = sys.modules.get("padfree.model.mixers")
-    if mixers is not None:
-        mixers.uninstall(model)
+def _uninstall_families(model: torch.nn.Module) -> None:
+    for module in {id(m): m for m in families().values()}.values():
+        module.uninstall(model)
 
 
 def unconfigure_packing(model: torch.nn.Module) -> bool:
@@ -437,7 +445,7 @@ def unconfigure_packing(model: torch.nn.Module) -> bool:
         return False
     for handle in state.handles:
         handle.remove()
-    _uninstall_mixers(model)
+    _uninstall_families(model)
     attn, use_cache = state.previous
     if attn is not None:
         model.set_attn_implementation(attn)
@@ -464,13 +472,13 @@ def _fix(what: str) -> str:
             f"PackedBatch.model_inputs() builds exactly that")
 
 
-def _layout(args: tuple, kwargs: dict[str, Any]) -> PackedLayout | None:
-    ids = kwargs.get("input_ids", args[0] if args else None)
-    ref = ids if ids is not None else kwargs.get("inputs_embeds")
-    if ref is None or ref.dim() < 2:
+def _layout(named: dict[str, Any]) -> PackedLayout | None:
+    ids = named.get("input_ids")
+    ref = ids if isinstance(ids, torch.Tensor) else named.get("inputs_embeds")
+    if not isinstance(ref, torch.Tensor) or ref.dim() < 2:
         return None
     batch, seq_len = ref.shape[:2]
-    mask, pos, cu = kwargs.get("attention_mask"), kwargs.get("position_ids"), kwargs.get("cu_seq_lens_q")
+    mask, pos, cu = named.get("attention_mask"), named.get("position_ids"), named.get("cu_seq_lens_q")
     if pos is not None:
         if pos.dim() == 1:
             pos = pos.unsqueeze(0)
@@ -485,10 +493,11 @@ def _layout(args: tuple, kwargs: dict[str, Any]) -> PackedLayout | None:
         lay = PackedLayout.from_cu_seqlens(cu, batch, seq_len)
     elif pos is not None and _restarts(pos, mask.bool() if isinstance(mask, torch.Tensor) and mask.dim() == 2
                                           else None):
-        if isinstance(mask, torch.Tensor):
-            raise PackingDisabledError(_fix(
-                f"a {mask.dim()}-D {'0/1 ' if mask.dim() == 2 else ''}attention_mask next to position_ids that "
-                f"restart inside a row"))
+        if mask is not None:
+            what = (guards.find_dense_mask({"attention_mask": mask}, (batch, seq_len))
+                    or (f"a {mask.dim()}-D {'0/1 ' if mask.dim() == 2 else ''}attention_mask"
+                        if isinstance(mask, torch.Tensor) else f"an attention_mask ({type(mask).__name__})"))
+            raise PackingDisabledError(_fix(f"{what} next to position_ids that restart inside a row"))
         lay = PackedLayout.from_position_ids(pos)
     else:
         return None
@@ -502,23 +511,37 @@ def _layout(args: tuple, kwargs: dict[str, Any]) -> PackedLayout | None:
 _BOUNDARY_KWARGS = ("position_ids", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
 
 
-def _before(state: _State, config: Any, args: tuple, kwargs: dict[str, Any], *, forward: bool = True
-            ) -> tuple[tuple, dict[str, Any]]:
+def _before(state: _State, config: Any, module: torch.nn.Module, args: tuple, kwargs: dict[str, Any], *,
+            forward: bool = True) -> tuple[tuple, dict[str, Any]]:
     """The pre-hook: the layout of this call, guards, and the arguments the hooked module runs with. ``forward``:
     hand the boundaries on (``position_ids``, the layout for attention); False for a module that takes none, whose
-    mixers read the layout from the state — its boundary arguments are dropped rather than left to ``**kwargs``."""
-    lay = _layout(args, kwargs)
+    mixers read the layout from the state — its boundary arguments are dropped rather than left to ``**kwargs``.
+
+    Arguments are read by name after binding the call to the module's forward signature, so positional arguments count
+    too, and caches and dense masks are recognised by type and shape (:mod:`padfree.model.guards`) rather than by
+    the keyword a transformers release happens to use."""
+    forward_fn = type(module).forward
+    named = guards.bind(forward_fn, (module, *args), kwargs)
+    if named is not None:
+        named.pop(next(iter(guards.parameters(forward_fn))), None)  # self
+    lay = None if named is None else _layout(named)
     if lay is None or (not lay.is_packed and lay.source != "attention_mask"):
         state.layout = None
         state.tokens.append(PACKED_FORWARD.set(False))
         return args, kwargs
-    for key in ("past_key_values", "cache_params"):
-        if kwargs.get(key) is not None:
-            raise PackingDisabledError(_fix(f"{key} (a cache)"))
-    if kwargs.get("use_cache") or (kwargs.get("use_cache") is None and getattr(config, "use_cache", False)):
+    cache = guards.find_cache(named, forward_fn)
+    if cache is not None:
+        raise PackingDisabledError(_fix(f"{cache} (a cache)"))
+    dense = guards.find_dense_mask(named, lay.shape)
+    if dense is not None:
+        raise PackingDisabledError(_fix(dense))
+    use_cache = named.get("use_cache")
+    if use_cache or (use_cache is None and getattr(config, "use_cache", False)):
         raise PackingDisabledError(_fix("use_cache=True (transformers then builds plain causal masks over the row)")
                                    + "; pass use_cache=False")
-    kwargs = dict(kwargs)
+    # everything by name from here on: a positional argument and a keyword for the same parameter would clash
+    kwargs = {name: value for name, value in named.items() if "[" not in name}
+    args = tuple(named[name] for name in named if "[" in name)
     kwargs.update(attention_mask=None, use_cache=False)
     if forward:
         kwargs["position_ids"] = lay.position_ids

@@ -2,16 +2,16 @@
 
 Linear-attention and state-space layers carry a recurrent state and a short causal convolution from token to token.
 In a packed row both run straight across the boundary between two sequences unless every layer is told where the
-sequences start. :func:`padfree.configure_packing` imports this module, which registers one installer per mixer class
-in :data:`padfree.model.configure.MIXER_HANDLERS`; the installer patches that module *instance* (never its class,
-never transformers' module globals) so that
+sequences start. :func:`padfree.configure_packing` reads :data:`CLASSES` and calls :func:`install` on every instance
+of those classes; the installer patches that module *instance* (never its class, never transformers' module
+globals) so that
 
 - an ordinary batch runs transformers' own forward, unchanged;
 - a packed batch runs the *same forward code* with its sequence primitives swapped for boundary-exact ones
   (a kernel when one is usable, the exact pure-PyTorch reference otherwise):
 
-  - ``causal_conv1d_fn`` -> causal-conv1d with ``seq_idx``; reference: the depthwise conv, then the first ``K - 1``
-    outputs of every segment recomputed from that segment's own taps (zero history);
+  - ``causal_conv1d_fn`` -> causal-conv1d with ``seq_idx``; reference: transformers' depthwise conv over the
+    flattened batch with ``K - 1`` zeros spread before every segment (the zero history a lone sequence has);
   - ``torch_chunk_gated_delta_rule`` -> flash-linear-attention ``chunk_gated_delta_rule`` with ``cu_seqlens``
     (bf16/fp16); reference: the chunked delta rule, either in one call with per-segment masks inside the chunks or
     per segment (segments with the same number of chunks batched), whichever is cheaper for the layout;
@@ -64,10 +64,12 @@ import torch
 import torch.nn.functional as F
 
 from padfree.errors import PackingDisabledError, UnsupportedModelError
-from padfree.model import configure
+from padfree.model import guards
 from padfree.model.packed import PackedLayout
+from padfree.model.state import current_layout, hooks_live
 
 __all__ = [
+    "CLASSES",
     "MIXER_CLASSES",
     "install",
     "kernel_name",
@@ -166,13 +168,17 @@ def _positions(lay: PackedLayout) -> torch.Tensor:
     return lay._cached(("padfree.mixers", "positions"), build)
 
 
-def _conv_fix(lay: PackedLayout, width: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(rows, cols, pos)`` of every token less than ``width - 1`` tokens into its segment (the ones whose plain
-    causal conv reads the previous segment), each ``(M,) int64``."""
-    def build() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        pos = _positions(lay)
-        rows, cols = torch.nonzero(pos < width - 1, as_tuple=True)
-        return rows, cols, pos[rows, cols]
+def _conv_spread(lay: PackedLayout, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(gather (N',) int64, where (B·T,) int64)``: the flattened stream with ``width - 1`` zero slots before every
+    segment (gather index ``B·T`` reads a zero column), and where each token's convolution output lands in it."""
+    def build() -> tuple[torch.Tensor, torch.Tensor]:
+        lengths, pad = lay.lengths, width - 1
+        total = int(lengths.sum())
+        token = np.arange(total, dtype=np.int64)
+        spread = token + pad * (np.repeat(np.arange(lengths.size, dtype=np.int64), lengths) + 1)
+        gather = np.full(total + pad * lengths.size, total, dtype=np.int64)
+        gather[spread] = token
+        return torch.from_numpy(gather).to(lay.device), torch.from_numpy(spread - pad).to(lay.device)
     return lay._cached(("padfree.mixers", "conv", width), build)
 
 
@@ -198,25 +204,18 @@ def segment_causal_conv1d(
         lay: the batch's :class:`~padfree.model.packed.PackedLayout`.
 
     Returns:
-        ``(B, C, T)`` in ``x``'s dtype. One ``F.conv1d`` over the whole row (what transformers computes), then the
-        at most ``K - 1`` first outputs of each segment are recomputed from their own segment only — cheaper than
-        masking every tap, and every other output is transformers' own computation.
+        ``(B, C, T)`` in ``x``'s dtype. One ``F.conv1d`` — transformers' own call, so autocast and the weights'
+        dtype act on it exactly as they do on a lone sequence — over the flattened batch with ``K - 1`` zeros
+        spread before every segment: each output then reads its own segment and the zero history a lone
+        sequence's ``padding=K - 1`` gives it, nothing else.
     """
-    _, channels, seq_len = x.shape
+    batch, channels, seq_len = x.shape
     width = weight.shape[-1]
-    xw = x.to(weight.dtype)
-    out = F.conv1d(xw, weight.unsqueeze(1), bias, padding=width - 1, groups=channels)[:, :, :seq_len]
-    if width > 1:
-        rows, cols, pos = _conv_fix(lay, width)
-        if rows.numel():
-            fix = torch.zeros(rows.numel(), channels, dtype=out.dtype, device=out.device)
-            if bias is not None:
-                fix = fix + bias
-            for shift in range(width - 1, -1, -1):  # the order F.conv1d accumulates in: oldest tap first
-                ok = (pos >= shift).to(out.dtype).unsqueeze(1)
-                tap = xw[rows, :, (cols - shift).clamp(min=0)] * ok
-                fix = fix + tap * weight[:, width - 1 - shift]
-            out[rows, :, cols] = fix  # in place: the conv's backward needs its inputs, never its output
+    gather, where = _conv_spread(lay, width)
+    flat = x.to(weight.dtype).transpose(0, 1).reshape(channels, batch * seq_len)
+    flat = torch.cat([flat, flat.new_zeros(channels, 1)], dim=1).index_select(1, gather)
+    out = F.conv1d(flat.unsqueeze(0), weight.unsqueeze(1), bias, groups=channels)[0].index_select(1, where)
+    out = out.view(channels, batch, seq_len).transpose(0, 1)
     if activation is not None:
         out = _act(activation)(out)
     return out.to(x.dtype)
@@ -714,7 +713,7 @@ FAMILIES = {
 }
 
 MIXER_CLASSES: dict[str, str] = {
-    # class name -> family; each one proven packed == per-sequence in tests/test_model_mixers.py
+    # class name -> family; each one proven packed == per-sequence by the support sweep and tests/test_model_mixers.py
     "Qwen3NextGatedDeltaNet": "gated-delta-net",
     "Qwen3_5GatedDeltaNet": "gated-delta-net",
     "Qwen3_5MoeGatedDeltaNet": "gated-delta-net",
@@ -731,27 +730,8 @@ MIXER_CLASSES: dict[str, str] = {
     "Lfm2ShortConv": "short-conv",
     "Lfm2MoeShortConv": "short-conv",
 }
-
-MODEL_TYPES: dict[str, str] = {
-    # model type -> what tests/test_model_mixers.py proves (packed == per-sequence logits and gradients)
-    "qwen3_next": "GatedDeltaNet: conv taps and delta-rule state restart per sequence",
-    "qwen3_5_text": "GatedDeltaNet: conv taps and delta-rule state restart per sequence",
-    "qwen3_5_moe_text": "GatedDeltaNet: conv taps and delta-rule state restart per sequence",
-    "olmo_hybrid": "GatedDeltaNet: conv taps and delta-rule state restart per sequence",
-    "lfm2": "short convolutions restart per sequence",
-    "lfm2_moe": "short convolutions restart per sequence",
-    "bamba": "Mamba-2: conv taps and SSD state restart per sequence",
-    "falcon_h1": "parallel attention + Mamba-2: conv taps and SSD state restart per sequence",
-    "granitemoehybrid": "attention and Mamba-2 layers: conv taps and SSD state restart per sequence",
-    "nemotron_h": "Mamba-2: conv taps and SSD state restart per sequence",
-    "zamba2": "Mamba-2 and shared attention: conv taps and SSD state restart per sequence",
-    "jamba": "Mamba-1: conv taps and selective-scan state restart per sequence",
-    "mamba": "no attention; Mamba-1: conv taps and selective-scan state restart per sequence",
-    "falcon_mamba": "no attention; Mamba-1 (with B/C/dt norms): conv taps and selective-scan state restart per "
-                    "sequence",
-    "mamba2": "no attention; Mamba-2: conv taps and SSD state restart per sequence",
-}
-
+#: the classes this module makes boundary-exact (read by :func:`padfree.configure_packing`)
+CLASSES = MIXER_CLASSES
 
 def _unwrap(fn: Callable) -> Callable:
     while hasattr(fn, "__wrapped__"):
@@ -846,28 +826,15 @@ class _Mixer:
     on_cuda: bool
 
 
-def _live(state: Any) -> bool:
-    """Whether ``state``'s hooks are still installed (False after ``unconfigure_packing`` or a refused configure):
-    a stale layout must never reach a mixer."""
-    handles = getattr(state, "handles", None)
-    if not handles:
-        return False
-    for handle in handles:
-        hooks = handle.hooks_dict_ref()
-        if hooks is None or handle.id not in hooks:
-            return False
-    return True
-
-
 _TRIVIAL_BOUNDARY_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx")
 
 
 @torch.compiler.disable
 def _layout_of(info: _Mixer, hidden: Any, who: str) -> tuple[bool, PackedLayout | None]:
     """``(hooks live, layout of the forward in flight or None)`` for one mixer call."""
-    live = _live(info.state)
+    live = hooks_live(info.state)
     if live and isinstance(hidden, torch.Tensor) and hidden.dim() >= 2:
-        return live, configure.current_layout(info.state, hidden, who)
+        return live, current_layout(info.state, hidden, who)
     return live, None
 
 
@@ -883,10 +850,12 @@ def _mixer_forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
             for key in _TRIVIAL_BOUNDARY_KWARGS:
                 kwargs.pop(key, None)
         return type(self).forward(self, *args, **kwargs)
-    for key in ("cache_params", "past_key_values"):
-        if kwargs.get(key) is not None:
-            raise PackingDisabledError(f"{type(self).__name__} got {key} with a packed batch; packed training never "
-                                       f"uses a cache (pass use_cache=False)")
+    named = guards.bind(type(self).forward, (self, *args), kwargs)
+    cache = None if named is None else guards.find_cache(
+        {k: v for k, v in named.items() if v is not self}, type(self).forward)
+    if cache is not None:
+        raise PackingDisabledError(f"{type(self).__name__} got {cache} with a packed batch; packed training never "
+                                   f"uses a cache (pass use_cache=False)")
     token = _CALL.set(_Call(lay, info))
     try:
         return info.packed(self, *args, **kwargs)
@@ -978,14 +947,3 @@ def uninstall(module: torch.nn.Module) -> bool:
             sub.__dict__.pop("forward", None)
             done = True
     return done
-
-
-def _register() -> None:
-    for cls in MIXER_CLASSES:
-        configure.MIXER_HANDLERS[cls] = install
-    for model_type, what in MODEL_TYPES.items():  # an entry configure.py already has keeps its words
-        configure.SUPPORTED_MODEL_TYPES.setdefault(model_type, what)
-
-
-_register()
-

@@ -1,0 +1,64 @@
+"""What kind of model a ``PreTrainedModel`` is, for the one question packing asks first: is it a causal LM?
+
+Packing puts several sequences into one row of a causal language model. transformers' causal-LM mapping lists the
+classes that are one (``*ForCausalLM``, a few ``*LMHeadModel`` and multimodal ``*ForConditionalGeneration`` entries
+that generate text); their base ``*Model`` (no head) is accepted too. Everything else is refused with a reason that
+says what the model is: an encoder-decoder (its decoder cross-attends to a whole source sequence), a
+bidirectional encoder (every token sees every other token, so a row of several sequences is one sequence to it), or
+a head that is not a language model (classification, token classification, question answering, ...).
+
+>>> import transformers
+>>> cfg = transformers.BertConfig(vocab_size=32, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+...                               intermediate_size=32)
+>>> print(not_a_causal_lm(transformers.BertForSequenceClassification(cfg)))  # doctest: +ELLIPSIS
+BertForSequenceClassification is a bidirectional encoder with a sequence-classification head: ...
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+__all__ = ["not_a_causal_lm"]
+
+_HEADS = {
+    "SequenceClassification": "a sequence-classification head",
+    "TokenClassification": "a token-classification head",
+    "QuestionAnswering": "a question-answering head",
+    "MultipleChoice": "a multiple-choice head",
+    "MaskedLM": "a masked-language-modelling head",
+    "PreTraining": "a pre-training head",
+    "NextSentencePrediction": "a next-sentence head",
+}
+
+
+def not_a_causal_lm(model: Any) -> str | None:
+    """None when ``model`` is a causal LM packing applies to; else why not, naming what the model is."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, MODEL_MAPPING_NAMES
+
+    config = model.config
+    name, model_type = type(model).__name__, str(getattr(config, "model_type", ""))
+    causal = set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
+    base = model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES and MODEL_MAPPING_NAMES.get(model_type) == name
+    accepted = name in causal or base or _causal_subclass(type(model), causal)
+    # a *ForCausalLM of an encoder-decoder family (BartForCausalLM, ...) is decoder-only by construction
+    if accepted and (not getattr(config, "is_encoder_decoder", False) or name.endswith("ForCausalLM")):
+        return None
+    if getattr(config, "is_encoder_decoder", False):
+        return (f"{name} is an encoder-decoder model: its decoder cross-attends to a whole encoded source sequence, "
+                f"so several (source, target) pairs cannot share a row; padfree packs decoder-only causal LMs "
+                f"(train this model unpacked, or its decoder alone as a *ForCausalLM where transformers has one)")
+    head = next((what for key, what in _HEADS.items() if key in name), None)
+    if head is not None:
+        kind = "a bidirectional encoder" if not getattr(config, "is_decoder", True) or re.search(
+            r"Bert|Roberta|Electra|Xlm|XLM|Deberta|Albert|Ernie|MPNet|Funnel|Rem", name) else "a model"
+        return (f"{name} is {kind} with {head}: packing applies to causal language models that predict the next "
+                f"token, not to this head")
+    return (f"{name} is not a causal language model of transformers' causal-LM mapping (a *ForCausalLM, or its "
+            f"base *Model): packing does not apply to it")
+
+
+def _causal_subclass(cls: type, causal: set[str]) -> bool:
+    """A user's subclass of a causal-LM class (registered under its own model type, or not registered at all)."""
+    return any(base.__name__ in causal and base.__module__.startswith("transformers.") for base in cls.__mro__[1:])
+

@@ -1,0 +1,209 @@
+"""The support table: what the test suite's sweep proved, per model type, and the decision ``configure_packing`` takes.
+
+``support.json`` (in this package) is written by ``tests/test_model_sweep.py`` (``PADFREE_UPDATE_DOCS=1``), never by
+hand: for every causal-LM type of the transformers it ran on, the class it built, the verdict (``exact`` on every
+backend and precision it ran, or ``refused`` with the module and the reason), the module classes and config
+features of the tiny model it proved, and what stock transformers does with the same packed rows.
+
+:func:`decide` accepts a model from the table when everything the proof depended on matches — the transformers
+version, the model type and class, no module class the swept model did not have, the same config features
+(:func:`features`), a backend the sweep ran — and otherwise certifies it on the spot (:mod:`padfree.model.certify`):
+a tiny twin of the model's own class and config, packed against per-sequence, cached on disk.
+
+>>> table = load()
+>>> table["transformers"] is None or isinstance(table["types"], dict)
+True
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import logging
+from collections.abc import Mapping
+from importlib import resources
+from typing import Any
+
+__all__ = ["Verdict", "decide", "features", "load", "markdown_table", "module_classes", "supported_types"]
+
+log = logging.getLogger("padfree")
+
+# config keys that say nothing about what a packed forward computes
+_IGNORED = frozenset({
+    "model_type", "architectures", "transformers_version", "_name_or_path", "name_or_path", "dtype", "torch_dtype",
+    "id2label", "label2id", "problem_type", "tokenizer_class", "prefix", "output_hidden_states",
+    "output_attentions", "return_dict", "use_cache", "chunk_size_feed_forward", "finetuning_task",
+    "task_specific_params", "_attn_implementation_autoset", "_commit_hash", "use_return_dict", "num_labels",
+    "output_router_logits", "router_aux_loss_coef", "initializer_range", "pretraining_tp", "use_mamba_kernels",
+    "use_kernels", "tie_encoder_decoder",
+})
+
+
+@dataclasses.dataclass(frozen=True)
+class Verdict:
+    """The support decision for one configured model.
+
+    Attributes:
+        ok: the model is proven packing-exact.
+        how: what proved it (or what was tried), for :attr:`PackingReport.proof` and the log.
+        reason: why not (empty when ok).
+        module: the module (qualified name or class) the refusal names, when one is known.
+    """
+
+    ok: bool
+    how: str
+    reason: str = ""
+    module: str | None = None
+
+
+@functools.cache
+def load() -> dict[str, Any]:
+    """The shipped support table (``{"transformers": version or None, "types": {...}}``; empty before a sweep)."""
+    try:
+        text = resources.files("padfree.model").joinpath("support.json").read_text()
+    except FileNotFoundError:
+        return {"transformers": None, "types": {}}
+    return json.loads(text)
+
+
+def supported_types() -> Mapping[str, str]:
+    """Model type -> what the sweep proved, for every type whose verdict is ``exact``."""
+    return {t: e.get("note", "") for t, e in load()["types"].items() if e.get("verdict") == "exact"}
+
+
+def module_classes(model: Any) -> list[str]:
+    """The sorted class names of every module of ``model``."""
+    return sorted({type(m).__name__ for m in model.modules()})
+
+
+def features(config: Any) -> dict[str, Any]:
+    """What a config switches on, without its sizes: for every key, ``None`` / a bool / a string as it is, a
+    number as ``"set"``, a list of strings as its sorted distinct values (layer kinds), a rope dict as its type;
+    sub-configs by the same rules. Two configs with equal features build the same kinds of modules wired the
+    same way; only widths, depths and constants differ."""
+    return _features(config.to_dict())
+
+
+def _features(d: dict[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in d.items():
+        if key in _IGNORED or key.endswith(("token_id", "token_ids", "token_index")):
+            continue
+        if value is None or isinstance(value, (bool, str)):
+            out[key] = value
+        elif isinstance(value, (int, float)):
+            out[key] = "set"
+        elif isinstance(value, (list, tuple)):
+            strings = [v for v in value if isinstance(v, str)]
+            out[key] = sorted(set(strings)) if strings and len(strings) == len(value) else "set"
+        elif isinstance(value, dict):
+            if "model_type" in value:
+                out[key] = _features(value)
+            elif "rope_type" in value or "type" in value:
+                out[key] = {"rope_type": value.get("rope_type", value.get("type"))}
+            elif all(isinstance(v, dict) for v in value.values()):  # rope parameters per layer type, ...
+                out[key] = {k: _features(v) for k, v in sorted(value.items()) if k}
+            else:
+                out[key] = "set"
+    return out
+
+
+def _transformers_version() -> str:
+    import transformers
+
+    return str(transformers.__version__)
+
+
+def lookup(model: Any, backend: str) -> tuple[str, dict[str, Any] | None]:
+    """``("covered" | "refused" | "uncovered: why", entry)``: what the table says of ``model`` on ``backend``."""
+    from padfree.model.shrink import shrink_config
+
+    table = load()
+    model_type = str(getattr(model.config, "model_type", ""))
+    entry = table["types"].get(model_type)
+    if table["transformers"] is None:
+        return "uncovered: padfree ships no support table", None
+    if table["transformers"] != _transformers_version():
+        return (f"uncovered: the support table was proven on transformers {table['transformers']}, "
+                f"{_transformers_version()} is installed"), None
+    if entry is None:
+        return f"uncovered: model type {model_type!r} is not in the support table", None
+    if type(model).__name__ not in (entry["class"], entry.get("base_class")):
+        return f"uncovered: the table proved {entry['class']}, not {type(model).__name__}", None
+    try:
+        mine = features(shrink_config(model.config))
+    except Exception as exc:  # a config its own class cannot rebuild: certification will say more
+        return f"uncovered: the config could not be shrunk ({type(exc).__name__}: {exc})", None
+    classes = set(module_classes(model))
+    if entry.get("verdict") == "refused":
+        failed = entry.get("failed")
+        if failed is None or (failed["features"] == mine and classes <= set(failed["modules"])):
+            return "refused", entry  # refused as a type, or exactly this kind of config failed the proof
+        return "uncovered: the sweep refused another configuration of this type", None
+    variants = entry.get("variants") or []
+    match = [v for v in variants if v["features"] == mine and classes <= set(v["modules"])]
+    if not match:
+        closest = min(variants, key=lambda v: len(_differences(v["features"], mine)), default=None)
+        if closest is None:
+            return f"uncovered: the sweep proved no variant of {model_type!r}", None
+        extra = sorted(classes - set(closest["modules"]))
+        if extra:
+            return f"uncovered: module classes the swept model did not have: {', '.join(extra[:5])}", None
+        diff = _differences(closest["features"], mine)
+        return f"uncovered: config features the sweep did not cover: {', '.join(diff[:6])}", None
+    if backend not in entry.get("backends", {}) and backend != "none":
+        return f"uncovered: the sweep did not run backend {backend}", None
+    return "covered", entry
+
+
+def _differences(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
+    return sorted(k for k in a.keys() | b.keys() if a.get(k) != b.get(k))
+
+
+def decide(model: Any, report: Any) -> Verdict:
+    """Accept ``model`` (configured with ``report.backend``) from the support table, or certify it on the spot."""
+    from padfree.model import certify, versions
+
+    versions.warn_if_untested()
+    status, entry = lookup(model, report.backend)
+    table = load()
+    if status == "covered":
+        runs = ", ".join(f"{b} ({'/'.join(p)})" for b, p in entry["backends"].items())
+        return Verdict(True, f"support table: {entry['class']} proven exact by the sweep on transformers "
+                             f"{table['transformers']}: {runs}")
+    if status == "refused":
+        return Verdict(False, f"support table: refused by the sweep on transformers {table['transformers']}",
+                       entry.get("reason", ""), entry.get("module"))
+    log.info("padfree: %s is not covered by the support table (%s); certifying it on the spot",
+             type(model).__name__, status.removeprefix("uncovered: "))
+    return certify.certify(model, report.backend, why=status.removeprefix("uncovered: "))
+
+
+def _cell(entry: dict[str, Any], backend: str) -> str:
+    proven = entry.get("backends", {}).get(backend)
+    if entry.get("verdict") != "exact":
+        return "—"
+    if proven is None and "none" in entry.get("backends", {}):
+        return "n/a"  # no attention layers
+    return "✓" if proven else "—"
+
+
+def markdown_table(table: dict[str, Any] | None = None) -> str:
+    """The README's support table, rendered from the support table (every type of the sweep, one row each)."""
+    table = load() if table is None else table
+    rows = ["| model type | class | padfree | `sdpa` | `eager` | bf16 · autocast | stock transformers | "
+            "mixers, or why refused |", "|---|---|---|---|---|---|---|---|"]
+    for model_type, e in sorted(table["types"].items()):
+        exact = e.get("verdict") == "exact"
+        low = [p for ps in e.get("backends", {}).values() for p in ps if p != "fp32"]
+        lows = "✓" if exact and {"bf16", "autocast_bf16"} <= set(low) else "—"
+        if exact:
+            detail = "; ".join(sorted({m.split(":")[0] for m in e.get("mixers", [])})) or ""
+        else:
+            module = f"`{e['module']}`: " if e.get("module") else ""
+            detail = (module + e.get("reason", "")).replace("|", "/").replace("\n", " ")
+        rows.append(f"| {model_type} | `{e.get('class', '?')}` | {'exact' if exact else 'refused'} | "
+                    f"{_cell(e, 'padfree_sdpa')} | {_cell(e, 'padfree_eager')} | {lows} | {e.get('stock', '?')} | "
+                    f"{detail} |")
+    return "\n".join(rows)

@@ -1,0 +1,220 @@
+"""The support sweep: one tiny model per causal-LM type, proven (or refused with a reason), as a table entry.
+
+The test suite runs :func:`sweep_type` for every entry of the installed transformers' causal-LM mapping and writes
+the results to ``padfree/model/support.json`` (the table :mod:`padfree.model.registry` reads) and to the README's
+support table; ``padfree verify --model-type T`` runs the same function for one type. For each type:
+
+1. the config class's defaults, shrunk (:func:`padfree.model.shrink.shrink_config`), and — for the families whose
+   features the defaults leave off (a sliding window, say) — a second variant with them on
+   (:data:`padfree.model.tiny.TINY_CONFIGS`);
+2. what stock transformers does with the packed rows (restarting ``position_ids``, no mask, no cache);
+3. :func:`padfree.model.proof.prove` on ``sdpa`` and ``eager`` in fp32 — logits, loss, every gradient — and on
+   ``sdpa`` in ``autocast_bf16`` and ``bf16`` weights, each with its leaking negative control;
+4. the verdict: ``exact`` when every check of every variant passed; else ``refused``, with the module that cannot be
+   made exact (from ``configure_packing``'s scan) or the first module whose packed output diverges.
+
+>>> entry = sweep_type("llama", precisions={"sdpa": ("fp32",)})
+>>> entry["verdict"], entry["class"], sorted(entry["backends"])
+('exact', 'LlamaForCausalLM', ['padfree_sdpa'])
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from padfree.errors import InvalidArgumentError, PadfreeError, describe
+from padfree.model.registry import features, module_classes
+
+__all__ = ["BACKENDS", "PRECISIONS", "build_tiny", "sweep_type"]
+
+#: the backends every type is proven on (flex_attention has no backward on the CPU: certified on the spot instead)
+BACKENDS = ("sdpa", "eager")
+#: backend -> precisions of the sweep
+PRECISIONS: Mapping[str, Sequence[str]] = {"sdpa": ("fp32", "autocast_bf16", "bf16"), "eager": ("fp32",)}
+
+
+def _quiet():
+    import transformers
+
+    class Quiet:
+        def __enter__(self):
+            self.level = transformers.logging.get_verbosity()
+            transformers.logging.set_verbosity_error()  # tiny configs trip harmless rope / vocabulary warnings
+            self.warnings = warnings.catch_warnings()
+            self.warnings.__enter__()
+            warnings.simplefilter("ignore")
+
+        def __exit__(self, *exc):
+            self.warnings.__exit__(*exc)
+            transformers.logging.set_verbosity(self.level)
+
+    return Quiet()
+
+
+def build_tiny(model_type: str, variant: Mapping[str, Any] | None = None, *, seed: int = 0) -> torch.nn.Module:
+    """The tiny fp32 causal LM of ``model_type``: its config class's defaults shrunk, ``variant`` fields on top,
+    built with ``sdpa`` where the class has it, ``eager`` otherwise."""
+    import transformers
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    from padfree.model.shrink import shrink_config
+
+    if model_type not in CONFIG_MAPPING:
+        raise InvalidArgumentError(f"model_type={model_type!r} is not a model type of transformers "
+                                   f"{transformers.__version__}")
+    with _quiet():
+        config = shrink_config(CONFIG_MAPPING[model_type](), **dict(variant or {}))
+        torch.manual_seed(seed)
+        for attn in ("sdpa", "eager", None):
+            try:
+                kwargs = {} if attn is None else {"attn_implementation": attn}
+                model = transformers.AutoModelForCausalLM.from_config(config, **kwargs)
+                break
+            except (ValueError, TypeError, ImportError) as exc:
+                if attn is None:
+                    raise
+                last = exc
+        else:  # pragma: no cover
+            raise last
+    return model.float().eval()
+
+
+def _variants(model_type: str) -> list[dict[str, Any]]:
+    """The shrunk defaults, and the hand-made tiny config where it switches on features the defaults leave off."""
+    from padfree.model.shrink import shrink_config
+    from padfree.model.tiny import TINY_CONFIGS, tiny_config
+
+    variants: list[dict[str, Any]] = [{}]
+    if model_type in TINY_CONFIGS:
+        from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+        with _quiet():
+            try:
+                default = features(shrink_config(CONFIG_MAPPING[model_type]()))
+                hand = tiny_config(model_type)
+                if features(shrink_config(hand)) != default:
+                    variants.append({k: v for k, v in hand.to_dict().items()
+                                     if k in TINY_CONFIGS[model_type] or k.endswith("layer_types")})
+            except Exception:  # the hand-made config is a bonus: the defaults decide
+                pass
+    return variants
+
+
+def _stock(model: torch.nn.Module) -> str:
+    from padfree.model.proof import FP32_TOL, stock_packed_diff
+
+    try:
+        with _quiet():
+            diff = stock_packed_diff(model)
+    except Exception as exc:
+        return f"crashes ({type(exc).__name__})"
+    return "exact" if diff <= FP32_TOL else "leaks"
+
+
+def _refused(entry: dict[str, Any], reason: str, module: str | None, model: torch.nn.Module | None = None
+             ) -> dict[str, Any]:
+    """Mark ``entry`` refused; with ``model``, record the configuration that failed (a user's config with other
+    features is then certified on the spot instead of refused)."""
+    entry.update(verdict="refused", reason=reason, module=module)
+    if model is not None:
+        from padfree.model.shrink import shrink_config
+
+        try:
+            with _quiet():
+                entry["failed"] = {"features": features(shrink_config(model.config)), "modules": module_classes(model)}
+        except Exception:  # refusing the type as such is the safe side
+            pass
+    entry["variants"] = []
+    return entry
+
+
+def sweep_type(model_type: str, *, precisions: Mapping[str, Sequence[str]] | None = None) -> dict[str, Any]:
+    """Prove ``model_type`` (see the module docstring) and return its support-table entry: ``verdict``
+    (``exact`` / ``refused``), ``class``, ``base_class``, ``backends`` (resolved backend -> precisions proven),
+    ``variants`` (per proven config: its features and module classes), ``mixers``, ``stock``, ``reason`` and
+    ``module`` when refused, ``params`` and ``seconds``."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, MODEL_MAPPING_NAMES
+
+    from padfree.model import shrink
+    from padfree.model.proof import first_divergence, prove
+    from padfree.model.shrink import shrink_config
+
+    if not isinstance(model_type, str) or model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        raise InvalidArgumentError(f"model_type must be a causal-LM type of the installed transformers, got "
+                                   f"{describe(model_type)}")
+    plan = dict(PRECISIONS if precisions is None else precisions)
+    start = time.perf_counter()
+    entry: dict[str, Any] = {"class": MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type],
+                             "base_class": MODEL_MAPPING_NAMES.get(model_type), "backends": {}, "variants": [],
+                             "mixers": [], "stock": "not run"}
+    unbuildable = getattr(shrink, "UNBUILDABLE", {})
+    if model_type in unbuildable:
+        return _refused(entry, unbuildable[model_type], entry["class"])
+    backends: dict[str, set[str]] = {}
+    for variant in _variants(model_type):
+        try:
+            model = build_tiny(model_type, variant)
+        except Exception as exc:
+            if variant:
+                continue  # the hand-made variant is a bonus
+            return _refused(entry, f"a tiny model of this type could not be built from its config class's defaults "
+                                   f"({type(exc).__name__}: {str(exc)[:200]})", entry["class"])
+        entry["class"] = type(model).__name__
+        entry["params"] = sum(p.numel() for p in model.parameters())
+        if not variant:
+            entry["stock"] = _stock(model)
+        try:
+            with _quiet():
+                proof = prove(model, backends=list(plan), precisions=plan)
+        except PadfreeError as exc:
+            return _refused(entry, str(exc).splitlines()[0], type(model).__name__)
+        except Exception as exc:
+            return _refused(entry, f"the packed forward raised {type(exc).__name__}: {str(exc)[:200]}",
+                            type(model).__name__, model)
+        if proof.refused and not proof.checks:
+            why = next(iter(proof.refused.values()))
+            return _refused(entry, why.removeprefix(f"cannot make {type(model).__name__} packing-exact: "),
+                            _module_in(why))
+        bad = [c for c in proof.checks if not c.ok]
+        if proof.blind and not bad:
+            return _refused(entry, f"the leaking control stays within rounding on {', '.join(proof.blind)}: the "
+                                   f"proof cannot tell a leak from rounding for this model", type(model).__name__,
+                            model)
+        if bad or not proof.unpacked_unchanged:
+            with _quiet():
+                module = first_divergence(model, next(iter(plan))) or type(model).__name__
+            if bad:
+                c = bad[0]
+                parts = [name for name, off in (("logits", c.logits > c.tolerance), ("loss", c.loss > c.loss_tolerance),
+                                                ("gradients", c.grads is not None and c.grads > c.grads_tolerance))
+                         if off]
+                what = f"packed differs from per-sequence on {c.backend} in {c.precision} ({', '.join(parts)})"
+                entry["measured"] = str(c)
+            else:
+                what = "configuring it changed the logits of an ordinary padded batch"
+            return _refused(entry, what, module, model)
+        for c in proof.checks:
+            backends.setdefault(c.backend, set()).add(c.precision)
+            if not c.sees_leaks:  # within tolerance, but this precision's rounding hides a leak of this model
+                entry.setdefault("blind", set()).add(f"{c.backend}/{c.precision}")
+        entry["mixers"] = sorted(set(entry["mixers"]) | set(proof.mixers.values()))
+        with _quiet():
+            proven = features(shrink_config(model.config))  # what registry.lookup compares a user's config with
+        entry["variants"].append({"features": proven, "modules": module_classes(model)})
+    order = ("fp32", "autocast_bf16", "bf16", "autocast_fp16", "fp16")
+    entry["backends"] = {b: [p for p in order if p in ps] for b, ps in sorted(backends.items())}
+    if "blind" in entry:
+        entry["blind"] = sorted(entry["blind"])
+    entry.update(verdict="exact", seconds=round(time.perf_counter() - start, 2))
+    return entry
+
+
+def _module_in(message: str) -> str | None:
+    """The module a configure_packing refusal names first (``...: <qualified name>: why``)."""
+    parts = message.split(": ")
+    return parts[1] if len(parts) > 2 else None

@@ -1,0 +1,82 @@
+"""The support sweep: every causal-LM type of the installed transformers, proven packing-exact or refused.
+
+For each entry of ``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES`` a tiny model is built from its config class's defaults
+(shrunk) and :func:`padfree.model.sweep.sweep_type` proves it: packed against every sequence alone on ``sdpa`` and
+``eager`` in fp32 (logits, loss, every gradient within 1e-5), on ``sdpa`` under ``autocast_bf16`` and with ``bf16``
+weights (within twice what rounding moves the per-sequence run), each with a leaking negative control that must
+exceed the tolerance; an ordinary padded batch must be unchanged by configuring. A type padfree cannot make exact is
+refused with the module and the reason.
+
+The table padfree ships (``src/padfree/model/support.json``, read by ``configure_packing``) and the README's support
+table are what this sweep found: a plain run fails when they are stale; ``PADFREE_UPDATE_DOCS=1 pytest
+tests/test_model_sweep.py -p no:xdist`` rewrites both.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+
+import pytest
+import transformers
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+from padfree.model import registry
+from padfree.model.sweep import sweep_type
+
+ROOT = Path(__file__).resolve().parents[1]
+TABLE = ROOT / "src" / "padfree" / "model" / "support.json"
+README = ROOT / "README.md"
+TYPES = sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+UPDATE = os.environ.get("PADFREE_UPDATE_DOCS") == "1"
+RESULTS: dict[str, dict] = {}
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def _comparable(entry: dict | None) -> dict | None:
+    """What must not change between the shipped table and a rerun (timings and measured numbers may)."""
+    if entry is None:
+        return None
+    keep = ("verdict", "class", "base_class", "backends", "variants", "mixers", "stock", "reason", "module", "failed")
+    return {k: entry.get(k) for k in keep}
+
+
+@pytest.mark.parametrize("model_type", TYPES)
+def test_every_causal_lm_type_is_exact_or_refused_with_a_reason(model_type):
+    entry = sweep_type(model_type)
+    RESULTS[model_type] = entry
+    assert entry["verdict"] in ("exact", "refused")
+    if entry["verdict"] == "exact":
+        assert entry["backends"] and entry["variants"], entry
+        precisions = {p for ps in entry["backends"].values() for p in ps}
+        assert {"fp32", "autocast_bf16", "bf16"} <= precisions, entry["backends"]
+    else:
+        assert entry["reason"] and entry["module"], entry
+    if not UPDATE:
+        shipped = registry.load()["types"].get(model_type)
+        assert _comparable(shipped) == _comparable(entry), (
+            f"src/padfree/model/support.json is stale for {model_type}: rerun with PADFREE_UPDATE_DOCS=1")
+
+
+def test_readme_support_table_is_rendered_from_the_table():
+    begin, end = "<!-- support-table:begin -->", "<!-- support-table:end -->"
+    text = README.read_text()
+    block = f"{begin}\n{registry.markdown_table()}\n{end}"
+    if UPDATE and len(RESULTS) == len(TYPES):
+        table = {"transformers": transformers.__version__, "generated_by": "tests/test_model_sweep.py",
+                 "types": {t: RESULTS[t] for t in TYPES}}
+        TABLE.write_text(json.dumps(table, indent=1, sort_keys=True) + "\n")
+        registry.load.cache_clear()
+        block = f"{begin}\n{registry.markdown_table()}\n{end}"
+        README.write_text(re.sub(re.escape(begin) + ".*?" + re.escape(end), lambda _: block, text, flags=re.S))
+        return
+    assert block in text, "README support table is stale: rerun with PADFREE_UPDATE_DOCS=1"
+
+
+def test_the_table_covers_exactly_the_installed_types():
+    table = registry.load()
+    assert table["transformers"] == transformers.__version__
+    assert sorted(table["types"]) == TYPES
