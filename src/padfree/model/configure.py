@@ -254,10 +254,18 @@ def _scan(model: torch.nn.Module) -> tuple[list[tuple[str, torch.nn.Module]], li
     return attention, handled, mixers
 
 
-def _takes_positions(module: torch.nn.Module) -> bool:
-    """Whether ``module.forward`` has a ``position_ids`` parameter (mamba-family models have none: a packed
-    ``position_ids`` passed to them would vanish into ``**kwargs``)."""
-    return "position_ids" in inspect.signature(type(module).forward).parameters
+def _route(decoder: torch.nn.Module, has_attention: bool) -> tuple[bool, bool]:
+    """``(hand the boundaries on, pass position_ids)`` for a hook on ``decoder``.
+
+    The boundaries (the layout for attention, and ``position_ids`` where the forward has that parameter) travel
+    down through the decoder's keyword arguments, as transformers passes attention kwargs to every layer; a decoder
+    whose forward takes neither ``position_ids`` nor ``**kwargs``, or a model without attention (mamba, mamba2,
+    falcon_mamba: its mixers read the layout from the state), is hooked at the top instead, where the caller's
+    boundary arguments are consumed."""
+    params = inspect.signature(type(decoder).forward).parameters
+    positions = "position_ids" in params
+    var_kwargs = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    return has_attention and (positions or var_kwargs), positions
 
 
 def _features(model: torch.nn.Module, attention: list[tuple[str, torch.nn.Module]], config: Any) -> dict[str, bool]:
@@ -414,16 +422,16 @@ def install_packing(model: Any, *, backend: str = "auto", strict: bool = True) -
     if attention:
         model.set_attn_implementation(name)
     config.use_cache = False
-    # The hook goes on the decoder, which receives position_ids from every registered *ForCausalLM; models whose
-    # forwards take no position_ids at all (mamba, mamba2, falcon_mamba) are hooked at the top, where the caller's
-    # boundaries arrive, and the boundary arguments are consumed there (the mixers read the layout from the state).
+    # The hook goes on the decoder, which receives position_ids from every registered *ForCausalLM and hands its
+    # keyword arguments down to the attention layers (see _route for the models hooked at the top instead).
     decoder = model.get_decoder() if hasattr(model, "get_decoder") else model
-    target = decoder if _takes_positions(decoder) else model
-    forward = target is decoder
+    forward, positions = _route(decoder, bool(attention))
+    target = decoder if forward else model
     # Under torch.compile the hooks (like the packed attention and the mixers' segment primitives) run outside the
     # graphs: they read the boundaries on the host, and traced, each new set of lengths would fail a guard and
     # recompile — after eight, dynamo gives up on the model. Outside, the graphs see only (dynamic) tensor shapes.
-    before = torch.compiler.disable(lambda m, a, k: _before(state, config, m, a, k, forward=forward))
+    before = torch.compiler.disable(lambda m, a, k: _before(state, config, m, a, k, forward=forward,
+                                                            positions=positions))
     after = torch.compiler.disable(lambda m, a, k, o: _after(state))
     state.handles = [
         target.register_forward_pre_hook(before, with_kwargs=True),
@@ -512,10 +520,11 @@ _BOUNDARY_KWARGS = ("position_ids", "cu_seq_lens_q", "cu_seq_lens_k", "max_lengt
 
 
 def _before(state: _State, config: Any, module: torch.nn.Module, args: tuple, kwargs: dict[str, Any], *,
-            forward: bool = True) -> tuple[tuple, dict[str, Any]]:
+            forward: bool = True, positions: bool = True) -> tuple[tuple, dict[str, Any]]:
     """The pre-hook: the layout of this call, guards, and the arguments the hooked module runs with. ``forward``:
-    hand the boundaries on (``position_ids``, the layout for attention); False for a module that takes none, whose
-    mixers read the layout from the state — its boundary arguments are dropped rather than left to ``**kwargs``.
+    hand the boundaries on (the layout for attention, and ``position_ids`` when ``positions``); False for a module
+    that takes none, whose mixers read the layout from the state — its boundary arguments are dropped rather than
+    left to ``**kwargs``. Either way the layout of the call is on the state for the modules that read it there.
 
     Arguments are read by name after binding the call to the module's forward signature, so positional arguments count
     too, and caches and dense masks are recognised by type and shape (:mod:`padfree.model.guards`) rather than by
@@ -544,7 +553,10 @@ def _before(state: _State, config: Any, module: torch.nn.Module, args: tuple, kw
     args = tuple(named[name] for name in named if "[" in name)
     kwargs.update(attention_mask=None, use_cache=False)
     if forward:
-        kwargs["position_ids"] = lay.position_ids
+        if positions:
+            kwargs["position_ids"] = lay.position_ids
+        else:
+            kwargs.pop("position_ids", None)
         kwargs[LAYOUT_KWARG] = lay
         if state.backend == "flash_attention_2":
             kwargs.update(cu_seq_lens_q=lay.cu_seqlens, cu_seq_lens_k=lay.cu_seqlens,
