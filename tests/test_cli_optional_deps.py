@@ -174,7 +174,7 @@ def test_demo_without_matplotlib_trains_and_says_the_picture_is_left_out(hide, d
     assert proc.returncode == 0, proc.stderr
     assert "Packed trains" in proc.stdout and f"no plot ({DEMO_PNG} needs matplotlib)" in proc.stdout
     assert proc.stderr.splitlines() == [
-        f"padfree: note: {DEMO_PNG} was not drawn: matplotlib is not installed; pip install 'padfree[cli]' "
+        f"padfree: note: {DEMO_PNG} was not drawn: matplotlib cannot be imported; pip install 'padfree[cli]' "
         "(it brings matplotlib) draws it"]
     assert not (tmp_path / "out").exists()
 
@@ -187,5 +187,5 @@ def test_bench_without_trl_measures_the_other_modes_and_says_so(hide, data, cach
     modes = json.loads(proc.stdout)["training"]["modes"]
     assert "trl" not in modes and {"padded", "grouped", "packed"} <= set(modes)
     assert proc.stderr.splitlines() == [
-        "padfree: note: trl is not installed, so TRL's packing was not measured; pip install 'padfree[trl]' "
+        "padfree: note: trl cannot be imported, so TRL's packing was not measured; pip install 'padfree[trl]' "
         "(it brings trl) adds it"]

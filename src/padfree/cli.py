@@ -154,10 +154,11 @@ def _require(needed_for: str, *modules: str) -> None:
     for module in modules:
         try:
             importlib.import_module(module)
-        except ImportError as exc:
+        except (ImportError, OSError) as exc:  # OSError: an installed package whose shared libraries do not load
             package = _OPTIONAL.get(module.partition(".")[0], (module,))[0]
             # the hint names what is missing, which may be a package the wanted one needs (transformers: tqdm)
-            missing = exc.name if exc.name and exc.name.partition(".")[0] in _OPTIONAL else module
+            name = getattr(exc, "name", None)
+            missing = name if name and name.partition(".")[0] in _OPTIONAL else module
             raise BackendUnavailableError(f"{needed_for} needs {package}, which could not be imported "
                                           f"({_one_line(exc)}); install it with: {_install_hint(missing)}") from exc
 
@@ -166,7 +167,7 @@ def _importable(module: str) -> bool:
     """Whether ``module`` imports (a broken install counts as missing: it would fail later, mid-run)."""
     try:
         importlib.import_module(module)
-    except ImportError as exc:
+    except (ImportError, OSError) as exc:
         logger.debug("%s cannot be imported (%s)", module, exc)
         return False
     return True
@@ -1599,7 +1600,7 @@ def _run_demo(args: argparse.Namespace) -> int:
                "seconds": round(time.perf_counter() - started, 1)}
     print(json.dumps(summary, indent=2) if args.json else render_demo(summary, data, analysis, plan, report))
     if png is None:
-        _note(f"{DEMO_PNG} was not drawn: matplotlib is not installed; {_install_hint('matplotlib')} draws it")
+        _note(f"{DEMO_PNG} was not drawn: matplotlib cannot be imported; {_install_hint('matplotlib')} draws it")
     return 0
 
 
@@ -1780,7 +1781,7 @@ def _run_bench(args: argparse.Namespace) -> int:
     summary["seconds"] = round(time.perf_counter() - started, 1)
     print(json.dumps(summary, indent=2) if args.json else render_bench(summary, packing, report))
     if not args.no_training and not with_trl:
-        _note(f"trl is not installed, so TRL's packing was not measured; {_install_hint('trl')} adds it")
+        _note(f"trl cannot be imported, so TRL's packing was not measured; {_install_hint('trl')} adds it")
     return 0
 
 
