@@ -31,7 +31,7 @@ from padfree.integrations.trainer import (  # noqa: E402
     packing_status,
     token_losses,
 )
-from zoo import mistral_tokenizer  # noqa: E402
+from zoo import mistral_tokenizer, with_unknown_mixer  # noqa: E402
 
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k_train.json"
 datasets.disable_progress_bars()
@@ -136,7 +136,6 @@ def test_skip_reasons(tok, records, tmp_path, monkeypatch, caplog):
                                     num_attention_heads=4, num_key_value_heads=2)
     vision = transformers.CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                                            num_attention_heads=2, image_size=32, patch_size=8)
-    gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=len(tok), n_embd=32, n_layer=1, n_head=4))
     cases = {
         "collator": (dict(data_collator=trl.trainer.sft_trainer.DataCollatorForLanguageModeling(pad_token_id=2)),
                      "a custom data_collator (DataCollatorForLanguageModeling) was given"),
@@ -145,7 +144,9 @@ def test_skip_reasons(tok, records, tmp_path, monkeypatch, caplog):
         "vlm": (dict(model=transformers.LlavaForConditionalGeneration(
             transformers.LlavaConfig(text_config=text, vision_config=vision, image_token_index=0))),
             "the model is a vision-language model (LlavaForConditionalGeneration"),
-        "blocklist": (dict(model=gpt2), "model type 'gpt2' is on padfree's blocklist"),
+        "unsupported": (dict(model=with_unknown_mixer(llama(tok))),
+                        "not supported because cannot make LlamaForCausalLM packing-exact: model.layers.0.mlp: "
+                        "ToyRecurrentMixer carries state"),
     }
     for name, (kwargs, message) in cases.items():
         kwargs = {"model": llama(tok), "processing_class": tok, **kwargs}
@@ -339,7 +340,6 @@ def test_qwen3_5_text_hybrid(tok, records, tmp_path, caplog):
 def test_bad_input(tok, records, tmp_path):
     ds = prompt_completion(records, 4)
     collator = trl.trainer.sft_trainer.DataCollatorForLanguageModeling(pad_token_id=2)
-    gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=len(tok), n_embd=32, n_layer=1, n_head=4))
 
     def build(model=None, dataset=ds, **kwargs):
         extra = {k: kwargs.pop(k) for k in ("data_collator", "processing_class") if k in kwargs}
@@ -357,8 +357,9 @@ def test_bad_input(tok, records, tmp_path):
     with pytest.raises(DataLoadError, match=r"columns \['answer', 'question'\]: no 'input_ids' and no text field "
                                             r"'text'"):
         build(dataset=datasets.Dataset.from_list([{"question": "q", "answer": "a"}]))
-    with pytest.raises(UnsupportedModelError, match="packing=True: model type 'gpt2' is on padfree's blocklist"):
-        build(model=gpt2, packing=True)
+    with pytest.raises(UnsupportedModelError, match="packing=True: padfree is not supported because .*"
+                                                    "ToyRecurrentMixer carries state"):
+        build(model=with_unknown_mixer(llama(tok)), packing=True)
     with pytest.raises(InvalidArgumentError, match=r"packing_strategy='wrapped'.*not one padfree packs exactly"):
         build(packing=True, packing_strategy="wrapped")
     with pytest.raises(InvalidArgumentError, match="packing=True with padding_free=False"):

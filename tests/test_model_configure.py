@@ -318,19 +318,6 @@ def test_flex_with_sinks_on_cpu_is_refused():
         configure_packing(tiny_model("gpt_oss"), backend="flex_attention")
 
 
-def test_unknown_model_type_is_refused_or_warned():
-    cfg = transformers.GPT2Config(vocab_size=32, n_embd=16, n_layer=1, n_head=2)
-    with pytest.raises(UnsupportedModelError, match="'gpt2' is not in padfree's support registry"):
-        configure_packing(transformers.GPT2LMHeadModel(cfg))
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        cfg2 = transformers.GPTNeoXConfig(vocab_size=32, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
-                                          intermediate_size=32)
-        report = configure_packing(transformers.GPTNeoXForCausalLM(cfg2), strict=False)
-    assert not report.supported and "gpt_neox" in next(iter(report.unsupported.values()))
-    assert any("only partly packing-exact" in str(w.message) for w in caught)
-
-
 def test_cu_seqlens_that_disagree_with_the_input_are_refused(batch):
     model = tiny_model("llama")
     configure_packing(model)

@@ -34,6 +34,20 @@ def tiny_model(model_type: str, *, seed: int = 0, attn: str | None = None, **ove
     return _library_tiny_model(model_type, seed=seed, attn_implementation=attn, **overrides)
 
 
+class ToyRecurrentMixer(torch.nn.Module):
+    """A stateful token mixer no padfree family knows: a running sum over the row, which would carry across the
+    sequences of a packed row. Put into a real model, it makes that model one padfree must refuse."""
+
+    def forward(self, x):
+        return x.cumsum(dim=1)
+
+
+def with_unknown_mixer(model: transformers.PreTrainedModel) -> transformers.PreTrainedModel:
+    """``model`` (a llama-style causal LM) with its first MLP replaced by a :class:`ToyRecurrentMixer`."""
+    model.model.layers[0].mlp = ToyRecurrentMixer()
+    return model
+
+
 def mistral_tokenizer(folder) -> transformers.PreTrainedTokenizerBase:
     """mistral-common's 32k SentencePiece model (Mistral 7B v0.1) through ``transformers``, offline: copied into
     ``folder`` (a test's own directory, so no user cache is written) and loaded from there."""

@@ -32,12 +32,12 @@ assistant-only losses keep working: TRL's label masks are carried into the packe
 - a ``data_collator`` is given (padfree would have to replace it);
 - ``processing_class`` is a ``ProcessorMixin`` (a multimodal processor), or the model is a vision-language model
   (or the dataset holds images);
-- the model type is on padfree's blocklist: every type that is not in ``configure_packing``'s support registry
-  (:func:`blocklist_reason`).
+- padfree does not support the model (:func:`support_reason`: what :func:`padfree.configure_packing` would decide —
+  the support table of the sweep, or an on-the-spot certification of a tiny twin of the model's class).
 
 **Explicit settings always win** over the automatic choice: ``packing=True`` / ``padding_free=True`` turn padfree
 on even with the environment opt-out set, and refuse (naming why) what they cannot do exactly — a custom collator, a
-processor, a VLM, a blocklisted model, ``max_length`` missing with packing. With :class:`SFTConfig`, whose
+processor, a VLM, a model padfree does not support, ``max_length`` missing with packing. With :class:`SFTConfig`, whose
 ``packing`` and ``padding_free`` default to None ("decide for me"), ``padding_free=False`` is an explicit opt-out
 too; a plain ``trl.SFTConfig`` cannot tell ``False`` from its default, so use the opt-outs above.
 
@@ -114,7 +114,7 @@ __all__ = [
     "ENV_RETURN_LOGITS",
     "SFTConfig",
     "SFTTrainer",
-    "blocklist_reason",
+    "support_reason",
 ]
 
 logger = logging.getLogger("padfree")
@@ -177,27 +177,40 @@ class SFTConfig(trl.SFTConfig):
 # --------------------------------------------------------------------------------------------------
 
 
-def blocklist_reason(model_type: str | None) -> str | None:
-    """Why padfree refuses to pack ``model_type`` (None: it is supported).
+def support_reason(model: Any, config: Any = None) -> str | None:
+    """Why padfree would not make ``model`` packing-exact, as ``"not supported because ..."`` (None: it would).
 
-    The blocklist is the complement of ``configure_packing``'s support registry
-    (:data:`padfree.model.configure.SUPPORTED_MODEL_TYPES`, with the hybrid types the mixers add): a model type
-    joins the registry when the packed-vs-separate test matrix proves it exact, so anything else would risk
-    attention or recurrent state leaking across packed sequences.
+    A model instance is asked exactly what :func:`padfree.configure_packing` would decide (the scan, the support
+    table the sweep proved, or an on-the-spot certification of a tiny twin — cached); a model still to be loaded
+    (a name) is judged from its config against the support table, and decided for good once loaded.
 
-    >>> blocklist_reason("llama") is None
+    >>> import transformers
+    >>> from padfree.model.sweep import build_tiny
+    >>> support_reason(build_tiny("llama")) is None
     True
-    >>> print(blocklist_reason("gpt2"))
-    model type 'gpt2' is on padfree's blocklist (configure_packing's support registry does not cover it, so packed
-    sequences could see each other)
     """
-    from padfree.model import configure
+    from padfree.model import registry
+    from padfree.model.configure import check_packing_support
 
-    configure._load_mixers()  # the hybrid model types join the registry when the mixers load
-    if model_type in configure.SUPPORTED_MODEL_TYPES:
-        return None
-    return (f"model type {model_type!r} is on padfree's blocklist (configure_packing's support registry does not "
-            f"cover it, so packed sequences could see each other)")
+    instance = _unwrap(model) if not isinstance(model, str) else None
+    if isinstance(instance, transformers.PreTrainedModel):
+        verdict = check_packing_support(instance)
+        return None if verdict.ok else f"not supported because {verdict.reason}"
+    model_type = getattr(config, "model_type", None)
+    entry = registry.load()["types"].get(model_type)
+    if entry is not None and entry.get("verdict") == "refused" and entry.get("failed") is None:
+        return f"not supported because {entry.get('reason', 'the support sweep refused it')}"
+    return None
+
+
+_WARNED: set[str] = set()
+
+
+def _warn_once(message: str) -> None:
+    """Log ``message`` at WARNING the first time only (a trainer per run, or per eval, must not repeat it)."""
+    if message not in _WARNED:
+        _WARNED.add(message)
+        logger.warning("%s", message)
 
 
 def _env_flag(name: str) -> bool:
@@ -308,13 +321,9 @@ def _refuse(setting: str, model: Any, config: Any, processing_class: Any, data_c
     vlm = _vlm_reason(model, config, sample)
     if vlm is not None:
         raise UnsupportedModelError(f"{setting}: {vlm}; padfree packs text-only causal LMs — unset {setting}")
-    why = blocklist_reason(getattr(config, "model_type", None))
+    why = support_reason(model, config)
     if why is not None:
-        from padfree.model.configure import SUPPORTED_MODEL_TYPES
-
-        supported = ", ".join(sorted(SUPPORTED_MODEL_TYPES))
-        raise UnsupportedModelError(f"{setting}: {why}; supported model types: {supported}; unset {setting} to train "
-                                    f"with standard batching")
+        raise UnsupportedModelError(f"{setting}: padfree is {why}; unset {setting} to train with standard batching")
 
 
 def _decide(args: Any, model: Any, config: Any, processing_class: Any, data_collator: Any, train_dataset: Any,
@@ -373,7 +382,7 @@ def _skip_reason(args: Any, model: Any, config: Any, processing_class: Any, data
         return vlm
     if config is None:
         return "the model's config could not be read"
-    return blocklist_reason(getattr(config, "model_type", None))
+    return support_reason(model, config)
 
 
 def _configure(model: Any, decision: _Decision) -> None:
@@ -454,6 +463,8 @@ class _SFTMixin(PadfreeTrainerMixin):
             sequences=None if plan is None else int(plan.num_pieces), balance=self._padfree_balance_note(),
             **_model_facts(self.model))
         logger.info("%s", self._padfree_status)
+        if decision.auto and decision.mode == STANDARD and "not supported because" in decision.reason:
+            _warn_once(f"padfree: {decision.reason}; training with standard batching")
 
     # ---- data ------------------------------------------------------------------------------------------
 
@@ -610,7 +621,7 @@ class SFTTrainer(_SFTMixin, trl.SFTTrainer):
         InvalidArgumentError: ``packing=True`` / ``padding_free=True`` with a custom ``data_collator`` or a
             ``ProcessorMixin``; ``packing=True`` without ``max_length >= 1``, with ``packing_strategy="wrapped"`` or
             an ``IterableDataset``.
-        UnsupportedModelError: an explicit padfree mode on a vision-language or blocklisted model, or a model that
+        UnsupportedModelError: an explicit padfree mode on a vision-language or unsupported model, or a model that
             ``configure_packing`` cannot make exact.
         DataLoadError: a dataset without ``input_ids``, without the text field and without messages or
             prompt/completion columns.

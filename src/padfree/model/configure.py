@@ -68,6 +68,7 @@ __all__ = [
     "BACKEND_CHOICES",
     "FAMILY_MODULES",
     "PackingReport",
+    "check_packing_support",
     "configure_packing",
     "current_layout",
     "install_packing",
@@ -364,6 +365,26 @@ def configure_packing(model: Any, *, backend: str = "auto", strict: bool = True)
         warnings.warn(f"padfree: {message} (strict=False: configured anyway)", stacklevel=2)
     log.info("configure_packing(%s): %s", type(model).__name__, report)
     return report
+
+
+def check_packing_support(model: Any, *, backend: str = "auto") -> Any:
+    """Whether :func:`configure_packing` would accept ``model`` on ``backend``, without configuring it: a
+    :class:`~padfree.model.registry.Verdict` (``ok``, ``how``, ``reason``, ``module``) from the scan, the support
+    table, or an on-the-spot certification (cached). Trainers ask this before choosing a padding-free mode."""
+    from padfree.model import registry
+
+    state = packing_state(model)
+    if state is not None:  # already configured: its report says
+        report = state.report
+        return registry.Verdict(report.supported, report.proof, "; ".join(report.unsupported.values()))
+    try:
+        report = install_packing(model, backend=backend, strict=True)
+    except UnsupportedModelError as exc:
+        return registry.Verdict(False, "configure_packing's scan", str(exc))
+    try:
+        return registry.decide(model, report)
+    finally:
+        unconfigure_packing(model)
 
 
 def install_packing(model: Any, *, backend: str = "auto", strict: bool = True) -> PackingReport:

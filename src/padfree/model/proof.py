@@ -407,18 +407,41 @@ def _first_tensor(output: Any) -> torch.Tensor | None:
     return None
 
 
+def _token_tensor(value: Any, shape: tuple[int, int]) -> torch.Tensor | None:
+    """``value`` (or its first tensor) when it is a float ``(rows, tokens, ...)`` tensor of ``shape``, or one row
+    broadcast over the batch; else None."""
+    out = _first_tensor(value)
+    if (out is not None and out.dim() >= 2 and out.shape[1] == shape[1] and out.shape[0] in (1, shape[0])
+            and out.is_floating_point()):
+        return out.detach().float()
+    return None
+
+
+@dataclasses.dataclass
+class _Call:
+    name: str
+    inputs: torch.Tensor | None
+    output: torch.Tensor | None
+
+
 @contextlib.contextmanager
-def _recording(model: torch.nn.Module, shape: tuple[int, int]) -> Iterator[list[tuple[str, torch.Tensor]]]:
-    """Every module output whose leading dims are ``shape`` (a ``(rows, tokens)`` batch), in call order."""
-    calls: list[tuple[str, torch.Tensor]] = []
+def _recording(model: torch.nn.Module, shape: tuple[int, int]) -> Iterator[list[_Call]]:
+    """Every module call, in completion order, with its token-shaped input (the first positional tensor or
+    ``hidden_states``) and output over a ``shape = (rows, tokens)`` batch."""
+    calls: list[_Call] = []
+    pending: dict[int, list[torch.Tensor | None]] = {}
     handles = []
     for name, module in model.named_modules():
-        def hook(mod, args, output, name=name):
-            out = _first_tensor(output)
-            if (out is not None and out.dim() >= 2 and out.shape[1] == shape[1] and out.shape[0] in (1, shape[0])
-                    and out.is_floating_point()):  # (rows, tokens, ...), or one row broadcast over the batch
-                calls.append((name, out.detach().float()))
-        handles.append(module.register_forward_hook(hook))
+        def before(mod, args, kwargs):
+            first = args[0] if args else kwargs.get("hidden_states", kwargs.get("input_ids"))
+            pending.setdefault(id(mod), []).append(_token_tensor(first, shape))
+
+        def after(mod, args, kwargs, output, name=name):
+            stack = pending.get(id(mod)) or [None]
+            calls.append(_Call(name, stack.pop(), _token_tensor(output, shape)))
+
+        handles.append(module.register_forward_pre_hook(before, with_kwargs=True))
+        handles.append(module.register_forward_hook(after, with_kwargs=True))
     try:
         yield calls
     finally:
@@ -428,11 +451,13 @@ def _recording(model: torch.nn.Module, shape: tuple[int, int]) -> Iterator[list[
 
 def first_divergence(model: torch.nn.Module, backend: str = "auto", *, seed: int = 1,
                      configure: Callable[..., Any] | None = None) -> str | None:
-    """The qualified name of the first module, in call order, whose output on the packed case differs from its
-    output on the sequence alone (None if none does): where a packing leak enters the model.
+    """The qualified name of the module where a packing leak enters: the first module call (in completion order)
+    whose output on the packed case differs from its output on the sequence alone — or, when its input already
+    differed, the innermost enclosing module whose input still agreed (the leak is in that module's own code, as
+    with an attention module computing its own mask). None if no module output differs.
 
-    Module outputs are compared on the real tokens of every sequence; a module called several times per forward
-    is compared call by call. ``model`` (fp32) is left unconfigured.
+    Tensors are compared on the real tokens of every sequence; a module called several times per forward is
+    compared call by call. ``model`` (fp32) is left unconfigured.
     """
     from padfree.model import configure as _configure_module
 
@@ -441,7 +466,7 @@ def first_divergence(model: torch.nn.Module, backend: str = "auto", *, seed: int
     case = _Case.build(_vocab(model), device, seed)
     was_training = model.training
     model.eval()
-    alone: list[list[tuple[str, torch.Tensor]]] = []
+    alone: list[list[_Call]] = []
     try:
         with torch.no_grad():
             for row, start, n in case.segments:
@@ -455,17 +480,38 @@ def first_divergence(model: torch.nn.Module, backend: str = "auto", *, seed: int
     finally:
         _configure_module.unconfigure_packing(model)
         model.train(was_training)
-    seen: dict[str, int] = {}
-    for name, out in packed:
-        k = seen[name] = seen.get(name, -1) + 1
+
+    def differs(got: torch.Tensor | None, name: str, k: int, field: str) -> bool | None:
+        """Whether the packed tensor differs from the lone ones on any sequence (None: nothing to compare)."""
+        verdict = None
         for (row, start, n), calls in zip(case.segments, alone, strict=True):
-            mine = [o for m, o in calls if m == name]
-            if k >= len(mine) or mine[k].shape[2:] != out.shape[2:]:
+            mine = [getattr(c, field) for c in calls if c.name == name]
+            ref = mine[k] if k < len(mine) else None
+            if got is None or ref is None or ref.shape[2:] != got.shape[2:]:
                 continue
-            ref = mine[k][0]
-            got = out[row if out.shape[0] > 1 else 0, start:start + n]
-            if float((got - ref).abs().max()) > 1e-4 * max(1.0, float(ref.abs().max())):
-                return name or type(model).__name__
+            piece = got[row if got.shape[0] > 1 else 0, start:start + n]
+            if float((piece - ref[0]).abs().max()) > 1e-4 * max(1.0, float(ref[0].abs().max())):
+                return True
+            verdict = False
+        return verdict
+
+    seen: dict[str, int] = {}
+    index = {}  # (name, k) -> packed call
+    order = []
+    for call in packed:
+        k = seen[call.name] = seen.get(call.name, -1) + 1
+        index[call.name, k] = call
+        order.append((call.name, k))
+    for name, k in order:
+        if not differs(index[name, k].output, name, k, "output"):
+            continue
+        while differs(index[name, k].inputs, name, k, "inputs") and name:  # it came in: look at the caller
+            parent = name.rsplit(".", 1)[0] if "." in name else ""
+            k = max((j for (n, j) in index if n == parent), default=0)
+            if (parent, k) not in index:
+                break
+            name = parent
+        return name or type(model).__name__
     return None
 
 
