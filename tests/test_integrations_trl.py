@@ -357,8 +357,8 @@ def test_bad_input(tok, records, tmp_path):
     with pytest.raises(DataLoadError, match=r"columns \['answer', 'question'\]: no 'input_ids' and no text field "
                                             r"'text'"):
         build(dataset=datasets.Dataset.from_list([{"question": "q", "answer": "a"}]))
-    with pytest.raises(UnsupportedModelError, match="packing=True: padfree is not supported because .*"
-                                                    "ToyRecurrentMixer carries state"):
+    with pytest.raises(UnsupportedModelError, match=r"packing=True: padfree is not supported because .*"
+                                                    r"ToyRecurrentMixer carries state"):
         build(model=with_unknown_mixer(llama(tok)), packing=True)
     with pytest.raises(InvalidArgumentError, match=r"packing_strategy='wrapped'.*not one padfree packs exactly"):
         build(packing=True, packing_strategy="wrapped")
