@@ -79,8 +79,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     except ImportError as exc:  # an optional package a path needs that no _require() named up front
         missing = exc.name or "a package"
-        print(f"padfree: error: padfree {args.command} could not import {missing} ({_one_line(exc)}); install it "
-              f"with: {_install_hint(missing)}", file=sys.stderr)
+        fix = ("this padfree installation is incomplete: reinstall padfree" if missing.partition(".")[0] == "padfree"
+               else f"install it with: {_install_hint(missing)}")
+        print(f"padfree: error: padfree {args.command} could not import {missing} ({_one_line(exc)}); {fix}",
+              file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("padfree: interrupted", file=sys.stderr)
