@@ -3,8 +3,8 @@ names the extra to install — never a traceback.
 
 Each case runs the real command line in a subprocess whose Python cannot import the blocked packages: a
 ``sitecustomize.py`` on ``PYTHONPATH`` takes the path finder's place in ``sys.meta_path`` and reports the blocked
-top-level names as not found, exactly as if they were not installed (``importlib.util.find_spec`` returns None,
-``import`` raises ``ModuleNotFoundError``).
+names (and everything under them) as not found, exactly as if they were not installed
+(``importlib.util.find_spec`` returns None, ``import`` raises ``ModuleNotFoundError``).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ _BLOCKED = frozenset(filter(None, os.environ.get("PADFREE_TEST_BLOCK", "").split
 class _Hiding:
     @staticmethod
     def find_spec(name, path=None, target=None):
-        if name.partition(".")[0] in _BLOCKED:
+        if any(name == b or name.startswith(b + ".") for b in _BLOCKED):
             return None
         return PathFinder.find_spec(name, path, target)
 
@@ -69,6 +69,7 @@ def data(tmp_path_factory) -> Path:
     folder = tmp_path_factory.mktemp("data")
     (folder / "texts.json").write_text(json.dumps(
         [{"text": f"def f{i}(x):\n    return x + {i}\n" * (i % 5 + 1)} for i in range(40)]))
+    (folder / "texts.jsonl").write_text("".join(json.dumps({"text": f"line {i}"}) + "\n" for i in range(5)))
     (folder / "ids.json").write_text(json.dumps([{"input_ids": list(range(1, 3 + i % 17))} for i in range(40)]))
     (folder / "lengths.json").write_text(json.dumps([{"n": 3 + i % 17} for i in range(40)]))
     return folder
@@ -131,6 +132,20 @@ def test_a_missing_package_stops_the_command_up_front(hide, data, tmp_path, bloc
     line = one_error_line(padfree(hide, blocked, *argv, cwd=tmp_path))
     assert message in line and extra in line, line
     assert list(tmp_path.iterdir()) == []  # nothing written, not even a tokenizer cache
+
+
+@pytest.mark.parametrize(("blocked", "argv", "message"), [
+    # past the up-front checks: a submodule missing from an installed package, or a broken padfree install
+    (("pyarrow.json",), ["analyze", "{data}/texts.jsonl", "--capacity", "64"],
+     "padfree analyze could not import pyarrow.json (No module named 'pyarrow.json'); install it with: pip install "
+     "'padfree[cli]' (it brings pyarrow)"),
+    (("padfree.model.support",), ["verify", "--model-type", "llama"],
+     "padfree verify could not import padfree.model.support (No module named 'padfree.model.support'); this padfree "
+     "installation is incomplete: reinstall padfree"),
+])
+def test_an_import_error_past_the_checks_is_still_one_line(hide, data, tmp_path, blocked, argv, message):
+    line = one_error_line(padfree(hide, blocked, *(a.format(data=data) for a in argv), cwd=tmp_path))
+    assert line == f"padfree: error: {message}"
 
 
 @pytest.mark.parametrize(("blocked", "message"), [
