@@ -383,3 +383,22 @@ def test_layout_block_mask_equals_the_one_evaluated_on_every_pair(block_size, wi
 
         assert torch.equal(create_mask(got.mask_mod, 3, 1, width, width),
                            create_mask(want.mask_mod, 3, 1, width, width))
+
+
+def test_a_multimodal_model_packs_text_only_and_refuses_images_in_a_packed_batch():
+    """Gemma3ForConditionalGeneration builds its per-layer-type masks above the language model: a packed text batch
+    runs exactly (the sweep proves it), and a packed batch carrying pixel_values is refused before any work."""
+    from padfree.model.sweep import build_tiny
+
+    model = build_tiny("gemma3")
+    report = configure_packing(model)
+    assert report.supported and not any("vision" in name for name in report.attention_modules)
+    ids = torch.randint(3, 90, (1, 7))
+    pos = torch.tensor([[0, 1, 2, 0, 1, 2, 3]])
+    vision = model.config.vision_config
+    pixels = torch.zeros(1, vision.num_channels, vision.image_size, vision.image_size)
+    with pytest.raises(PackingDisabledError, match=r"non-text inputs \(pixel_values\)"):
+        model(input_ids=ids, position_ids=pos, pixel_values=pixels, use_cache=False)
+    out = model(input_ids=ids, position_ids=pos, use_cache=False).logits
+    alone = model(input_ids=ids[:, 3:], use_cache=False).logits
+    assert (out[0, 3:] - alone[0]).abs().max() <= ATOL * max(1.0, float(alone.abs().max()))

@@ -243,6 +243,8 @@ def _scan(model: torch.nn.Module) -> tuple[list[tuple[str, torch.nn.Module]], li
         cls = type(module).__name__
         if any(name.startswith(m + ".") for m, _ in (*handled, *mixers)):
             continue
+        if _MODALITY.search(name):
+            continue  # a vision / audio tower: text-only packed batches never reach it (refused otherwise)
         if cls in handlers:
             handled.append((name, module))
             continue
@@ -458,6 +460,14 @@ def install_packing(model: Any, *, backend: str = "auto", strict: bool = True) -
         target.register_forward_pre_hook(before, with_kwargs=True),
         target.register_forward_hook(after, with_kwargs=True, always_call=True),
     ]
+    if target is not model and _multimodal(model):
+        # A multimodal model builds its masks (and merges image / audio features) above the language model: the
+        # packed forward must be marked before that, and a packed batch with non-text inputs refused there.
+        outer = torch.compiler.disable(lambda m, a, k: _before_multimodal(state, m, a, k))
+        state.handles += [
+            model.register_forward_pre_hook(outer, with_kwargs=True),
+            model.register_forward_hook(after, with_kwargs=True, always_call=True),
+        ]
     model._padfree_state = state
     return report
 
@@ -508,6 +518,8 @@ def _layout(named: dict[str, Any]) -> PackedLayout | None:
         return None
     batch, seq_len = ref.shape[:2]
     mask, pos, cu = named.get("attention_mask"), named.get("position_ids"), named.get("cu_seq_lens_q")
+    if isinstance(mask, dict) and all(v is None for v in mask.values()):
+        mask = None  # a multimodal model's per-layer-type mapping, built empty for a packed forward
     if pos is not None:
         if pos.dim() == 1:
             pos = pos.unsqueeze(0)
@@ -588,6 +600,39 @@ def _before(state: _State, config: Any, module: torch.nn.Module, args: tuple, kw
     state.layout = lay
     state.tokens.append(PACKED_FORWARD.set(True))
     return args, kwargs
+
+
+# module names on the paths that only non-text inputs take (vision and audio towers, their projectors): a text-only
+# packed batch never reaches them, and a packed batch with such inputs is refused (see _before_multimodal)
+_MODALITY = re.compile(r"(^|\.)(vision|visual|audio|image|speech|video|multi_modal|mm_|embed_vision|embed_audio)")
+# arguments that carry non-text inputs
+_MODALITY_INPUT = re.compile(r"pixel|image|video|audio|input_features|speech|vision")
+
+
+def _multimodal(model: torch.nn.Module) -> bool:
+    config = model.config
+    return any(getattr(config, key, None) is not None for key in ("vision_config", "audio_config")) or \
+        type(model).__name__.endswith("ForConditionalGeneration")
+
+
+def _before_multimodal(state: _State, module: torch.nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
+    """The outer pre-hook of a multimodal model: for a packed batch, refuse non-text inputs and mark the forward
+    packed before the model builds its masks (padfree's mask functions then build none)."""
+    named = guards.bind(type(module).forward, (module, *args), kwargs) or {}
+    named.pop(next(iter(guards.parameters(type(module).forward)), "self"), None)
+    pos = named.get("position_ids")
+    mask = named.get("attention_mask")
+    packed = (isinstance(pos, torch.Tensor) and pos.dim() == 2 and _restarts(pos, None)) or (
+        isinstance(mask, torch.Tensor) and mask.dim() == 2 and mask.numel() > 0 and bool(mask.max() > 1))
+    if packed:
+        extra = [k for k, v in named.items() if v is not None and _MODALITY_INPUT.search(k)
+                 and not isinstance(v, bool)]
+        if extra:
+            raise PackingDisabledError(
+                f"a packed batch reached {type(module).__name__} with non-text inputs ({', '.join(extra)}): padfree "
+                f"packs text-only batches through a multimodal model (its image and audio paths are not "
+                f"boundary-aware); pass these batches unpacked")
+    state.tokens.append(PACKED_FORWARD.set(packed))
 
 
 def _after(state: _State) -> None:
