@@ -165,8 +165,9 @@ def _plan(lay: PackedLayout, *, cap: int | None = None, exact: bool = False) -> 
     plan = lay.buckets()
     if cap is None or max(plan.lengths) <= cap:
         return plan
-    return lay._cached(("padfree.positions", "cap", cap),
-                       lambda: _group(lay, np.minimum(bucket_length(lay.lengths), cap)))
+    # a segment longer than the cap runs at its own length (the module then fails as it fails for it alone)
+    return lay._cached(("padfree.positions", "cap", cap), lambda: _group(
+        lay, np.maximum(np.minimum(bucket_length(lay.lengths), cap), lay.lengths)))
 
 
 def bucketed(run: Callable[..., torch.Tensor], lay: PackedLayout, *tokens: torch.Tensor | None,
