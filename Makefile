@@ -1,5 +1,7 @@
 # The two commands of the README's quickstart. Each sets everything up (once) and runs its job.
-.PHONY: demo test lint bench setup
+# `make test` installs the exact versions of constraints/ci.txt; `make test-floor` the floors of pyproject.toml
+# (constraints/floor.txt) in .venv-floor, and runs the tests that prove them.
+.PHONY: demo test test-floor lint bench setup
 
 setup:
 	@bash scripts/bootstrap.sh
@@ -11,8 +13,19 @@ test: setup
 	.venv/bin/python -m ruff check .
 	.venv/bin/python -m pytest -q
 
+# the exactness matrix and the trainers (transformers, TRL, accelerate), the data layer (datasets, pyarrow), the
+# CLI (tokenizers, matplotlib) and the packing kernels (numpy, numba): about 11 minutes on a 2-core machine
+FLOOR_TESTS = tests/test_model_matrix.py tests/test_model_mixers.py tests/test_model_configure.py \
+	tests/test_integrations_trainer.py tests/test_integrations_trl.py tests/test_data_hf.py \
+	tests/test_data_datasets.py tests/test_cli.py tests/test_packing.py tests/test_rows.py
+
+test-floor:
+	@PADFREE_VENV=.venv-floor PADFREE_CONSTRAINTS=constraints/floor.txt PADFREE_SYSTEM_SITE=0 bash scripts/bootstrap.sh
+	.venv-floor/bin/python -m ruff check .
+	.venv-floor/bin/python -m pytest -q $(FLOOR_TESTS)
+
 bench: setup
-	.venv/bin/python -m pip install --quiet -e '.[bench]'
+	.venv/bin/python -m pip install --quiet -c .venv/constraints.txt -e '.[bench]'
 	.venv/bin/python benchmarks/bench_packing.py
 	.venv/bin/python benchmarks/bench_datasets.py
 	.venv/bin/python benchmarks/bench_collate.py
