@@ -238,9 +238,13 @@ def _scan(model: torch.nn.Module) -> tuple[list[tuple[str, torch.nn.Module]], li
     from transformers.modeling_layers import GradientCheckpointingLayer
 
     handlers = families()
+    # the model's own name prefixes its module classes: "RecurrentGemmaAttention" is RecurrentGemma's attention,
+    # not a recurrent mixer, so the mixer pattern reads the class name without that prefix
+    prefix = re.match(r"(.*?)(For[A-Z]|LMHead|Model$|$)", type(model).__name__).group(1)
     attention, handled, mixers = [], [], []
     for name, module in model.named_modules():
         cls = type(module).__name__
+        own = cls[len(prefix):] if prefix and cls.startswith(prefix) and len(cls) > len(prefix) else cls
         if any(name.startswith(m + ".") for m, _ in (*handled, *mixers)):
             continue
         if _MODALITY.search(name):
@@ -250,9 +254,9 @@ def _scan(model: torch.nn.Module) -> tuple[list[tuple[str, torch.nn.Module]], li
             continue
         if isinstance(module, (PreTrainedModel, GradientCheckpointingLayer)) or _NOT_A_MIXER.search(cls):
             continue
-        if cls.endswith("Attention") and hasattr(module, "config") and not _MIXER_PATTERN.search(cls):
+        if cls.endswith("Attention") and hasattr(module, "config") and not _MIXER_PATTERN.search(own):
             attention.append((name, module))
-        elif _MIXER_PATTERN.search(cls) or isinstance(module, torch.nn.Conv1d):
+        elif _MIXER_PATTERN.search(own) or isinstance(module, torch.nn.Conv1d):
             mixers.append((name, module))
     return attention, handled, mixers
 
