@@ -153,31 +153,51 @@ def test_segment_mask_with_a_trailing_padding_run(model_type):
     assert _worst(packed, spans, alone) <= 1e-5
 
 
-def test_activation_checkpointing_recomputes_each_bucket_with_the_same_boundaries():
-    model = _quiet_build("mvp")
-    for m in model.modules():  # dropout off: a training step that is deterministic
+def _without_dropout(model):
+    for m in model.modules():  # a training step that is deterministic
         for name in ("dropout", "activation_dropout", "layerdrop"):
             if isinstance(getattr(m, name, None), float):
                 setattr(m, name, 0.0)
-    model.gradient_checkpointing_enable()
+    return model
+
+
+def _assert_training_step_exact(model, rows):
+    """One packed training step (loss and every gradient) against every sequence alone, in training mode."""
     model.train()
-    ids, pos, spans = _rows(model.config.vocab_size, [[1, 5, 9], [7, 4]])
+    ids, pos, spans = _rows(model.config.vocab_size, rows)
 
     def loss_and_grads(run):
         model.zero_grad()
         loss = sum(torch.nn.functional.cross_entropy(logits[:-1], ids[r, s + 1:s + n], reduction="sum")
                    for (r, s, n), logits in zip(spans, run(), strict=True))
         loss.backward()
-        return float(loss), {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
+        return float(loss.detach()), {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
 
     want = loss_and_grads(lambda: [model(input_ids=ids[r:r + 1, s:s + n], use_cache=False).logits[0]
                                    for r, s, n in spans])
     install_packing(model)
-    got = loss_and_grads(lambda: [x[r, s:s + n] for x in [model(input_ids=ids, position_ids=pos).logits]
-                                  for r, s, n in spans])
+    got = loss_and_grads(lambda: [x[r, s:s + n] for x in [model(input_ids=ids, position_ids=pos, use_cache=False)
+                                                           .logits] for r, s, n in spans])
     assert abs(got[0] - want[0]) <= 1e-4
     assert want[1].keys() == got[1].keys()
     assert max(float((got[1][k] - want[1][k]).abs().max()) for k in want[1]) <= 1e-5
+
+
+def test_activation_checkpointing_recomputes_each_bucket_with_the_same_boundaries():
+    model = _without_dropout(_quiet_build("mvp"))
+    model.gradient_checkpointing_enable()
+    _assert_training_step_exact(model, [[1, 5, 9], [7, 4]])
+
+
+def test_reformer_with_learned_positions_trains_exactly_and_axial_positions_are_refused():
+    # reversible layers compute gradients in training mode only, where prove() cannot run: measured here instead
+    no_dropout = {k: 0.0 for k in ("hidden_dropout_prob", "attention_probs_dropout_prob",
+                                   "lsh_attention_probs_dropout_prob", "local_attention_probs_dropout_prob")}
+    model = _quiet_build("reformer", {"axial_pos_embds": False, "hash_seed": 3, **no_dropout})
+    assert model.config.attn_layers == ["local", "lsh"]
+    _assert_training_step_exact(model, [[1, 5, 9], [7, 4, 3]])
+    with pytest.raises(UnsupportedModelError, match="AxialPositionEmbeddings"):
+        install_packing(_quiet_build("reformer"))
 
 
 # ---- the grouping primitive -----------------------------------------------------------------------------------------

@@ -3,9 +3,9 @@
 Many decoders take their positions from an ``arange`` over the row (BART-family and Pegasus-family decoders, TrOCR,
 MVP, XGLM) or from the token ids (TrOCR's sinusoidal table), and several write their own attention instead of going
 through transformers' attention interface (GPT-1, XGLM, TrOCR, MVP); a few mix every token of a row with every other
-(CPM-Ant and XLNet attend both ways, ProphetNet runs n-gram streams over the whole row). In a packed row all of them
-cross the boundaries. :func:`padfree.configure_packing` routes every instance of :data:`CLASSES` to :func:`install`,
-which patches that instance so that, for a packed batch,
+(CPM-Ant and XLNet attend both ways, ProphetNet runs n-gram streams over the whole row, Reformer hashes and chunks the
+whole row). In a packed row all of them cross the boundaries. :func:`padfree.configure_packing` routes every
+instance of :data:`CLASSES` to :func:`install`, which patches that instance so that, for a packed batch,
 
 - a **position table** looks up the positions each sequence has alone (``layout.position_ids``, plus the table's own
   offset, or recounted per sequence where the model counts non-padding tokens);
@@ -59,7 +59,7 @@ _TABLES = (
 # attention modules with their own eager formula (q/k/v/out projections per token, a softmax over the mask given)
 _ATTENTIONS = ("MvpAttention", "TrOCRAttention", "XGLMAttention")
 # models whose forward mixes a whole row beyond what one attention call sees: run per group of equal lengths
-_ROW_MODELS = ("CpmAntModel", "XLNetModel", "ProphetNetDecoder")
+_ROW_MODELS = ("CpmAntModel", "XLNetModel", "ProphetNetDecoder", "ReformerModel")
 
 CLASSES: dict[str, str] = {
     **dict.fromkeys(_TABLES, "absolute position table indexed by the positions of each sequence alone"),
@@ -70,6 +70,7 @@ CLASSES: dict[str, str] = {
     "CpmAntModel": "bidirectional attention over a per-row prompt: run per group of equal-length sequences",
     "XLNetModel": "bidirectional relative attention: run per group of equal-length sequences",
     "ProphetNetDecoder": "main and n-gram streams over the whole row: run per group of equal-length sequences",
+    "ReformerModel": "LSH / chunked local attention over the whole row: run per group of equal-length sequences",
 }
 
 
@@ -375,6 +376,7 @@ _ROWS: dict[str, tuple[tuple[str, ...], tuple[str, ...], dict[str, Any]]] = {
     "XLNetModel": (("input_ids", "inputs_embeds", "token_type_ids", "input_mask"), ("perm_mask", "target_mapping"),
                    {"use_mems": False}),
     "ProphetNetDecoder": (("input_ids", "inputs_embeds"), ("encoder_attention_mask",), {"use_cache": False}),
+    "ReformerModel": (("input_ids", "inputs_embeds"), (), {"use_cache": False}),
 }
 
 
@@ -417,6 +419,19 @@ def _packed_rows(module: torch.nn.Module, lay: PackedLayout, *args: Any, **kwarg
     return type(last[0])(last_hidden_state=merged[:, :, 0], last_hidden_state_ngram=ngram)
 
 
+def _check_reformer(module: torch.nn.Module) -> None:
+    config = module.config
+    if getattr(config, "axial_pos_embds", False):
+        rows = int(np.prod(config.axial_pos_shape))
+        raise UnsupportedModelError(
+            f"{type(module).__name__}.embeddings.position_embeddings (AxialPositionEmbeddings) cannot restart per "
+            f"packed sequence: in training mode it ignores position_ids and accepts only rows of exactly "
+            f"prod(config.axial_pos_shape) = {rows} tokens, so a shorter sequence has no training step of its own "
+            f"for a packed row to equal (and the reversible layers compute gradients in training mode only); "
+            f"config.axial_pos_embds=False (learned positions) can be packed"
+        )
+
+
 # ---- installation --------------------------------------------------------------------------------------------------
 
 
@@ -451,6 +466,8 @@ def install(module: torch.nn.Module, state: Any) -> str:
         return _install_attention(module, state)
     if name == "OpenAIGPTModel":
         return _install_openai(module, state)
+    if name == "ReformerModel":
+        _check_reformer(module)
     description = "its own forward per group of equal-length sequences, each sequence a row of its own"
     _patch(module, state, "rows", _packed_rows, description)
     return description
