@@ -194,13 +194,15 @@ def test_demo_without_matplotlib_trains_and_says_the_picture_is_left_out(hide, d
     assert not (tmp_path / "out").exists()
 
 
-def test_bench_without_trl_measures_the_other_modes_and_says_so(hide, data, cache, tmp_path):
-    proc = padfree(hide, ("trl",), "bench", "--quick", "--data", data / "texts.json", "--capacity", "64", "--rows",
+@pytest.mark.parametrize(("blocked", "extra"), [("trl", "trl"), ("datasets", "cli")])
+def test_bench_without_trl_measures_the_other_modes_and_says_so(hide, data, cache, tmp_path, blocked, extra):
+    # TRL's mode needs trl and datasets (its packing works on a datasets.Dataset): without either it is left out
+    proc = padfree(hide, (blocked,), "bench", "--quick", "--data", data / "texts.json", "--capacity", "64", "--rows",
                    "2", "--tokens", "200", "--lengths", "1000", "--repetitions", "1", "--json", "-q", cwd=tmp_path,
                    cache=cache)
     assert proc.returncode == 0, proc.stderr
     modes = json.loads(proc.stdout)["training"]["modes"]
     assert "trl" not in modes and {"padded", "grouped", "packed"} <= set(modes)
     assert proc.stderr.splitlines() == [
-        "padfree: note: trl cannot be imported, so TRL's packing was not measured; pip install 'padfree[trl]' "
-        "(it brings trl) adds it"]
+        f"padfree: note: TRL's packing was not measured: No module named '{blocked}'; pip install 'padfree[{extra}]' "
+        f"(it brings {blocked}) adds it"]

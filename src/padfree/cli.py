@@ -167,12 +167,18 @@ def _require(needed_for: str, *modules: str) -> None:
 
 def _importable(module: str) -> bool:
     """Whether ``module`` imports (a broken install counts as missing: it would fail later, mid-run)."""
-    try:
-        importlib.import_module(module)
-    except (ImportError, OSError) as exc:
-        logger.debug("%s cannot be imported (%s)", module, exc)
-        return False
-    return True
+    return _import_error(module) is None
+
+
+def _import_error(*modules: str) -> BaseException | None:
+    """Why the first of ``modules`` that cannot be imported fails, or None when they all import."""
+    for module in modules:
+        try:
+            importlib.import_module(module)
+        except (ImportError, OSError) as exc:
+            logger.debug("%s cannot be imported (%s)", module, exc)
+            return exc
+    return None
 
 
 # ==================================================================================================
@@ -1751,7 +1757,8 @@ def _run_bench(args: argparse.Namespace) -> int:
         _require("padfree bench (its training part; --no-training measures packing alone)", "torch", "transformers")
     elif args.data is not None:
         _require("padfree bench --data (it tokenizes the text)", "transformers")
-    with_trl = not args.no_training and _importable("trl")
+    # what the trl mode imports (padfree.throughput): trl's packing and collator need datasets as well
+    trl_missing = None if args.no_training else _import_error("datasets", "trl.data_utils", "trl.trainer.sft_trainer")
     say = _Progress(enabled=not args.quiet)
     rng = np.random.default_rng(opts.seed)
     synthetic = np.clip(np.rint(rng.lognormal(np.log(250), 1.0, n)), 1, opts.capacity).astype(np.int64)
@@ -1766,7 +1773,7 @@ def _run_bench(args: argparse.Namespace) -> int:
     if not args.no_training:
         assert data is not None
         model, model_text = _model(args, opts, data.vocab, data.ids)
-        modes = [m for m in MODES if m != "trl" or with_trl]
+        modes = [m for m in MODES if m != "trl" or trl_missing is None]
         sample = sample_sequences(data.ids, opts.tokens, opts.capacity, seed=opts.seed)
         report, _ = _train(model, sample, opts, modes, say)
     summary: dict[str, Any] = {"capacity": opts.capacity, "packing": {}, "seconds": 0.0}
@@ -1782,8 +1789,9 @@ def _run_bench(args: argparse.Namespace) -> int:
         summary["training"]["model"] = model_text
     summary["seconds"] = round(time.perf_counter() - started, 1)
     print(json.dumps(summary, indent=2) if args.json else render_bench(summary, packing, report))
-    if not args.no_training and not with_trl:
-        _note(f"trl cannot be imported, so TRL's packing was not measured; {_install_hint('trl')} adds it")
+    if trl_missing is not None:
+        name = getattr(trl_missing, "name", None) or "trl"
+        _note(f"TRL's packing was not measured: {_one_line(trl_missing)}; {_install_hint(name)} adds it")
     return 0
 
 
