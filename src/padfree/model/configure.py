@@ -87,8 +87,18 @@ _State = PackingState  # the name the rest of the package grew up with
 FAMILY_MODULES = (
     "padfree.model.mixers",  # GatedDeltaNet, Mamba-1 / Mamba-2 scans, short convolutions
     "padfree.model.families.alibi",  # ALiBi attention biases
-    "padfree.model.families.positions",  # learned absolute position embeddings
+    "padfree.model.families.attention_variants",  # attention that computes more than the interface sees
+    "padfree.model.families.positions",  # learned absolute positions, encoder-decoder decoders
+    "padfree.model.families.encoders",  # bidirectional-encoder families used as causal decoders
     "padfree.model.families.indexers",  # top-k key indexers of sparse attention (DSA)
+    "padfree.model.families.lightning",  # lightning attention (MiniMax)
+    "padfree.model.families.linear",  # GatedDeltaNet variants on the mixers' primitives
+    "padfree.model.families.kda",  # Kimi delta attention
+    "padfree.model.families.rglru",  # RG-LRU (RecurrentGemma)
+    "padfree.model.families.rwkv",  # RWKV time and channel mixing
+    "padfree.model.families.xlstm",  # xLSTM
+    "padfree.model.families.convs",  # short convolutions of newer hybrids, Zamba's Mamba-1
+)
     "padfree.model.families.lightning",  # lightning attention (MiniMax)
     "padfree.model.families.kda",  # Kimi delta attention
     "padfree.model.families.rglru",  # RG-LRU (RecurrentGemma)
