@@ -99,13 +99,6 @@ FAMILY_MODULES = (
     "padfree.model.families.xlstm",  # xLSTM
     "padfree.model.families.convs",  # short convolutions of newer hybrids, Zamba's Mamba-1
 )
-    "padfree.model.families.lightning",  # lightning attention (MiniMax)
-    "padfree.model.families.kda",  # Kimi delta attention
-    "padfree.model.families.rglru",  # RG-LRU (RecurrentGemma)
-    "padfree.model.families.rwkv",  # RWKV time mixing
-    "padfree.model.families.xlstm",  # xLSTM
-    "padfree.model.families.convs",  # short convolutions of newer hybrids
-)
 
 # Class-name fragments of sequence mixers other than attention: recurrent state, a short causal convolution or a
 # token shift that runs across packed boundaries unless it is told where sequences start. Linear-attention classes
