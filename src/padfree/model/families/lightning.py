@@ -52,7 +52,7 @@ CLASSES: dict[str, str] = {
 
 # Every name MiniMaxLightningAttention.forward reads (attributes and globals) in the transformers versions proven:
 # the packed forward below re-states that forward around the segment primitive, so a forward that reads anything
-# else has changed shape and is refused until it is proven again.
+# else, or no longer reads one of them, has changed shape and is refused until it is proven again.
 _PROVEN_NAMES = frozenset({
     "shape", "block_size", "act_fn", "qkv_proj", "apply_mask_to_padding_states", "reshape", "num_attention_heads",
     "head_dim", "torch", "split", "transpose", "get_linear_cache", "layer_idx", "zeros", "device", "dtype", "range",
@@ -115,13 +115,14 @@ def segment_lightning_attention(
 
 @functools.cache
 def _check_forward(cls: type) -> None:
-    """Refuse a forward that reads names the proven one does not (transformers changed its shape)."""
-    forward = mixers._unwrap(cls.forward)
-    extra = sorted(set(forward.__code__.co_names) - _PROVEN_NAMES)
-    if extra:
+    """Refuse a forward that reads other names than the proven one (transformers changed its shape)."""
+    names = set(mixers._unwrap(cls.forward).__code__.co_names)
+    extra, missing = sorted(names - _PROVEN_NAMES), sorted(_PROVEN_NAMES - names)
+    if extra or missing:
         raise UnsupportedModelError(
-            f"{cls.__name__}.forward (transformers {_transformers_version()}) reads {extra}, which the lightning "
-            f"attention padfree proved exact does not; it cannot be made packing-exact until it is proven again")
+            f"{cls.__name__}.forward (transformers {_transformers_version()}) is not the lightning attention padfree "
+            f"proved exact (it reads {extra} in addition, and no longer reads {missing}); it cannot be made "
+            f"packing-exact until it is proven again")
 
 
 def _transformers_version() -> str:

@@ -7,11 +7,14 @@ convolution restarting at every segment and its delta rule starting every segmen
 it uses, :func:`install_mixer` with :func:`packed_forward`, is shared by the other linear-attention families
 (:mod:`padfree.model.families.kda`).
 
->>> from padfree.model.configure import install_packing
->>> from padfree.model.sweep import build_tiny
->>> report = install_packing(build_tiny("lara_mini"))
->>> {qual: impl.split(":")[0] for qual, impl in report.mixers.items()}
-{'model.layers.0.linear_attn': 'GatedDeltaNet'}
+>>> from padfree.model import mixers
+>>> from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5GatedDeltaNet as Gdn
+>>> family = mixers.FAMILIES["gated-delta-net"]
+>>> inner = mixers._unwrap(packed_forward(Gdn, family.replace, family.signatures, family.required))
+>>> inner.__code__ is mixers._unwrap(Gdn.forward).__code__  # transformers' own code ...
+True
+>>> inner.__globals__["torch_chunk_gated_delta_rule"] is family.replace["torch_chunk_gated_delta_rule"]  # new calls
+True
 """
 
 from __future__ import annotations
