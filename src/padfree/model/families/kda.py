@@ -42,15 +42,13 @@ from padfree.model.packed import PackedLayout
 
 __all__ = ["CLASSES", "install", "segment_kimi_delta_attention", "uninstall"]
 
-_KDA_CLASSES = {
+#: the classes this module makes boundary-exact (read by :func:`padfree.configure_packing`)
+CLASSES: dict[str, str] = {
     "KimiLinearDeltaAttention": "Kimi delta attention (kimi_linear): conv taps and KDA state reset at every segment "
                                 "start",
     "BailingHybridDeltaAttention": "Kimi delta attention (bailing_hybrid): conv taps and KDA state reset at every "
                                    "segment start",
 }
-#: the classes this module makes boundary-exact (read by :func:`padfree.configure_packing`). The linear family's
-#: classes ride along while configure's FAMILY_MODULES does not list padfree.model.families.linear.
-CLASSES: dict[str, str] = {**_KDA_CLASSES, **linear.CLASSES}
 
 _CHUNK_RULE = "chunk_kimi_delta_attention"
 _SIGNATURES = {
@@ -145,9 +143,7 @@ def install(module: torch.nn.Module, state: Any) -> str:
     """Make one instance of :data:`CLASSES` boundary-exact for packed batches of the model ``state`` belongs to;
     returns the one-line description of the implementation."""
     name = type(module).__name__
-    if name in linear.CLASSES:
-        return linear.install(module, state)
-    if name not in _KDA_CLASSES:
+    if name not in CLASSES:
         raise UnsupportedModelError(f"{name} is not a Kimi delta attention padfree knows how to make packing-exact")
     family, packed = _packed(type(module))
     return linear.install_mixer(module, state, kind="kda", family=family, packed=packed, description=_DESCRIPTION)
