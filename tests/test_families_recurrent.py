@@ -10,8 +10,6 @@ segments crossing chunks, a trailing padding run); and a cache never reaches a p
 
 from __future__ import annotations
 
-import re
-
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -54,26 +52,6 @@ def _without_boundaries(lay: PackedLayout) -> PackedLayout:
     return PackedLayout.from_position_ids(torch.arange(lay.shape[1]).expand(lay.shape))
 
 
-class _Stem:
-    """configure's mixer pattern applied to a class name without the model's own name: the scan takes
-    RecurrentGemmaAttention (softmax attention) and RecurrentGemmaMlp for mixers because "Recurrent" is in the
-    model's name. This is the change asked of configure.py; once it is made, the patch below is not applied."""
-
-    def __init__(self, pattern: re.Pattern, prefix: str) -> None:
-        self.pattern, self.prefix = pattern, prefix
-
-    def search(self, name: str):
-        return self.pattern.search(name.removeprefix(self.prefix))
-
-
-@pytest.fixture
-def recurrent_gemma_scan(monkeypatch):
-    model = build_tiny("recurrent_gemma")
-    _, _, unhandled = configure._scan(model)
-    if any(type(m).__name__ == "RecurrentGemmaAttention" for _, m in unhandled):
-        monkeypatch.setattr(configure, "_MIXER_PATTERN", _Stem(configure._MIXER_PATTERN, "RecurrentGemma"))
-
-
 def _proof(model_type: str, plan=PRECISIONS, **kwargs):
     with _quiet():
         return prove(build_tiny(model_type), backends=list(plan), precisions=plan, **kwargs)
@@ -83,9 +61,7 @@ def _proof(model_type: str, plan=PRECISIONS, **kwargs):
 
 
 @pytest.mark.parametrize("model_type", ["lfm3", "inkling_text", "zamba", "recurrent_gemma"])
-def test_packed_equals_each_sequence_alone(request, model_type):
-    if model_type == "recurrent_gemma":
-        request.getfixturevalue("recurrent_gemma_scan")
+def test_packed_equals_each_sequence_alone(model_type):
     proof = _proof(model_type)
     assert proof.ok, str(proof)
     assert {(c.backend, c.precision) for c in proof.checks} == {
@@ -123,7 +99,7 @@ def _leaky(lay):
 
 
 @pytest.mark.parametrize("model_type", ["rwkv", "xlstm", "lfm3", "recurrent_gemma"])
-def test_the_same_comparison_catches_a_family_whose_reset_is_off(request, monkeypatch, model_type):
+def test_the_same_comparison_catches_a_family_whose_reset_is_off(monkeypatch, model_type):
     """The negative control of the families themselves: their primitives run as if the row were one sequence."""
     if model_type == "rwkv":
         monkeypatch.setattr(rwkv, "_starts", lambda lay: rglru.segment_positions(_leaky(lay)) == 0)
@@ -134,7 +110,6 @@ def test_the_same_comparison_catches_a_family_whose_reset_is_off(request, monkey
         exact = mixers.segment_causal_conv1d
         monkeypatch.setattr(mixers, "segment_causal_conv1d", lambda *a: exact(*map(_leaky, a)))
     else:
-        request.getfixturevalue("recurrent_gemma_scan")
         exact_conv, exact_pos = rglru.segment_causal_conv1d, rglru.segment_positions
         monkeypatch.setattr(rglru, "segment_causal_conv1d", lambda *a: exact_conv(*map(_leaky, a)))
         monkeypatch.setattr(rglru, "segment_positions", lambda lay: exact_pos(_leaky(lay)))
@@ -278,7 +253,7 @@ def _packed_call(model):
     model(input_ids=ids, position_ids=pos)  # the layout of the last packed forward stays set (checkpointing)
 
 
-def test_a_cache_never_reaches_a_packed_module(recurrent_gemma_scan):
+def test_a_cache_never_reaches_a_packed_module():
     hidden = torch.randn(1, 6, 64)
     model = build_tiny("rwkv")
     _packed_call(model)
