@@ -185,7 +185,7 @@ def _assert_training_step_exact(model, rows):
 
 def test_activation_checkpointing_recomputes_each_bucket_with_the_same_boundaries():
     model = _without_dropout(_quiet_build("mvp"))
-    model.gradient_checkpointing_enable()
+    model.activation_checkpointing_enable()
     _assert_training_step_exact(model, [[1, 5, 9], [7, 4]])
 
 

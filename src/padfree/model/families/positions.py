@@ -76,14 +76,13 @@ CLASSES: dict[str, str] = {
 
 @dataclasses.dataclass(eq=False)
 class _Installed:
-    """What a patched instance carries: the configured model's state, its kind and the packed forward."""
+    """What a patched instance carries: the configured model's state and its packed forward."""
 
     state: Any
-    kind: str
     packed: Callable[..., Any]
-    description: str
 
 
+@torch.compiler.disable  # host-side state: traced, every new batch's layout would recompile the graph
 def _layout_in_flight(info: _Installed) -> PackedLayout | None:
     """The packed layout of the forward in flight, or None (an ordinary batch, or the hooks are gone)."""
     return info.state.layout if hooks_live(info.state) else None
@@ -102,9 +101,9 @@ def _bind(module: torch.nn.Module, args: tuple, kwargs: dict[str, Any]) -> dict[
     """The call's arguments by parameter name (``self`` left out)."""
     forward = type(module).forward
     named = guards.bind(forward, (module, *args), kwargs)
-    if named is None:  # let transformers raise its own error for a call that does not fit
+    if named is None:  # a call that does not fit the signature: transformers raises its own error
         forward(module, *args, **kwargs)
-        raise TypeError(f"{type(module).__name__}.forward does not accept this call")
+        raise TypeError(f"{type(module).__name__}.forward does not accept this call")  # pragma: no cover
     named.pop(next(iter(guards.parameters(forward))), None)
     return named
 
@@ -214,6 +213,8 @@ def _table_lookup(module: torch.nn.Module, positions: torch.Tensor) -> torch.Ten
 
 def _check_table(module: torch.nn.Module) -> None:
     """Refuse a table whose forward is not ``weight[arange(T) + offset]`` (what the packed lookup replaces)."""
+    if module.weight.is_meta:  # nothing to read yet: the proof of the loaded model decides
+        return
     first = tuple(inspect.signature(type(module).forward).parameters)[1]
     probe: Any = torch.zeros(1, 3, dtype=torch.long) if first == "input_ids" else torch.Size((1, 3))
     with torch.no_grad():
@@ -230,12 +231,19 @@ def _check_table(module: torch.nn.Module) -> None:
         )
 
 
-def _packed_table(module: torch.nn.Module, lay: PackedLayout, *args: Any, **kwargs: Any) -> torch.Tensor:
+def _table_call(module: torch.nn.Module, args: tuple, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """A position table's call by name; a cache length (the model was handed a cache) is refused."""
     named = _bind(module, args, kwargs)
     if named.get("cache_length"):
         raise PackingDisabledError(f"{type(module).__name__} got cache_length={named['cache_length']} with a packed "
                                    f"batch; packed training never uses a cache (pass use_cache=False)")
     _refuse_cache(module, {k: v for k, v in named.items() if k != "cache_length"})
+    return named
+
+
+@torch.compiler.disable
+def _packed_table(module: torch.nn.Module, lay: PackedLayout, *args: Any, **kwargs: Any) -> torch.Tensor:
+    named = _table_call(module, args, kwargs)
     shape = next((tuple(v.shape if isinstance(v, torch.Tensor) else v) for k, v in named.items()
                   if k in ("input_ids", "input_ids_shape") and v is not None), None)
     if shape is not None:
@@ -243,12 +251,10 @@ def _packed_table(module: torch.nn.Module, lay: PackedLayout, *args: Any, **kwar
     return _table_lookup(module, lay.position_ids)
 
 
+@torch.compiler.disable
 def _packed_indexed(module: torch.nn.Module, lay: PackedLayout, *args: Any, **kwargs: Any) -> torch.Tensor:
     """XGLM: its own forward, handed the positions of each sequence alone instead of the row's arange."""
-    named = _bind(module, args, kwargs)
-    if named.get("cache_length"):
-        raise PackingDisabledError(f"{type(module).__name__} got cache_length={named['cache_length']} with a packed "
-                                   f"batch; packed training never uses a cache (pass use_cache=False)")
+    named = _table_call(module, args, kwargs)
     positions = named.get("position_ids")
     if positions is not None:  # the model's arange: (1, T), broadcast over the rows
         _check_shape(lay, (lay.shape[0], positions.shape[-1]), type(module).__name__)
@@ -256,13 +262,11 @@ def _packed_indexed(module: torch.nn.Module, lay: PackedLayout, *args: Any, **kw
                                                              else lay.device))
 
 
+@torch.compiler.disable
 def _packed_counted(module: torch.nn.Module, lay: PackedLayout, *args: Any, **kwargs: Any) -> torch.Tensor:
     """TrOCR's sinusoidal table: position = padding_idx + the number of non-padding tokens of the sequence so far
     (padding tokens sit at padding_idx, a zero row), counted from each sequence's start instead of the row's."""
-    named = _bind(module, args, kwargs)
-    if named.get("cache_length"):
-        raise PackingDisabledError(f"{type(module).__name__} got cache_length={named['cache_length']} with a packed "
-                                   f"batch; packed training never uses a cache (pass use_cache=False)")
+    named = _table_call(module, args, kwargs)
     input_ids = named["input_ids"]
     _check_shape(lay, tuple(input_ids.shape), type(module).__name__)
     batch, seq_len = input_ids.shape
@@ -337,7 +341,7 @@ def _packed_attention(module: torch.nn.Module, lay: PackedLayout, *args: Any, **
 def _install_attention(module: torch.nn.Module, state: Any) -> str:
     if "bias" in module._buffers and module.bias is not None and module.bias.dim() == 4:
         module._padfree_cap = int(module.bias.shape[-1])  # GPT-1 crops its causal mask from an n_positions buffer
-    _patch(module, state, "attention", _packed_attention, "its own attention per bucket of equal-length sequences")
+    _patch(module, state, _packed_attention)
     return "its own attention per bucket of equal-length sequences, under the causal mask of a lone sequence"
 
 
@@ -345,13 +349,19 @@ def _install_attention(module: torch.nn.Module, state: Any) -> str:
 
 
 def _packed_openai(module: torch.nn.Module, lay: PackedLayout, *args: Any, **kwargs: Any) -> Any:
+    """GPT-1's own forward, handed the positions of each sequence alone (its attention layers are patched too)."""
     named = _bind(module, args, kwargs)
     ids = named.get("input_ids")
     ref = ids if ids is not None else named.get("inputs_embeds")
     if ref is not None:
         _check_shape(lay, tuple(ref.shape), type(module).__name__)
-    named["position_ids"] = lay.position_ids.to(ref.device if ref is not None else lay.device)
-    return type(module).forward(module, **named)
+    named["position_ids"] = _restarting_positions(lay, ref.device if ref is not None else lay.device)
+    return type(module).forward(module, **named)  # traced as usual: only the boundaries are read outside the graph
+
+
+@torch.compiler.disable
+def _restarting_positions(lay: PackedLayout, device: torch.device) -> torch.Tensor:
+    return lay.position_ids.to(device)
 
 
 def _install_openai(module: torch.nn.Module, state: Any) -> str:
@@ -362,7 +372,7 @@ def _install_openai(module: torch.nn.Module, state: Any) -> str:
                                     f"padfree proved the GPT-1 layout only")
     for sub in attention:
         _install_attention(sub, state)
-    _patch(module, state, "model", _packed_openai, "")
+    _patch(module, state, _packed_openai)
     return (f"learned positions of each sequence alone; {len(attention)} attention layers run per bucket of "
             f"equal-length sequences under GPT-1's own causal mask")
 
@@ -435,8 +445,8 @@ def _check_reformer(module: torch.nn.Module) -> None:
 # ---- installation --------------------------------------------------------------------------------------------------
 
 
-def _patch(module: torch.nn.Module, state: Any, kind: str, packed: Callable[..., Any], description: str) -> None:
-    module._padfree_positions = _Installed(state, kind, packed, description)
+def _patch(module: torch.nn.Module, state: Any, packed: Callable[..., Any]) -> None:
+    module._padfree_positions = _Installed(state, packed)
     module.forward = types.MethodType(_patched_forward, module)
 
 
@@ -452,15 +462,15 @@ def install(module: torch.nn.Module, state: Any) -> str:
         kind = "sinusoidal" if "Sinusoidal" in name else "learned"
         description = f"{kind} position table: the positions of each sequence alone" + (
             f" (offset {offset})" if offset else "")
-        _patch(module, state, "table", _packed_table, description)
+        _patch(module, state, _packed_table)
         return description
     if name == "XGLMSinusoidalPositionalEmbedding":
         description = "sinusoidal positions: its own table at the positions of each sequence alone"
-        _patch(module, state, "table", _packed_indexed, description)
+        _patch(module, state, _packed_indexed)
         return description
     if name == "TrOCRSinusoidalPositionalEmbedding":
         description = "sinusoidal positions counted from each sequence's start (padding tokens skipped)"
-        _patch(module, state, "table", _packed_counted, description)
+        _patch(module, state, _packed_counted)
         return description
     if name in _ATTENTIONS:
         return _install_attention(module, state)
@@ -469,7 +479,7 @@ def install(module: torch.nn.Module, state: Any) -> str:
     if name == "ReformerModel":
         _check_reformer(module)
     description = "its own forward per group of equal-length sequences, each sequence a row of its own"
-    _patch(module, state, "rows", _packed_rows, description)
+    _patch(module, state, _packed_rows)
     return description
 
 
