@@ -102,7 +102,7 @@ def _cache_parameter(forward: Callable | None, name: str) -> bool:
 def find_cache(named: dict[str, Any], forward: Callable | None = None) -> str | None:
     """``"name=DynamicCache"`` for the first argument of ``named`` that carries a cache, else None."""
     for name, value in named.items():
-        if value is None or isinstance(value, bool):
+        if value is None or isinstance(value, (bool, int, float, str)):  # a flag or an offset, never a cache
             continue
         if is_cache(value) or _cache_parameter(forward, name):
             return f"{name}={type(value).__name__}"

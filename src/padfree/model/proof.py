@@ -110,12 +110,15 @@ class Proof:
         refused: requested backend -> why ``configure_packing`` refused it (its first line).
         unpacked_unchanged: an ordinary padded batch gives the same logits configured and unconfigured.
         mixers: the report's mixer descriptions (qualified name -> implementation).
+        unrunnable: ``"backend/precision"`` -> why the model's own per-sequence forward fails there (nothing for a
+            packed run to match; the precision is not proven, and not counted against the model).
     """
 
     checks: list[Check]
     refused: dict[str, str]
     unpacked_unchanged: bool
     mixers: dict[str, str] = dataclasses.field(default_factory=dict)
+    unrunnable: dict[str, str] = dataclasses.field(default_factory=dict)
 
     @property
     def blind(self) -> list[str]:
@@ -133,6 +136,7 @@ class Proof:
     def __str__(self) -> str:
         lines = [str(c) for c in self.checks]
         lines += [f"REFUSED    {name}: {why}" for name, why in self.refused.items()]
+        lines += [f"NOT RUN    {name}: {why}" for name, why in self.unrunnable.items()]
         lines.append(f"unpacked batch {'unchanged' if self.unpacked_unchanged else 'CHANGED'} by configuring")
         return "\n".join(lines)
 
@@ -329,7 +333,7 @@ def prove(
     case = _Case.build(vocab, device, seed)
     was_training = model.training
     model.eval()
-    checks, refused, unchanged, mixers = [], {}, True, {}
+    checks, refused, unchanged, mixers, unrunnable = [], {}, True, {}, {}
     try:
         base = _unpacked_logits(model, case)
         ref_logits, ref_loss, ref_grads = _alone(model, case, grads)
@@ -344,14 +348,21 @@ def prove(
             after = _unpacked_logits(model, case)
             unchanged &= _max_scaled([after], [base]) <= FP32_TOL
             for precision in per_backend.get(backend, ("fp32",)):
-                checks.append(_check(model, case, name, precision, grads, (ref_logits, ref_loss, ref_grads),
-                                     lambda m, b=backend: configure(m, backend=b)))
+                try:
+                    checks.append(_check(model, case, name, precision, grads, (ref_logits, ref_loss, ref_grads),
+                                         lambda m, b=backend: configure(m, backend=b)))
+                except _Unrunnable as exc:
+                    unrunnable[f"{name}/{precision}"] = str(exc)
             _configure_module.unconfigure_packing(model)
     finally:
         _configure_module.unconfigure_packing(model)
         model.zero_grad(set_to_none=True)
         model.train(was_training)
-    return Proof(checks, refused, unchanged, mixers)
+    return Proof(checks, refused, unchanged, mixers, unrunnable)
+
+
+class _Unrunnable(Exception):
+    """The per-sequence reference itself cannot run in this precision (a limitation of the model's own code)."""
 
 
 def _check(model: torch.nn.Module, case: _Case, backend: str, precision: str, grads: bool,
@@ -361,7 +372,11 @@ def _check(model: torch.nn.Module, case: _Case, backend: str, precision: str, gr
         if precision == "fp32":
             alone_logits, alone_loss, alone_grads = ref_logits, ref_loss, ref_grads
         else:
-            alone_logits, alone_loss, alone_grads = _alone(run, case, grads)
+            try:  # every sequence alone runs transformers' own code: if that fails, there is nothing to match
+                alone_logits, alone_loss, alone_grads = _alone(run, case, grads)
+            except Exception as exc:
+                raise _Unrunnable(f"transformers' own per-sequence forward fails in {precision} "
+                                  f"({type(exc).__name__}: {str(exc)[:160]})") from exc
         packed_logits, packed_loss, packed_grads = _packed(run, case, grads)
         with torch.no_grad():
             leak_logits, _, _ = _packed(run, case, False, leak=True)

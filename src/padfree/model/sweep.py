@@ -203,6 +203,8 @@ def sweep_type(model_type: str, *, precisions: Mapping[str, Sequence[str]] | Non
             if not c.sees_leaks:  # within tolerance, but this precision's rounding hides a leak of this model
                 entry.setdefault("blind", set()).add(f"{c.backend}/{c.precision}")
         entry["mixers"] = sorted(set(entry["mixers"]) | set(proof.mixers.values()))
+        if proof.unrunnable:  # the model's own code fails there: not proven, and said so
+            entry.setdefault("unrunnable", {}).update(proof.unrunnable)
         with _quiet():
             proven = features(shrink_config(model.config))  # what registry.lookup compares a user's config with
         entry["variants"].append({"features": proven, "modules": module_classes(model)})
