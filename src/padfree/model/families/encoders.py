@@ -2,25 +2,28 @@
 self-attention per packed sequence, positions restarting.
 
 These models build their attention masks themselves, compute attention inline or through transformers' attention
-interface, and read positions in their embeddings: a packed row would be one long sequence to them. For a packed
-batch of a configured model, every claimed self-attention runs *transformers' own forward* once per bucket of
-equal-length segments (:meth:`padfree.model.packed.PackedLayout.buckets`), with the mask a padded batch of those
-sequences would get — causal when the model is a decoder (``is_decoder`` / ``causal``), bidirectional within the
-sequence otherwise, a sliding window where the layer has one — and every claimed embeddings module reads the layout's
-restarting ``position_ids``. Projections, norms and feed-forward blocks never see a boundary and run on the packed
-tokens unchanged; an unpacked batch, and generation with a cache, run transformers' code untouched.
+interface, and count positions over the row: a packed row would be one long sequence to them. For a packed batch of
+a configured model, every claimed self-attention runs *transformers' own forward* once per bucket of equal-length
+segments (:meth:`padfree.model.packed.PackedLayout.buckets`) under the mask a padded batch of those sequences gets —
+causal when the model is a decoder (``is_decoder`` / ``causal``), bidirectional within the sequence otherwise, a
+sliding window where the layer has one — reading the rotary or sinusoidal rows of each sequence's own positions;
+every claimed embeddings module reads the layout's restarting ``position_ids``. Projections, norms and feed-forward
+blocks never see a boundary and run on the packed tokens unchanged. An unpacked batch, and generation with a cache,
+run transformers' code untouched.
 
-Refused, with the reason: BigBird's block-sparse attention (its sparse pattern is chosen for the whole row), XLM's
-row-level ``lengths``, cross-attention inputs, a cache, and attention implementations that take no per-sequence mask.
+Refused, with the reason: BigBird's block-sparse attention (chosen for the whole row, and bidirectional even in a
+decoder), XLM's row-level ``lengths``, cross-attention inputs, GIT's image tokens, a cache, and attention
+implementations that take no per-sequence mask (flash-attn, flex).
 
 Every sequence of a packed row gets the mask it gets alone; a bucket pads shorter sequences with slots no real
-token may see (here the sequences of 3 and 2 tokens share one bucket; the third slot of the second is padding):
+token may see (here the sequences of 3 and 2 tokens share one bucket: the second one's third slot is padding, seen
+by no real token):
 
 >>> import torch
 >>> lay = PackedLayout.from_position_ids(torch.tensor([[0, 1, 2, 0, 1]]))
 >>> causal = bucket_masks(lay, causal=True, window=None)[0]  # (sequences, slots, slots), True = may attend
 >>> causal.shape[0], causal[1, :3, :3].int().tolist()
-(2, [[1, 0, 0], [1, 1, 0], [1, 1, 0]])
+(2, [[1, 0, 0], [1, 1, 0], [1, 1, 1]])
 >>> bucket_masks(lay, causal=False, window=None)[0][1, 0, :3].tolist()  # bidirectional, within the sequence
 [True, True, False]
 """
@@ -273,18 +276,27 @@ def _gather_table(table: Any, lay: PackedLayout, how: str, source: Any) -> list[
 
 
 def _masks_for(spec: _Attention, module: torch.nn.Module, lay: PackedLayout, causal: bool, window: int | None,
-               dtype: torch.dtype) -> list[torch.Tensor]:
-    """:func:`bucket_masks` as ``(m, 1, L, L)`` masks in the format ``module``'s forward takes for a padded batch:
-    boolean for transformers' SDPA, additive (0 / the dtype's minimum, in the hidden states' dtype, as transformers'
-    eager masks) otherwise."""
+               dtype: torch.dtype) -> list[torch.Tensor | None]:
+    """Per bucket, the mask ``module``'s forward takes for a padded batch of its sequences: boolean for
+    transformers' SDPA, additive (0 / the dtype's minimum, in the hidden states' dtype, as transformers' eager masks)
+    otherwise. The cheapest form that is exact: none where SDPA's own causal path applies (a slot that pads a
+    sequence comes after all of its tokens), one row of keys ``(m, 1, 1, L)`` for bidirectional attention, the full
+    ``(m, 1, L, L)`` of :func:`bucket_masks` otherwise."""
     boolean = spec.interface and _implementation(module) == "sdpa"
+    if boolean and causal and window is None:
+        return [None] * len(lay.buckets().lengths)  # what a sequence alone runs: SDPA with is_causal
 
     def build() -> list[torch.Tensor]:
-        masks = bucket_masks(lay, causal, window)
+        plan = lay.buckets()
+        if not causal and window is None:
+            masks = [v.view(count, 1, 1, length) for v, length, count in
+                     zip(_valid_slots(lay).split(plan.sizes), plan.lengths, plan.counts, strict=True)]
+        else:
+            masks = [m.unsqueeze(1) for m in bucket_masks(lay, causal, window)]
         if boolean:
-            return [m.unsqueeze(1) for m in masks]
+            return masks
         return [torch.zeros(m.shape, dtype=dtype, device=m.device).masked_fill(~m, torch.finfo(dtype).min)
-                .unsqueeze(1) for m in masks]
+                for m in masks]
     return lay._cached(("padfree.encoders", "masks", causal, window, None if boolean else dtype), build)
 
 
@@ -302,7 +314,7 @@ def per_segment(module: torch.nn.Module, spec: _Attention, named: dict[str, Any]
 
     Args:
         module: a claimed self-attention instance.
-        spec: how its forward takes inputs, mask and position tables.
+        spec: how its forward takes inputs, mask and position tables (this module's entry for its class).
         named: the call's arguments by parameter name (``spec.hidden`` holds ``(B, T, D)``).
         lay: the packed batch's layout.
 
@@ -316,8 +328,8 @@ def per_segment(module: torch.nn.Module, spec: _Attention, named: dict[str, Any]
     plan = lay.buckets()
     parts = hidden.reshape(batch * seq_len, *hidden.shape[2:]).index_select(0, plan.slots).split(plan.sizes)
     causal, window = spec.causal(module), spec.window(module)
-    masks = bucket_masks(lay, causal, window) if spec.keep_mask else _masks_for(spec, module, lay, causal, window,
-                                                                                 hidden.dtype)
+    masks = (bucket_masks(lay, causal, window) if spec.keep_mask
+             else _masks_for(spec, module, lay, causal, window, hidden.dtype))
     source = named.get("position_ids")
     tables = {name: _gather_table(named[name], lay, how, source) for name, how in spec.tables
               if named.get(name) is not None}
