@@ -584,6 +584,10 @@ def _before(state: _State, config: Any, module: torch.nn.Module, args: tuple, kw
     dense = guards.find_dense_mask(named, lay.shape)
     if dense is not None:
         raise PackingDisabledError(_fix(dense))
+    if named.get("encoder_hidden_states") is not None:
+        raise PackingDisabledError(
+            "encoder_hidden_states with a packed batch: cross-attention would give every token of a row that row's "
+            "one encoder output, not one per packed sequence; pass these batches unpacked")
     use_cache = named.get("use_cache")
     if use_cache or (use_cache is None and getattr(config, "use_cache", False)):
         raise PackingDisabledError(_fix("use_cache=True (transformers then builds plain causal masks over the row)")

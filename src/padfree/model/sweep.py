@@ -141,6 +141,7 @@ def sweep_type(model_type: str, *, precisions: Mapping[str, Sequence[str]] | Non
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, MODEL_MAPPING_NAMES
 
     from padfree.model import shrink
+    from padfree.model.configure import install_packing, unconfigure_packing
     from padfree.model.proof import first_divergence, prove
     from padfree.model.shrink import shrink_config
 
@@ -168,6 +169,15 @@ def sweep_type(model_type: str, *, precisions: Mapping[str, Sequence[str]] | Non
         entry["params"] = sum(p.numel() for p in model.parameters())
         if not variant:
             entry["stock"] = _stock(model)
+        try:  # refusals by name (a module no family handles, a table of another shape) before any proof runs
+            with _quiet():
+                install_packing(model)
+        except PadfreeError as exc:
+            msg = str(exc).splitlines()[0].removeprefix(f"cannot make {type(model).__name__} packing-exact: ")
+            module = _module_in(f": {msg}")
+            return _refused(entry, msg.removeprefix(f"{module}: ") if module else msg, module or type(model).__name__)
+        finally:
+            unconfigure_packing(model)
         try:
             with _quiet():
                 proof = prove(model, backends=list(plan), precisions=plan)
