@@ -224,8 +224,6 @@ FAMILY_FIXES: dict[str, dict[str, Any]] = {
                  "num_hidden_layers": lambda d: d["H_cycles"] * (d["L_cycles"] + 1)},
     # the compact attention spec must describe the kept attention_layers
     "gpt_neo": {"attention_types": lambda d: [[list(d["attention_layers"]), 1]]},
-    # ZAYA routes every token to one expert only
-    "zaya": {"num_experts_per_tok": 1},
     # attention-residual blocks of n layers: two blocks over the kept layers (and the looped range made of blocks)
     "inkling2_text": {"n_layers_per_attn_res_block": lambda d: max(1, d["num_hidden_layers"] // 2)},
     "inkling2_loop_text": {"n_layers_per_attn_res_block": lambda d: math.gcd(d["loop_layer_index_start"],
@@ -411,10 +409,12 @@ def _shrink_rope(rope: Any, d: dict[str, Any], out: dict[str, Any]) -> Any:
             step = len(factors) / new_half
             rope[key] = [factors[int(i * step)] for i in range(new_half)]
     original = rope.get("original_max_position_embeddings")
-    maximum = d.get("max_position_embeddings")
+    maximum = rope.get("max_position_embeddings", d.get("max_position_embeddings"))
     if _is_int(original) and _is_int(maximum) and _is_int(out.get("max_position_embeddings")):
         rope["original_max_position_embeddings"] = _original_positions(original, maximum,
                                                                        out["max_position_embeddings"])
+    if _is_int(rope.get("max_position_embeddings")) and _is_int(out.get("max_position_embeddings")):
+        rope["max_position_embeddings"] = out["max_position_embeddings"]
     return rope
 
 
