@@ -412,8 +412,9 @@ def install_packing(model: Any, *, backend: str = "auto", strict: bool = True) -
     device = next(model.parameters()).device
     if attention:
         name, reason = _choose_backend(backend, device, _features(model, attention, config), kernels)
-    else:  # no softmax attention: the boundary-aware modules are the model's only token mixing
-        name, reason = "none", "the model has no attention layers (its sequence mixers are made exact instead)"
+    else:  # no softmax attention through padfree's backends: the families' modules do all the token mixing
+        name, reason = "none", ("no attention layer runs through padfree's backends (the boundary-aware modules "
+                                "make every sequence mixer exact)")
     state = PackingState(name, report=None)
 
     unsupported: dict[str, str] = {}

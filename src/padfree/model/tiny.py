@@ -83,6 +83,13 @@ TINY_CONFIGS: dict[str, dict[str, Any]] = {
                    conv_kernel=4, chunk_size=8),
     "mamba": dict(num_hidden_layers=2, state_size=8),
     "falcon_mamba": dict(num_hidden_layers=2, state_size=8),
+    # encoder families as causal decoders: their config defaults are bidirectional (the sweep proves those too);
+    # this variant proves the causal mode their *ForCausalLM classes are meant for
+    **{t: dict(is_decoder=True) for t in (
+        "bert", "bert-generation", "big_bird", "camembert", "data2vec-text", "electra", "ernie", "megatron-bert",
+        "rembert", "roberta", "roberta-prelayernorm", "roc_bert", "roformer", "xlm-roberta", "xlm-roberta-xl",
+        "xmod")},
+    "xlm": dict(causal=True),
 }
 
 # transformers has no SDPA path for these (logit softcapping, attention sinks): they are built with eager
