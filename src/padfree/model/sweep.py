@@ -62,13 +62,13 @@ def build_tiny(model_type: str, variant: Mapping[str, Any] | None = None, *, see
     import transformers
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
-    from padfree.model.shrink import shrink_config
+    from padfree.model.shrink import default_config, shrink_config
 
     if model_type not in CONFIG_MAPPING:
         raise InvalidArgumentError(f"model_type={model_type!r} is not a model type of transformers "
                                    f"{transformers.__version__}")
     with _quiet():
-        config = shrink_config(CONFIG_MAPPING[model_type](), **dict(variant or {}))
+        config = shrink_config(default_config(model_type), **dict(variant or {}))
         torch.manual_seed(seed)
         for attn in ("sdpa", "eager", None):
             try:
@@ -86,16 +86,15 @@ def build_tiny(model_type: str, variant: Mapping[str, Any] | None = None, *, see
 
 def _variants(model_type: str) -> list[dict[str, Any]]:
     """The shrunk defaults, and the hand-made tiny config where it switches on features the defaults leave off."""
-    from padfree.model.shrink import shrink_config
+    from padfree.model.shrink import default_config, shrink_config
     from padfree.model.tiny import TINY_CONFIGS, tiny_config
 
     variants: list[dict[str, Any]] = [{}]
     if model_type in TINY_CONFIGS:
-        from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
         with _quiet():
             try:
-                default = features(shrink_config(CONFIG_MAPPING[model_type]()))
+                default = features(shrink_config(default_config(model_type)))
                 hand = tiny_config(model_type)
                 if features(shrink_config(hand)) != default:
                     variants.append({k: v for k, v in hand.to_dict().items()
