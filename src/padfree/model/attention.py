@@ -10,6 +10,10 @@ Each name is a pair registered with transformers (no file of transformers is edi
 - a **mask function** (``AttentionMaskInterface``): ``None`` during a packed forward (no ``T x T`` mask is ever
   built for it), the wrapped backend's own mask otherwise.
 
+An attention function called during a packed forward with neither the layout nor a mask refuses
+(:class:`~padfree.PackingDisabledError`): a module on the way down dropped the layout (StableLM's decoder layer hands
+its attention no keyword arguments), and the wrapped backend would attend across the whole row.
+
 Backends (``BACKENDS``), for a packed batch of ``B`` rows of ``T`` tokens, ``H`` heads, segments of lengths ``n_i``
 grouped in buckets of padded length ``L`` (:func:`padfree.model.packed.bucket_length`, ``L < 1.25 n`` above 32):
 
@@ -209,6 +213,15 @@ def _attention_function(backend: Backend) -> Callable:
     def attention(module, query, key, value, attention_mask, **kwargs):
         lay = kwargs.pop(LAYOUT_KWARG, None)
         if lay is None:
+            if attention_mask is None and PACKED_FORWARD.get():
+                # the layout got lost on the way down (a decoder layer that does not pass its keyword arguments
+                # on): the base backend would attend causally across the whole packed row
+                raise PackingDisabledError(
+                    f"{type(module).__name__} was called in a packed forward without padfree's layout (a module "
+                    f"between the model and this attention does not hand its keyword arguments on), so it would "
+                    f"attend across every sequence of the row; this model needs a padfree family for "
+                    f"{type(module).__name__}"
+                )
             return _base_attention(backend, module)(module, query, key, value, attention_mask, **kwargs)
         return packed_forward(backend.name, module, query, key, value, lay, **kwargs), None
 

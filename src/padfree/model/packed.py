@@ -6,8 +6,8 @@ read instead of a dense mask. Every token of the ``(B, T)`` batch belongs to exa
 row's padding run (a segment of its own, which no real token can see). Segments never cross rows.
 
 The derived forms each kernel wants (``cu_seqlens`` over the flattened ``B·T`` stream, Mamba's ``seq_idx``, the
-per-length buckets of the SDPA/eager path, flex ``BlockMask`` objects) are computed lazily, on the batch's device,
-at most once per batch — layer 0 pays, every later layer reuses.
+per-length buckets of the SDPA/eager path and of :func:`per_bucket`, flex ``BlockMask`` objects) are computed lazily,
+on the batch's device, at most once per batch — layer 0 pays, every later layer reuses.
 
 >>> import torch
 >>> lay = PackedLayout.from_position_ids(torch.tensor([[0, 1, 2, 0, 1, 0], [0, 1, 0, 1, 2, 3]]))
@@ -20,15 +20,18 @@ at most once per batch — layer 0 pays, every later layer reuses.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import torch
 
 from padfree import layout
-from padfree.errors import InvalidLayoutError
+from padfree.errors import InvalidArgumentError, InvalidLayoutError, describe
 
-__all__ = ["Buckets", "PackedLayout", "bucket_length"]
+__all__ = ["Buckets", "PackedLayout", "bucket_length", "per_bucket"]
+
+_GROUPINGS = ("bucket", "length", "sequence")
 
 
 def bucket_length(n: np.ndarray) -> np.ndarray:
@@ -180,24 +183,36 @@ class PackedLayout:
         return self._cached("seq_idx", lambda: torch.from_numpy(
             np.repeat(np.arange(self.num_segments, dtype=np.int32), self.lengths)).to(self.device).view(self.shape))
 
-    def buckets(self) -> Buckets:
-        """The segments grouped by :func:`bucket_length`, longest first (see :class:`Buckets`)."""
-        return self._cached("buckets", self._make_buckets)
+    def buckets(self, by: str = "bucket") -> Buckets:
+        """The segments grouped for one batched call per group (see :class:`Buckets`), longest first, built once.
 
-    def _make_buckets(self) -> Buckets:
+        ``by``: ``"bucket"`` — padded to :func:`bucket_length`, capped at the row width (what padfree's attention
+        runs); ``"length"`` — one group per exact length (no repeated slot: for computations that depend on a
+        sequence's length); ``"sequence"`` — one group per segment (for computations that mix the rows of a batch).
+        """
+        if by not in _GROUPINGS:
+            raise InvalidArgumentError(f"by must be one of {', '.join(_GROUPINGS)}, got {describe(by)}")
+        return self._cached("buckets" if by == "bucket" else ("buckets", by), lambda: self._make_buckets(by))
+
+    def _make_buckets(self, by: str) -> Buckets:
         lengths = self.lengths
         starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
-        padded = bucket_length(lengths)
+        if by == "sequence":  # each segment alone: its own group, longest first (ties: in order)
+            keys = np.argsort(-lengths, kind="stable")
+            groups = [(int(lengths[i]), np.array([i])) for i in keys]
+        else:
+            # a bucket never outgrows the row: repeated slots past the row width would be pure waste
+            padded = np.minimum(bucket_length(lengths), self.shape[1]) if by == "bucket" else lengths
+            groups = [(int(size), np.flatnonzero(padded == size)) for size in np.unique(padded)[::-1]]
         sizes, counts, slots, inverse = [], [], [], np.empty(int(lengths.sum()), dtype=np.int64)
         base = 0
-        for size in np.unique(padded)[::-1]:
-            members = np.flatnonzero(padded == size)
+        for size, members in groups:
             col = np.arange(size)
             n = lengths[members, None]
             gather = starts[members, None] + np.minimum(col, n - 1)
             valid = col < n
             inverse[gather[valid]] = base + np.flatnonzero(valid.reshape(-1))
-            sizes.append(int(size))
+            sizes.append(size)
             counts.append(int(members.size))
             slots.append(gather.reshape(-1))
             base += gather.size
@@ -234,6 +249,38 @@ class PackedLayout:
                 f"{who} got inputs of shape {tuple(hidden.shape[:2])} but the packed layout of this forward is "
                 f"{self.shape}; the boundaries belong to another batch"
             )
+
+
+def per_bucket(run: Callable[..., torch.Tensor], lay: PackedLayout, *tokens: torch.Tensor, by: str = "bucket"
+               ) -> torch.Tensor:
+    """``run`` once per group of segments (:meth:`PackedLayout.buckets`), its outputs put back in packed order.
+
+    Args:
+        run: ``run(length, count, *blocks) -> (count, length, ...)``; block ``i`` is ``tokens[i]`` of the group's
+            segments, ``(count, length, ...)``. Slots past a segment's end repeat its last token: ``run`` must let no
+            real token see them (causal attention does not).
+        lay: the packed layout of the ``(B, T)`` batch.
+        tokens: ``(B, T, ...)`` per-token tensors.
+        by: the grouping (``"bucket"``, ``"length"`` or ``"sequence"``).
+
+    Returns:
+        ``(B, T, ...)``: every token's output from the run of its own segment. One gather per input and one for the
+        output, so the backward is one scatter-add per tensor.
+
+    >>> lay = PackedLayout.from_position_ids(torch.tensor([[0, 1, 2, 0, 1, 0]]))
+    >>> x = torch.arange(6.0).view(1, 6, 1)
+    >>> per_bucket(lambda n, m, b: b.cumsum(1), lay, x).view(-1).tolist()  # a running sum per sequence
+    [0.0, 1.0, 3.0, 3.0, 7.0, 5.0]
+    """
+    plan = lay.buckets(by)
+    batch, seq_len = lay.shape
+    parts = [t.reshape(batch * seq_len, *t.shape[2:]).index_select(0, plan.slots).split(plan.sizes) for t in tokens]
+    outs = []
+    for i, (length, count) in enumerate(zip(plan.lengths, plan.counts, strict=True)):
+        out = run(length, count, *(p[i].view(count, length, *p[i].shape[1:]) for p in parts))
+        outs.append(out.reshape(count * length, *out.shape[2:]))
+    merged = torch.cat(outs).index_select(0, plan.inverse)
+    return merged.view(batch, seq_len, *merged.shape[1:])
 
 
 def _segment_block_mask(seg: torch.Tensor, sliding_window: int | None, block_size: int) -> Any:
