@@ -257,11 +257,23 @@ def _scan(model: torch.nn.Module) -> tuple[list[tuple[str, torch.nn.Module]], li
             continue
         if isinstance(module, (PreTrainedModel, GradientCheckpointingLayer)) or _NOT_A_MIXER.search(cls):
             continue
-        if cls.endswith("Attention") and hasattr(module, "config") and not _MIXER_PATTERN.search(own):
+        softmax = (cls.endswith("Attention") and hasattr(module, "config")) or _dispatches_attention(type(module))
+        if softmax and not _MIXER_PATTERN.search(own):
             attention.append((name, module))
         elif _MIXER_PATTERN.search(own) or isinstance(module, torch.nn.Conv1d):
             mixers.append((name, module))
     return attention, handled, mixers
+
+
+@functools.cache
+def _dispatches_attention(cls: type) -> bool:
+    """Whether ``cls.forward`` calls transformers' attention interface (an attention module whatever its name:
+    LongcatFlashMLA, ...)."""
+    try:
+        source = inspect.getsource(cls.forward)
+    except (OSError, TypeError):
+        return False
+    return "ALL_ATTENTION_FUNCTIONS" in source or "eager_attention_forward" in source
 
 
 def _route(decoder: torch.nn.Module, has_attention: bool) -> tuple[bool, bool]:
