@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 
 import pytest
-import transformers
 
 from padfree.cli import main
 from padfree.model.tiny import tiny_model
@@ -32,12 +31,16 @@ def test_local_checkpoint_as_json(tmp_path, capsys):
     assert not varlen["ok"] and "cuda" in varlen["error"].lower()  # reported, not raised, on a CPU machine
 
 
-def test_an_unsupported_checkpoint_exits_1(tmp_path, capsys):
-    config = transformers.GPT2Config(vocab_size=64, n_embd=32, n_layer=1, n_head=2)
-    transformers.GPT2LMHeadModel(config).save_pretrained(tmp_path / "gpt2")
-    assert main(["verify", "--model", str(tmp_path / "gpt2"), "--backend", "sdpa"]) == 1
+def test_no_backend_that_can_run_here_exits_1(capsys):
+    # gpt2 served as the unsupported model here until the model layer learnt to certify it; a backend this machine
+    # cannot run leaves the same outcome (nothing proven) on any model
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("varlen runs on CUDA")
+    assert main(["verify", "--model-type", "llama", "--backend", "varlen"]) == 1
     out = capsys.readouterr().out
-    assert "no backend could run here" in out and "gpt2" in out
+    assert "llama: no backend could run here" in out and "runs on cuda only" in out and "| llama | — |" in out
 
 
 @pytest.mark.parametrize(("args", "message"), [
