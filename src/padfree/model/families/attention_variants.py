@@ -125,6 +125,10 @@ def _patched_forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
 
 
 # ---- the inputs of one group: what its sequences get alone -------------------------------------------------------
+# The model built these for rows without boundaries (the configured model's hook dropped them above it): positions
+# 0 .. T-1 in every row, no padding. A sequence of n tokens alone gets the same values at its n positions, so a group
+# of L-token slots takes the first L of the first row — sliced, never recomputed, so the dtypes and the arithmetic are
+# the model's own.
 
 
 def _cut_mask(value: torch.Tensor, lay: PackedLayout, who: str) -> Callable[[int, int], torch.Tensor]:
