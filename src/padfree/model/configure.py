@@ -552,8 +552,8 @@ def _layout(named: dict[str, Any]) -> PackedLayout | None:
         lay = PackedLayout.from_segment_ids(mask)
     elif cu is not None:
         lay = PackedLayout.from_cu_seqlens(cu, batch, seq_len)
-    elif pos is not None and _restarts(pos, mask.bool() if isinstance(mask, torch.Tensor) and mask.dim() == 2
-                                          else None):
+    elif pos is not None and _restarts(pos, mask[:, -pos.shape[1]:].bool()  # decoding: the mask covers the cache
+                                          if isinstance(mask, torch.Tensor) and mask.dim() == 2 else None):
         if mask is not None:
             what = (guards.find_dense_mask({"attention_mask": mask}, (batch, seq_len))
                     or (f"a {mask.dim()}-D {'0/1 ' if mask.dim() == 2 else ''}attention_mask"

@@ -90,6 +90,8 @@ TINY_CONFIGS: dict[str, dict[str, Any]] = {
         "rembert", "roberta", "roberta-prelayernorm", "roc_bert", "roformer", "xlm-roberta", "xlm-roberta-xl",
         "xmod")},
     "xlm": dict(causal=True),
+    "falcon": dict(alibi=True, num_attention_heads=16, num_kv_heads=16),  # ALiBi (16 heads: slopes that are
+    # not all powers of two, where a leak of the bias shows)
 }
 
 # transformers has no SDPA path for these (logit softcapping, attention sinks): they are built with eager
@@ -107,7 +109,11 @@ def tiny_config(model_type: str, **overrides: Any) -> Any:
     import transformers
 
     kwargs = {**_BASE, **TINY_CONFIGS[model_type], **overrides}
-    return transformers.AutoConfig.for_model(model_type, **kwargs)
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    cls = CONFIG_MAPPING[model_type]  # its read-only properties are derived from other fields: never passed
+    derived = {k for k in kwargs if isinstance(getattr(cls, k, None), property) and getattr(cls, k).fset is None}
+    return transformers.AutoConfig.for_model(model_type, **{k: v for k, v in kwargs.items() if k not in derived})
 
 
 def tiny_model(model_type: str, *, seed: int = 0, attn_implementation: str | None = None, **overrides: Any) -> Any:
