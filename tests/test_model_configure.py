@@ -143,6 +143,11 @@ def test_generation_with_a_cache_still_works():
     prompt = torch.tensor([[5, 6, 7, 8]])
     kwargs = dict(max_new_tokens=5, do_sample=False, use_cache=True, pad_token_id=0)
     assert torch.equal(plain.generate(prompt, **kwargs), configured.generate(prompt, **kwargs))
+    # a left-padded batch: every decoding step's 0/1 mask covers the cache as well as the new token
+    prompts = torch.tensor([[5, 6, 7, 8], [0, 0, 7, 8]])
+    mask = torch.tensor([[1, 1, 1, 1], [0, 0, 1, 1]])
+    assert torch.equal(plain.generate(prompts, attention_mask=mask, **kwargs),
+                       configured.generate(prompts, attention_mask=mask, **kwargs))
 
 
 def test_other_models_are_not_touched(seqs, batch):
