@@ -190,6 +190,13 @@ def packed_forward(
     ``s_aux`` (``(H,)``, gpt_oss) adds one sink logit per head to every softmax. GQA/MQA: ``H % Hkv == 0``.
     """
     lay.check_tokens(query.transpose(1, 2), f"{type(module).__name__} attention")
+    lay.check_tokens(key.transpose(1, 2), f"{type(module).__name__} attention keys")  # cross-attention: refused
+    extra = _unapplied(kwargs)
+    if extra is not None:
+        raise PackingDisabledError(
+            f"{type(module).__name__} hands its attention function {extra}, which padfree's packed attention does not "
+            f"apply; refusing rather than computing another attention (this model needs a padfree family for "
+            f"{type(module).__name__})")
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
     opts = dict(scaling=scaling, dropout=dropout, sliding_window=sliding_window, softcap=softcap, sinks=s_aux)
@@ -198,6 +205,24 @@ def packed_forward(
     if backend == "padfree_varlen":
         return _varlen(module, query, key, value, lay, **opts)
     return _bucketed(module, query, key, value, lay, math=backend == "padfree_eager", **opts)
+
+
+# keyword arguments that route or describe the batch, never change what one sequence computes
+_ROUTING = frozenset({"position_ids", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx",
+                      "cache_position", "output_attentions", "use_cache", "layer_idx", "target_dtype"})
+
+
+def _unapplied(kwargs: dict[str, Any]) -> str | None:
+    """A keyword argument that would change the attention (a bias or sink tensor, ``is_causal=False``) and that
+    the packed path does not apply, described; None when there is none."""
+    for name, value in kwargs.items():
+        if name in _ROUTING or value is None:
+            continue
+        if isinstance(value, torch.Tensor):
+            return f"{name}= (a tensor of shape {tuple(value.shape)})"
+        if name == "is_causal" and value is False:
+            return "is_causal=False (bidirectional attention)"
+    return None
 
 
 def _base_attention(backend: Backend, module: torch.nn.Module) -> Callable:
@@ -209,9 +234,28 @@ def _base_attention(backend: Backend, module: torch.nn.Module) -> Callable:
     return ALL_ATTENTION_FUNCTIONS[backend.base]
 
 
+OWNER_ATTR = "_padfree_owner"
+"""Attribute ``configure_packing`` sets on every attention module: the :class:`~padfree.model.state.PackingState` of
+its model, from which the layout of the forward in flight is read when a decoder layer does not hand its keyword
+arguments on (Nemotron's, ...)."""
+
+
+def _owner_layout(module: torch.nn.Module, query: torch.Tensor) -> PackedLayout | None:
+    """The layout of the owning model's forward in flight (None for an unpacked one). It stays set after the
+    forward, so an activation-checkpointing recompute during backward reads the same boundaries."""
+    from padfree.model.state import current_layout, hooks_live
+
+    state = module.__dict__.get(OWNER_ATTR)
+    if state is None or not hooks_live(state) or state.layout is None:
+        return None
+    return current_layout(state, query.transpose(1, 2), f"{type(module).__name__} attention")
+
+
 def _attention_function(backend: Backend) -> Callable:
     def attention(module, query, key, value, attention_mask, **kwargs):
         lay = kwargs.pop(LAYOUT_KWARG, None)
+        if lay is None and attention_mask is None:
+            lay = _owner_layout(module, query)
         if lay is None:
             if attention_mask is None and PACKED_FORWARD.get():
                 # the layout got lost on the way down (a decoder layer that does not pass its keyword arguments

@@ -60,7 +60,7 @@ from padfree.errors import (
 )
 from padfree.layout import position_ids_to_segment_ids
 from padfree.model import guards
-from padfree.model.attention import BACKENDS, LAYOUT_KWARG, PACKED_FORWARD, register_backends
+from padfree.model.attention import BACKENDS, LAYOUT_KWARG, OWNER_ATTR, PACKED_FORWARD, register_backends
 from padfree.model.packed import PackedLayout
 from padfree.model.state import PackingState, current_layout, packing_state
 
@@ -460,6 +460,8 @@ def install_packing(model: Any, *, backend: str = "auto", strict: bool = True) -
         warnings.warn(f"padfree: {type(model).__name__} is only partly packing-exact: {what}", stacklevel=2)
 
     register_backends()
+    for _, module in attention:  # the layout of the forward in flight, for layers that drop their kwargs
+        setattr(module, OWNER_ATTR, state)
     state.report = report
     state.previous = (config._attn_implementation if attention else None, getattr(config, "use_cache", None))
     if attention:
@@ -504,6 +506,8 @@ def unconfigure_packing(model: torch.nn.Module) -> bool:
         return False
     for handle in state.handles:
         handle.remove()
+    for module in model.modules():
+        module.__dict__.pop(OWNER_ATTR, None)
     _uninstall_families(model)
     attn, use_cache = state.previous
     if attn is not None:
