@@ -147,7 +147,9 @@ def _twin(model: Any, device: torch.device) -> Any:
                 else type(model)(config)
     finally:
         transformers.logging.set_verbosity(verbosity)
-    return twin.float().eval()
+    from padfree.model.proof import perturb
+
+    return perturb(twin.float().eval())
 
 
 def _guards_hold(twin: Any, backend: str) -> str | None:

@@ -38,7 +38,7 @@ import torch.nn.functional as F
 
 from padfree.errors import InvalidArgumentError, PadfreeError, describe
 
-__all__ = ["PRECISIONS", "ROWS", "Check", "Proof", "first_divergence", "prove", "stock_packed_diff"]
+__all__ = ["PRECISIONS", "ROWS", "Check", "Proof", "first_divergence", "perturb", "prove", "stock_packed_diff"]
 
 #: sequence lengths per packed row; the second row ends in an 11-token filler run (a padding segment)
 ROWS: tuple[tuple[int, ...], ...] = ((1, 3, 70, 9), (2, 40, 30))
@@ -139,6 +139,21 @@ class Proof:
         lines += [f"NOT RUN    {name}: {why}" for name, why in self.unrunnable.items()]
         lines.append(f"unpacked batch {'unchanged' if self.unpacked_unchanged else 'CHANGED'} by configuring")
         return "\n".join(lines)
+
+
+def perturb(model: torch.nn.Module, *, seed: int = 0, scale: float = 0.02) -> torch.nn.Module:
+    """Add ``N(0, scale²)`` to every floating-point parameter of ``model`` (in place; returns it).
+
+    Models initialise some paths to exactly zero (relative-position projections, gates, residual scales); a leak
+    through such a path is invisible on freshly initialised tiny weights. A small offset everywhere makes every path
+    carry signal, so the proof sees what trained weights would do.
+    """
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.is_floating_point():
+                p.add_((torch.randn(p.shape, generator=g) * scale).to(p.device, p.dtype))
+    return model
 
 
 # ---- the case ----------------------------------------------------------------------------------------------------

@@ -58,7 +58,8 @@ def _quiet():
 
 def build_tiny(model_type: str, variant: Mapping[str, Any] | None = None, *, seed: int = 0) -> torch.nn.Module:
     """The tiny fp32 causal LM of ``model_type``: its config class's defaults shrunk, ``variant`` fields on top,
-    built with ``sdpa`` where the class has it, ``eager`` otherwise."""
+    built with ``sdpa`` where the class has it, ``eager`` otherwise, every weight offset a little
+    (:func:`padfree.model.proof.perturb`: no path silenced by a zero initialisation)."""
     import transformers
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
@@ -81,7 +82,9 @@ def build_tiny(model_type: str, variant: Mapping[str, Any] | None = None, *, see
                 last = exc
         else:  # pragma: no cover
             raise last
-    return model.float().eval()
+    from padfree.model.proof import perturb
+
+    return perturb(model.float().eval(), seed=seed)
 
 
 def _variants(model_type: str) -> list[dict[str, Any]]:
