@@ -9,20 +9,22 @@ setup:
 demo: setup
 	.venv/bin/padfree demo
 
+# two workers: the suite is mostly independent tiny-model proofs (the support sweep alone is ~200 of them)
 test: setup
 	.venv/bin/python -m ruff check .
-	.venv/bin/python -m pytest -q
+	.venv/bin/python -m pytest -q -n 2
 
 # the exactness matrix and the trainers (transformers, TRL, accelerate), the data layer (datasets, pyarrow), the
 # CLI (tokenizers, matplotlib) and the packing kernels (numpy, numba): about 11 minutes on a 2-core machine
-FLOOR_TESTS = tests/test_model_matrix.py tests/test_model_mixers.py tests/test_model_configure.py \
+FLOOR_TESTS = tests/test_model_sweep.py tests/test_model_certify.py tests/test_integrations_bf16.py \
+	tests/test_model_matrix.py tests/test_model_mixers.py tests/test_model_configure.py \
 	tests/test_integrations_trainer.py tests/test_integrations_trl.py tests/test_data_hf.py \
 	tests/test_data_datasets.py tests/test_cli.py tests/test_packing.py tests/test_rows.py
 
 test-floor:
 	@PADFREE_VENV=.venv-floor PADFREE_CONSTRAINTS=constraints/floor.txt PADFREE_SYSTEM_SITE=0 bash scripts/bootstrap.sh
 	.venv-floor/bin/python -m ruff check .
-	.venv-floor/bin/python -m pytest -q $(FLOOR_TESTS)
+	.venv-floor/bin/python -m pytest -q -n 2 $(FLOOR_TESTS)
 
 bench: setup
 	.venv/bin/python -m pip install --quiet -c .venv/constraints.txt -e '.[bench]'
@@ -32,3 +34,4 @@ bench: setup
 	.venv/bin/python benchmarks/bench_attention.py
 	.venv/bin/python benchmarks/bench_training.py
 	.venv/bin/python benchmarks/bench_mixers.py
+	.venv/bin/python benchmarks/bench_certify.py

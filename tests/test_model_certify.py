@@ -129,6 +129,8 @@ def test_a_transformers_version_outside_the_tested_range_certifies_and_warns(mon
     versions.warn_if_untested.cache_clear()
 
 
+@pytest.mark.skipif(registry.load()["transformers"] != transformers.__version__,
+                    reason="the shipped table is proven on another transformers (there, everything is certified)")
 def test_the_table_covers_llama_without_certifying(monkeypatch):
     monkeypatch.setattr(certify, "certify", lambda *a, **k: pytest.fail("certified a covered model"))
     model = transformers.LlamaForCausalLM(shrink_config(transformers.LlamaConfig()))

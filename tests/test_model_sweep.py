@@ -58,7 +58,7 @@ def test_every_causal_lm_type_is_exact_or_refused_with_a_reason(model_type):
         assert "fp32" in precisions and missing <= unrunnable, (entry["backends"], entry.get("unrunnable"))
     else:
         assert entry["reason"] and entry["module"], entry
-    if not UPDATE:
+    if not UPDATE and registry.load()["transformers"] == transformers.__version__:  # (make test-floor: no table)
         shipped = registry.load()["types"].get(model_type)
         assert _comparable(shipped) == _comparable(entry), (
             f"src/padfree/model/support.json is stale for {model_type}: rerun with PADFREE_UPDATE_DOCS=1")
@@ -68,6 +68,8 @@ def test_readme_support_table_is_rendered_from_the_table():
     begin, end = "<!-- support-table:begin -->", "<!-- support-table:end -->"
     text = README.read_text()
     block = f"{begin}\n{registry.markdown_table()}\n{end}"
+    if not UPDATE and registry.load()["transformers"] != transformers.__version__:
+        pytest.skip("the README's table is the shipped one, proven on another transformers")
     if UPDATE and RESULTS:  # the types that ran replace their entries; a type no longer installed is dropped
         shipped = registry.load()
         kept = shipped["types"] if shipped["transformers"] == transformers.__version__ else {}
@@ -83,5 +85,8 @@ def test_readme_support_table_is_rendered_from_the_table():
 
 def test_the_table_covers_exactly_the_installed_types():
     table = registry.load()
+    if table["transformers"] != transformers.__version__:
+        pytest.skip(f"the shipped table is proven on transformers {table['transformers']}; on "
+                    f"{transformers.__version__} configure_packing certifies every model on the spot")
     assert table["transformers"] == transformers.__version__
     assert sorted(table["types"]) == TYPES
