@@ -15,6 +15,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 def test_model_type_prints_results_and_the_support_table_row(capsys):
     assert main(["verify", "--model-type", "mistral", "--backend", "sdpa", "--backend", "eager"]) == 0
     out = capsys.readouterr().out
+    assert out.startswith("mistral: configure_packing accepts it — support table: MistralForCausalLM proven exact")
     assert "mistral: exact on every backend that ran" in out
     assert "| model type | `sdpa` | `eager` |" in out
     assert "| mistral | ✓ `padfree_sdpa` | ✓ `padfree_eager` |" in out
@@ -44,7 +45,8 @@ def test_no_backend_that_can_run_here_exits_1(capsys):
 
 
 @pytest.mark.parametrize(("args", "message"), [
-    (["--model-type", "nope"], "model_type='nope' has no tiny config"),
+    (["--model-type", "nope"], "model_type='nope' is not a model type of transformers"),
+    (["--model-type", "gemma3n"], "needs the timm package"),
     (["--model", "/definitely/not/here"], "is not a checkpoint directory"),
     (["--model-type", "llama", "--atol", "-1"], "--atol must be a number >= 0"),
     (["--model-type", "llama", "--device", "warp9"], "--device 'warp9' is not a torch device"),
@@ -76,3 +78,18 @@ def test_a_device_this_torch_cannot_use_is_one_error_line(capsys):
     out, err = capsys.readouterr()
     assert out == "" and err.count("\n") == 1 and "Traceback" not in err
     assert err.startswith(f"padfree: error: --device {device!r} is not available here (") and "--device cpu" in err
+
+
+@pytest.mark.parametrize("model_type", ["gpt2", "bloom", "rwkv", "bart"])
+def test_every_swept_type_verifies(model_type, capsys):
+    """Types the old hand-typed registry refused (and verify reported exact): now the table and verify agree."""
+    assert main(["verify", "--model-type", model_type, "--backend", "sdpa"]) == 0
+    out = capsys.readouterr().out
+    assert f"{model_type}: configure_packing accepts it — support table" in out
+
+
+def test_a_model_configure_packing_refuses_says_so_and_exits_1(capsys):
+    assert main(["verify", "--model-type", "inkling_text", "--json"]) == 1
+    result = json.loads(capsys.readouterr().out)
+    assert not result["ok"] and not result["support"]["ok"]
+    assert "position_bias" in result["support"]["reason"]

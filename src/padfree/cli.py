@@ -50,6 +50,7 @@ from padfree.errors import (
     InvalidLengthsError,
     PadfreeError,
     TokenizerLoadError,
+    UnsupportedModelError,
 )
 from padfree.packing import STRATEGIES
 from padfree.packing.inputs import as_lengths, as_positive_int, as_seed
@@ -1834,13 +1835,16 @@ def _add_verify(subparsers: Any) -> None:
             "Configure the model for each attention backend in turn (padfree.configure_packing) and compare one packed "
             "step with one step per sequence (padfree.verify: a few short sequences of different lengths in two "
             "rows): logits, loss and every parameter gradient. Prints the result per backend and the model's row of "
-            "the README support table. Exit status 0: exact on every backend that ran; 1: a mismatch, or no backend "
-            "could run (e.g. an unsupported model type). Needs torch and transformers."
+            "the README support table. First it says whether configure_packing accepts the model, and on what "
+            "proof (the support table of the sweep, or an on-the-spot certification). Exit status 0: exact on every "
+            "backend that ran; 1: refused by configure_packing, a mismatch, or no backend could run here. Needs "
+            "torch and transformers."
         ),
     )
     which = p.add_mutually_exclusive_group(required=True)
     which.add_argument("--model-type", metavar="TYPE",
-                       help="a tiny random-weight model of this transformers model type (e.g. llama, qwen3_5_text)")
+                       help="the tiny random-weight model the support sweep proves for this transformers model type "
+                            "(any causal-LM type, e.g. llama, qwen3_5_text, bloom)")
     which.add_argument("--model", metavar="DIR", help="a local checkpoint directory (save_pretrained), loaded in fp32")
     p.add_argument("--backend", action="append", dest="backends", metavar="NAME",
                    help="check only this backend (repeatable): sdpa, eager, flex_attention, varlen, flash_attention_2, "
@@ -1852,10 +1856,13 @@ def _add_verify(subparsers: Any) -> None:
 
 
 def _load_model(args: argparse.Namespace) -> Any:
-    from padfree.model.tiny import tiny_model
+    if args.model_type is not None:  # the tiny model the support sweep proves for that type
+        from padfree.model.shrink import UNBUILDABLE
+        from padfree.model.sweep import build_tiny
 
-    if args.model_type is not None:
-        return tiny_model(args.model_type)
+        if args.model_type in UNBUILDABLE:
+            raise UnsupportedModelError(f"--model-type {args.model_type!r}: {UNBUILDABLE[args.model_type]}")
+        return build_tiny(args.model_type)
     path = Path(args.model)
     if not (path / "config.json").is_file():
         raise InvalidArgumentError(
@@ -1877,9 +1884,22 @@ def _run_verify(args: argparse.Namespace) -> int:
         raise InvalidArgumentError(f"--atol must be a number >= 0, got {args.atol}")
     _require("padfree verify", "torch", "transformers")
     device = _torch_device(args.device)
+    from padfree.model.configure import check_packing_support
     from padfree.model.support import check_support
 
     model = _load_model(args).to(device)
+    support = check_packing_support(model)  # what configure_packing decides: the support table, or certification
+    name = str(getattr(model.config, "model_type", type(model).__name__))
+    verdict = (f"{name}: configure_packing accepts it — {support.how}" if support.ok else
+               f"{name}: configure_packing refuses it — {support.reason}" + (f" ({support.how})" if support.how
+                                                                              else ""))
+    if not support.ok:
+        if args.json:
+            print(json.dumps({"model_type": name, "ok": False, "support": {
+                "ok": False, "how": support.how, "reason": support.reason, "module": support.module}}, indent=2))
+        else:
+            print(verdict)
+        return 1
     row = check_support(model, args.backends, atol=args.atol)
     if args.json:
         checks = [{
@@ -1890,8 +1910,9 @@ def _run_verify(args: argparse.Namespace) -> int:
                                              "max_grad_diff": c.report.max_grad_diff}),
         } for c in row.checks]
         print(json.dumps({"model_type": row.model_type, "ok": row.ok, "checks": checks, "mixers": row.mixers,
-                          "markdown": row.markdown()}, indent=2))
+                          "markdown": row.markdown(), "support": {"ok": True, "how": support.how}}, indent=2))
     else:
+        print(verdict)
         print(row)
         print()
         print("| model type | " + " | ".join(f"`{c.requested}`" for c in row.checks) + " |")
