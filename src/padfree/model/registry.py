@@ -189,6 +189,16 @@ def _cell(entry: dict[str, Any], backend: str) -> str:
     return "✓" if proven else "—"
 
 
+def _low(entry: dict[str, Any], precision: str) -> str:
+    """``✓`` proven; ``✓*`` proven, but the leaking control stayed within this precision's rounding (the fp32 check
+    is the one that can see a leak); ``n/a``: transformers' own per-sequence forward fails in this precision."""
+    if any(key.endswith("/" + precision) for key in entry.get("unrunnable", {})):
+        return "n/a"
+    if not any(precision in ps for ps in entry.get("backends", {}).values()):
+        return "—"
+    return "✓*" if any(b.endswith("/" + precision) for b in entry.get("blind", [])) else "✓"
+
+
 def markdown_table(table: dict[str, Any] | None = None) -> str:
     """The README's support table, rendered from the support table (every type of the sweep, one row each)."""
     table = load() if table is None else table
@@ -196,8 +206,7 @@ def markdown_table(table: dict[str, Any] | None = None) -> str:
             "mixers, or why refused |", "|---|---|---|---|---|---|---|---|"]
     for model_type, e in sorted(table["types"].items()):
         exact = e.get("verdict") == "exact"
-        low = [p for ps in e.get("backends", {}).values() for p in ps if p != "fp32"]
-        lows = "✓" if exact and {"bf16", "autocast_bf16"} <= set(low) else "—"
+        lows = " · ".join(_low(e, p) for p in ("bf16", "autocast_bf16")) if exact else "—"
         if exact:
             detail = "; ".join(sorted({m.split(":")[0] for m in e.get("mixers", [])})) or ""
         else:
