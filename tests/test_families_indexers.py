@@ -156,6 +156,23 @@ def test_groups_of_equal_lengths_are_exact(case):
         assert float((packed[b, s:s + n] - want).abs().max()) <= FP32_TOL * max(1.0, float(want.abs().max()))
 
 
+def test_a_segment_id_mask_with_trailing_padding():
+    """Boundaries given as a LLaMA-Factory segment mask (``[1, 1, 1, 2, 3, 3, ..., 0, 0]``) instead of positions."""
+    model = tiny("glm_moe_dsa-shared")
+    seqs = [torch.randint(3, _vocab(model), (n,), generator=torch.Generator().manual_seed(n)) for n in (3, 1, 12)]
+    ids = torch.cat([*seqs, torch.zeros(3, dtype=torch.long)])[None]
+    segments = torch.tensor([[1] * 3 + [2] + [3] * 12 + [0] * 3])
+    with torch.no_grad():
+        alone = [model(input_ids=s[None], use_cache=False).logits[0] for s in seqs]
+        install_packing(model)
+        packed = model(input_ids=ids, attention_mask=segments, use_cache=False).logits[0]
+        unconfigure_packing(model)
+    start = 0
+    for s, want in zip(seqs, alone, strict=True):
+        assert float((packed[start:start + len(s)] - want).abs().max()) <= FP32_TOL * max(1.0, float(want.abs().max()))
+        start += len(s)
+
+
 def _record(model: torch.nn.Module, suffix: str, out: dict) -> list:
     """Forward hooks storing every output of the modules named ``*suffix`` by (name, tokens per row)."""
     def hook(name):
