@@ -1,7 +1,7 @@
 """Sparse attention run per sequence (family ``indexers``): packed == each sequence alone.
 
 DSA lightning indexers (DeepSeek-V3.2, GLM-MoE-DSA with its reused selections, HY-V4, AXK2, dots3), DeepSeek-V4's
-compressors and indexer, Qwen4-Exp's QSA indexer, n-gram embeddings and GatedDeltaNet, and LongCat's MLA are proven
+compressors and indexer, Qwen4-Exp's QSA indexer, n-gram embeddings and GatedDeltaNet are proven
 with :func:`padfree.model.proof.prove` — logits, loss and every gradient in fp32 under each attention implementation
 the model has, bf16 autocast and bf16 weights — next to negative controls the same comparison catches, the selection
 itself checked against each sequence's own (sequences shorter than ``k`` included), groups of equal lengths, the
@@ -45,7 +45,6 @@ CASES = {
     "deepseek_v4-sliding": ("deepseek_v4", V4_SLIDING, ("eager",)),
     "qwen4_exp_text": ("qwen4_exp_text", {}, ("sdpa", "eager")),
     "qwen4_exp_text-ple": ("qwen4_exp_text", QWEN4_PLE, ("sdpa",)),
-    "longcat_flash": ("longcat_flash", {}, ("sdpa", "eager")),
 }
 
 
@@ -74,21 +73,10 @@ def test_packed_equals_each_sequence_alone(case, attn):
     assert claimed and set(claimed) <= set(proof.mixers)
 
 
-@pytest.mark.parametrize("case", [c for c in CASES if "-" not in c and c != "longcat_flash"])
+@pytest.mark.parametrize("case", [c for c in CASES if "-" not in c])
 def test_the_same_comparison_catches_stock_transformers_leaking(case):
     """Keys of other sequences in the top-k, windows compressed across boundaries, one causal mask over the row."""
     assert stock_packed_diff(tiny(case)) > FP32_TOL
-
-
-def test_longcat_mla_is_claimed_although_stock_transformers_separates_its_sequences():
-    """LongCat's MLA reads nothing from the row but the mask, which stock transformers builds block-diagonal from
-    restarting positions; configure's scan does not read a class named *MLA as attention, so this family claims it
-    (per bucket of sequences) instead of leaving the model refused."""
-    model = tiny("longcat_flash")
-    assert stock_packed_diff(model) <= FP32_TOL
-    report = install_packing(model)
-    assert not report.unsupported and "model.layers.0.self_attn.0" in report.mixers
-    unconfigure_packing(model)
 
 
 def test_the_same_comparison_catches_a_topk_over_padded_groups(monkeypatch):
@@ -142,7 +130,7 @@ def _vocab(model) -> int:
 
 
 @pytest.mark.parametrize("case", ["deepseek_v32", "glm_moe_dsa-shared", "hy_v4", "dots3_note_text",
-                                  "deepseek_v4-sliding", "qwen4_exp_text-ple", "longcat_flash"])
+                                  "deepseek_v4-sliding", "qwen4_exp_text-ple"])
 def test_groups_of_equal_lengths_are_exact(case):
     """Several sequences of one length run as one group: each keeps the selection it makes alone."""
     model = tiny(case)

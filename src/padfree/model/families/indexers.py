@@ -14,10 +14,10 @@ its own with the inputs it has alone: the row's rotary tables and causal mask cu
 them for positions ``0 .. T-1``), its own tokens. The selection therefore equals what the sequence alone selects —
 keys of other sequences never enter the scores, a sequence shorter than ``k`` keeps all of its keys, and ties break
 as they do alone, because a module that selects runs on groups of one exact length (the same ``topk`` on the same
-row). Modules that select nothing (LongCat's MLA, dots3's sliding layers, GLM / HY-V4 layers reusing the previous
-selection, the n-gram embeddings) run per bucket of similar lengths: their padded slots come after every real key.
-A selection handed from layer to layer travels as a ``(B, T, k)`` tensor of in-sequence indices. An ordinary batch
-runs transformers' own forward, untouched.
+row). Modules that select nothing (dots3's sliding layers, DeepSeek-V4's sliding-only layers, GLM / HY-V4 layers
+reusing the previous selection, the n-gram embeddings) run per bucket of similar lengths: their padded slots come
+after every real key. A selection handed from layer to layer travels as a ``(B, T, k)`` tensor of in-sequence
+indices. An ordinary batch runs transformers' own forward, untouched.
 
 >>> import torch, transformers
 >>> from padfree.model.configure import install_packing, unconfigure_packing
@@ -115,9 +115,6 @@ SPECS: dict[str, Spec] = {
     "Qwen4ExpTextPLELayer": Spec(
         "per-layer n-gram embeddings and dilated convolution from each sequence's own tokens (own forward per bucket "
         "of sequences)", selects=_never, tokens=("input_ids", "conv_mask")),
-    "LongcatFlashMLA": Spec(
-        "MLA attention per bucket of sequences (its class name does not end in Attention, so padfree's attention "
-        "backends never see it)", selects=_never),
 }
 
 # GatedDeltaNets of the same hybrids, on the primitives mixers.py makes boundary-exact
