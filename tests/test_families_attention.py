@@ -103,19 +103,27 @@ def test_stock_exact_models_stay_exact_per_sequence(name):
     assert stock_packed_diff(tiny(name)) <= FP32_TOL
 
 
-def test_padfree_attention_without_the_stablelm_family_is_refused(monkeypatch):
-    """The negative control for StableLM: on padfree's SDPA backend alone, its decoder layer drops the layout, and
-    the attention would run causally over the whole row — refused, not computed."""
+def test_padfree_attention_without_the_stablelm_family_reads_the_owner_layout_or_refuses(monkeypatch):
+    """StableLM's decoder layer drops its keyword arguments, so padfree's layout never reaches its attention that
+    way: on padfree's SDPA backend alone the attention reads the layout from its model's state (exact), and an
+    attention module cut off from that state refuses rather than attending causally over the whole row."""
     from padfree.model import configure
+    from padfree.model.attention import OWNER_ATTR
 
     families = configure.families()
     monkeypatch.setattr(configure, "families",
                         lambda: {k: v for k, v in families.items() if k != "StableLmAttention"})
     model = tiny("stablelm")
+    ids, pos = torch.randint(3, VOCAB, (1, 6)), torch.tensor([[0, 1, 2, 0, 1, 2]])
     assert install_packing(model).backend == "padfree_sdpa"
+    with torch.no_grad():
+        packed = model(input_ids=ids, position_ids=pos, use_cache=False).logits
+        alone = model(input_ids=ids[:, 3:], use_cache=False).logits
+    assert (packed[0, 3:] - alone[0]).abs().max() <= 1e-5
+    for layer in model.model.layers:
+        layer.self_attn.__dict__.pop(OWNER_ATTR)
     with pytest.raises(PackingDisabledError, match="StableLmAttention was called in a packed forward without"):
-        model(input_ids=torch.randint(3, VOCAB, (1, 6)), position_ids=torch.tensor([[0, 1, 2, 0, 1, 2]]),
-              use_cache=False)
+        model(input_ids=ids, position_ids=pos, use_cache=False)
     unconfigure_packing(model)
 
 
