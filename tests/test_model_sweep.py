@@ -3,7 +3,7 @@
 For each entry of ``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES`` a tiny model is built from its config class's defaults
 (shrunk) and :func:`padfree.model.sweep.sweep_type` proves it: packed against every sequence alone on ``sdpa`` and
 ``eager`` in fp32 (logits, loss, every gradient within 1e-5), on ``sdpa`` under ``autocast_bf16`` and with ``bf16``
-weights (within twice what rounding moves the per-sequence run), each with a leaking negative control that must
+weights (within three times what rounding moves the per-sequence run), each with a leaking negative control that must
 exceed the tolerance; an ordinary padded batch must be unchanged by configuring. A type padfree cannot make exact is
 refused with the module and the reason.
 

@@ -10,11 +10,12 @@ certification of a model the table does not cover, and ``padfree verify --model-
 3. for every backend: ``configure_packing``'s machinery installed, an ordinary padded batch checked unchanged,
    then per precision the packed forward and backward, and a **negative control** — the same rows with positions
    that never restart, which any model that mixes tokens leaks on;
-4. the verdict: fp32 within ``1e-5`` (relative to the logits' scale); a low precision within twice what rounding
-   alone moves the per-sequence run from its fp32 reference (``bf16`` weights, or fp32 weights under
-   ``autocast``), measured per sequence as relative Frobenius distances; and on every backend a negative control
-   beyond the tolerance (in fp32 at least: a model whose leak is smaller than bf16 rounding cannot show it in bf16,
-   and its bf16 checks are marked so), so a proof that cannot see a leak never passes.
+4. the verdict: fp32 within ``1e-5`` (relative to the logits' scale); a low precision within three times what
+   rounding alone moves the per-sequence run from its fp32 reference (``bf16`` weights, or fp32 weights under
+   ``autocast``; see :data:`ROUNDING_FACTOR`), measured per sequence as relative Frobenius distances; and on every
+   backend a negative control beyond the tolerance (in fp32 at least: a model whose leak is smaller than bf16
+   rounding cannot show it in bf16, and its bf16 checks are marked so), so a proof that cannot see a leak never
+   passes.
 
 >>> from padfree.model.tiny import tiny_model
 >>> result = prove(tiny_model("llama"), backends=["sdpa"], precisions=["fp32", "autocast_bf16"])
@@ -48,8 +49,11 @@ _WIDTH = 83
 PRECISIONS = ("fp32", "bf16", "autocast_bf16", "fp16", "autocast_fp16")
 FP32_TOL = 1e-5
 #: a low-precision packed run may differ from the per-sequence run by this many times what rounding moves the
-#: per-sequence run from fp32 (both runs round independently; each is about that far from exact)
-ROUNDING_FACTOR = 2.0
+#: per-sequence run from fp32. Both runs round independently, each about that far from exact; measured over the sweep
+#: of transformers 5.24's types the ratio is below 1 for all but two, and 2.5 at most (MoE models whose routing flips
+#: near a tie), while the leaking control measures 25-160 times it on all but four models (whose checks in that
+#: precision are then marked blind, the fp32 check being the one that sees a leak).
+ROUNDING_FACTOR = 3.0
 
 
 @dataclasses.dataclass(frozen=True)
