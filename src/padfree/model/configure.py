@@ -98,6 +98,7 @@ FAMILY_MODULES = (
     "padfree.model.families.rwkv",  # RWKV time and channel mixing
     "padfree.model.families.xlstm",  # xLSTM
     "padfree.model.families.convs",  # short convolutions of newer hybrids, Zamba's Mamba-1
+    "padfree.model.families.zaya",  # ZAYA's convolutional attention projection
 )
 
 # Class-name fragments of sequence mixers other than attention: recurrent state, a short causal convolution or a
