@@ -24,6 +24,7 @@ from padfree.model.packed import PackedLayout  # noqa: E402
 from padfree.model.proof import FP32_TOL, prove, stock_packed_diff  # noqa: E402
 from padfree.model.state import PackingState  # noqa: E402
 from padfree.model.sweep import build_tiny  # noqa: E402
+from zoo import packed_case  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -110,19 +111,10 @@ def test_the_same_comparison_catches_ngram_embeddings_over_the_row():
 # ---- the rows: sequences shorter than k = 4, groups of equal lengths, a trailing filler run ------------------------
 
 
+
+
 def _rows(vocab: int, lengths: list[list[int]], seed: int = 0):
-    width = max(sum(row) for row in lengths) + 4
-    ids = torch.randint(3, vocab, (len(lengths), width), generator=torch.Generator().manual_seed(seed))
-    pos = torch.zeros_like(ids)
-    segments = []
-    for b, row in enumerate(lengths):
-        col = 0
-        for n in row:
-            pos[b, col:col + n] = torch.arange(n)
-            segments.append((b, col, n))
-            col += n
-        pos[b, col:] = torch.arange(width - col)  # the filler run: a segment of its own, never compared
-    return ids, pos, segments
+    return packed_case(vocab, lengths, seed, filler=4)  # the filler run: a segment of its own, never compared
 
 
 def _vocab(model) -> int:

@@ -23,6 +23,9 @@ from padfree.model.families import positions  # noqa: E402
 from padfree.model.packed import PackedLayout  # noqa: E402
 from padfree.model.proof import FP32_TOL, prove, stock_packed_diff  # noqa: E402
 from padfree.model.sweep import PRECISIONS, build_tiny  # noqa: E402
+from zoo import alone_logits as _alone  # noqa: E402
+from zoo import packed_case as _rows  # noqa: E402
+from zoo import worst_diff as _worst  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -43,30 +46,10 @@ def _quiet_build(model_type, variant=None):
     return build_tiny(model_type, variant)
 
 
-def _rows(vocab, rows, seed=0):
-    """``(ids, position_ids, [(row, start, length)])`` of packed rows of the given sequence lengths."""
-    g = torch.Generator().manual_seed(seed)
-    width = max(sum(r) for r in rows)
-    ids = torch.randint(3, vocab, (len(rows), width), generator=g)
-    pos = torch.zeros_like(ids)
-    spans = []
-    for r, lengths in enumerate(rows):
-        col = 0
-        for n in lengths:
-            pos[r, col:col + n] = torch.arange(n)
-            spans.append((r, col, n))
-            col += n
-        pos[r, col:] = torch.arange(width - col)
-    return ids, pos, spans
 
 
-def _alone(model, ids, spans, **kwargs):
-    with torch.no_grad():
-        return [model(input_ids=ids[r:r + 1, s:s + n], use_cache=False, **kwargs).logits[0] for r, s, n in spans]
 
 
-def _worst(packed, spans, alone):
-    return max(float((packed[r, s:s + n] - a).abs().max()) for (r, s, n), a in zip(spans, alone, strict=True))
 
 
 # ---- every type: the sweep's proof, and stock transformers leaking on the same rows ---------------------------------

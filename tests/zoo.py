@@ -96,6 +96,37 @@ def packed_rows(rows: list[list[int]], seed: int = 1) -> tuple[torch.Tensor, tor
     return ids, pos, seqs
 
 
+def packed_case(vocab: int, rows: list[list[int]], seed: int = 0, *, filler: int = 0
+                ) -> tuple[torch.Tensor, torch.Tensor, list[tuple[int, int, int]]]:
+    """``(ids, position_ids, [(row, start, length)])``: random sequences of these lengths (ids in ``[3, vocab)``)
+    packed into rows; a row shorter than the widest, plus ``filler`` more tokens, ends in a filler run (a segment of
+    its own, never compared)."""
+    g = torch.Generator().manual_seed(seed)
+    width = max(sum(r) for r in rows) + filler
+    ids = torch.randint(3, vocab, (len(rows), width), generator=g)
+    pos = torch.zeros_like(ids)
+    spans = []
+    for r, lengths in enumerate(rows):
+        col = 0
+        for n in lengths:
+            pos[r, col:col + n] = torch.arange(n)
+            spans.append((r, col, n))
+            col += n
+        pos[r, col:] = torch.arange(width - col)
+    return ids, pos, spans
+
+
+def alone_logits(model, ids, spans, **kwargs) -> list[torch.Tensor]:
+    """The logits of every span of ``ids`` run alone (no grad)."""
+    with torch.no_grad():
+        return [model(input_ids=ids[r:r + 1, s:s + n], use_cache=False, **kwargs).logits[0] for r, s, n in spans]
+
+
+def worst_diff(packed, spans, alone) -> float:
+    """The largest ``|packed - alone|`` over the spans of a packed ``(B, T, V)`` output."""
+    return max(float((packed[r, s:s + n] - a).abs().max()) for (r, s, n), a in zip(spans, alone, strict=True))
+
+
 def loss_of(logits_of_seq, seqs, total):
     """Token-mean next-token cross-entropy over every sequence (the same normaliser packed and alone)."""
     loss = 0.0
