@@ -28,7 +28,7 @@ from padfree.integrations.trainer import (  # noqa: E402
     packing_status,
     token_losses,
 )
-from zoo import mistral_tokenizer  # noqa: E402
+from zoo import mistral_tokenizer, with_unknown_mixer  # noqa: E402
 
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k_train.json"
 datasets.disable_progress_bars()
@@ -276,9 +276,8 @@ def test_status_enable_and_refusals(samples, tmp_path):
     with pytest.raises(InvalidArgumentError, match=r"padfree_fused_loss=True computes.*a compute_loss_func"):
         Trainer(model=llama(), args=args, train_dataset=ds, padfree_fused_loss=True,
                 compute_loss_func=lambda outputs, labels, **kw: outputs.loss)
-    gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=64, n_embd=32, n_layer=1, n_head=4))
-    with pytest.raises(UnsupportedModelError, match="gpt2"):
-        Trainer(model=gpt2, args=args, train_dataset=ds, data_collator=PackedRowsCollator())
+    with pytest.raises(UnsupportedModelError, match="ToyRecurrentMixer"):
+        Trainer(model=with_unknown_mixer(llama()), args=args, train_dataset=ds, data_collator=PackedRowsCollator())
     with pytest.raises(InvalidArgumentError, match=r"trainer must be a transformers\.Trainer"):
         packing_status(object())
 

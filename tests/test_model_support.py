@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import pytest
-import transformers
 
 from padfree.errors import InvalidArgumentError
 from padfree.model.support import BackendCheck, SupportRow, available_backends, check_support
 from padfree.model.tiny import TINY_CONFIGS, tiny_config, tiny_model
 from padfree.model.verify import verify
+from zoo import with_unknown_mixer
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -34,11 +34,11 @@ def test_cuda_backends_are_reported_not_raised_on_cpu():
     assert "varlen" not in available_backends("cpu")
 
 
-def test_unsupported_model_type_is_a_refusal_with_its_reason():
-    config = transformers.GPT2Config(vocab_size=64, n_embd=32, n_layer=1, n_head=2)
-    row = check_support(transformers.GPT2LMHeadModel(config), backends=["sdpa"])
+def test_a_model_configure_packing_refuses_is_a_refusal_with_its_reason():
+    model = with_unknown_mixer(tiny_model("llama"))
+    row = check_support(model, backends=["sdpa"])
     assert not row.ok and row.checks[0].report is None
-    assert "gpt2" in row.checks[0].error and "no backend could run here" in str(row)
+    assert "ToyRecurrentMixer" in row.checks[0].error and "no backend could run here" in str(row)
 
 
 def test_a_mismatch_is_a_failed_cell():

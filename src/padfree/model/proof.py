@@ -6,7 +6,8 @@ certification of a model the table does not cover, and ``padfree verify --model-
 1. a fixed packed case (:data:`ROWS`): two rows holding a length-1 sequence, sequences shorter than a 4-tap
    convolution, one crossing a 64-token chunk and many 8-token chunks, sequences longer than a 5-token sliding
    window, and a trailing filler run (a row's padding, a segment of its own);
-2. every sequence run alone, in fp32 (the reference), with the gradient of the token-mean cross-entropy;
+2. every sequence run alone as an unpacked batch of one (the model's own default positions), in fp32 (the
+   reference), with the gradient of the token-mean cross-entropy;
 3. for every backend: ``configure_packing``'s machinery installed, an ordinary padded batch checked unchanged,
    then per precision the packed forward and backward, and a **negative control** — the same rows with positions
    that never restart, which any model that mixes tokens leaks on;
@@ -205,8 +206,8 @@ def _alone(model: torch.nn.Module, case: _Case, grads: bool) -> tuple[list[torch
     outs, total = [], 0.0
     for row, start, n in case.segments:
         ids = case.ids[row:row + 1, start:start + n]
-        with torch.set_grad_enabled(grads):
-            logits = _logits(model, input_ids=ids, position_ids=case.positions[row:row + 1, start:start + n])[0]
+        with torch.set_grad_enabled(grads):  # the model's own default positions, as an unpacked run has them
+            logits = _logits(model, input_ids=ids)[0]
             loss = _ce(logits, ids[0]) / case.targets if n > 1 else None
         if grads and loss is not None:
             loss.backward()
@@ -505,8 +506,7 @@ def first_divergence(model: torch.nn.Module, backend: str = "auto", *, seed: int
         with torch.no_grad():
             for row, start, n in case.segments:
                 with _recording(model, (1, n)) as calls:
-                    _logits(model, input_ids=case.ids[row:row + 1, start:start + n],
-                            position_ids=case.positions[row:row + 1, start:start + n])
+                    _logits(model, input_ids=case.ids[row:row + 1, start:start + n])
                 alone.append(calls)
             configure(model, backend=backend)
             with _recording(model, tuple(case.ids.shape)) as packed:

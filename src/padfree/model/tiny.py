@@ -85,11 +85,14 @@ TINY_CONFIGS: dict[str, dict[str, Any]] = {
     "falcon_mamba": dict(num_hidden_layers=2, state_size=8),
     # encoder families as causal decoders: their config defaults are bidirectional (the sweep proves those too);
     # this variant proves the causal mode their *ForCausalLM classes are meant for
-    **{t: dict(is_decoder=True) for t in (
+    # (dropout off: the tiny model is compared run against run, in training mode too)
+    **{t: dict(is_decoder=True, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0) for t in (
         "bert", "bert-generation", "big_bird", "camembert", "data2vec-text", "electra", "ernie", "megatron-bert",
         "rembert", "roberta", "roberta-prelayernorm", "roc_bert", "roformer", "xlm-roberta", "xlm-roberta-xl",
         "xmod")},
-    "xlm": dict(causal=True),
+    "xlm": dict(causal=True, dropout=0.0, attention_dropout=0.0),
+    "xmod": dict(is_decoder=True, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+                 default_language="en_XX"),  # its forward refuses to guess the language of its adapters
     "falcon": dict(alibi=True, num_attention_heads=16, num_kv_heads=16),  # ALiBi (16 heads: slopes that are
     # not all powers of two, where a leak of the bias shows)
 }
@@ -119,8 +122,8 @@ def tiny_config(model_type: str, **overrides: Any) -> Any:
 def tiny_model(model_type: str, *, seed: int = 0, attn_implementation: str | None = None, **overrides: Any) -> Any:
     """A tiny fp32 ``*ForCausalLM`` of ``model_type`` with random weights, deterministic for ``seed``.
 
-    ``attn_implementation`` defaults to ``"sdpa"`` (``"eager"`` for the types transformers runs only eagerly, none
-    for the types without attention).
+    ``attn_implementation`` defaults to ``"sdpa"`` (``"eager"`` for the types transformers runs only eagerly or
+    whose class has no SDPA path, none for the types without attention).
     """
     import torch
     import transformers
@@ -133,6 +136,12 @@ def tiny_model(model_type: str, *, seed: int = 0, attn_implementation: str | Non
     level = log.level
     transformers.logging.set_verbosity_error()  # tiny configs trip harmless rope / vocabulary warnings
     try:
-        return transformers.AutoModelForCausalLM.from_config(config, **extra).float()
+        try:
+            return transformers.AutoModelForCausalLM.from_config(config, **extra).float()
+        except ValueError:  # a class without an SDPA path (MegatronBert, RemBert, ...) when none was asked for
+            if attn_implementation is not None or impl != "sdpa":
+                raise
+            torch.manual_seed(seed)
+            return transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager").float()
     finally:
         log.setLevel(level)

@@ -467,8 +467,25 @@ def _packed_embeddings(self: torch.nn.Module, args: tuple, kwargs: dict[str, Any
     if named.get("cache_length"):
         raise PackingDisabledError(f"{type(self).__name__} got cache_length={named['cache_length']} with a packed "
                                    f"batch; packed training never uses a cache (pass use_cache=False)")
-    named["position_ids"] = lay.position_ids  # what each sequence reads alone: its own positions, restarting
+    named["position_ids"] = _alone_positions(self, named, lay)  # what each sequence reads alone, restarting
     return type(self).forward(self, **named)
+
+
+def _alone_positions(module: torch.nn.Module, named: dict[str, Any], lay: PackedLayout) -> torch.Tensor:
+    """The position ids every sequence of the packed row gets alone by default. Most embeddings count from 0; the
+    RoBERTa family (embeddings with ``create_position_ids_from_input_ids``) counts from ``padding_idx + 1`` over the
+    non-padding tokens — per sequence, so the count restarts at every sequence start."""
+    padding_idx = getattr(module, "padding_idx", None)
+    if not hasattr(module, "create_position_ids_from_input_ids") or padding_idx is None:
+        return lay.position_ids
+    ids = named.get("input_ids")
+    if ids is None:  # inputs_embeds: transformers counts every token
+        return lay.position_ids + padding_idx + 1
+    real = (ids != padding_idx).long()
+    count = real.cumsum(dim=1)
+    start = torch.arange(ids.shape[1], device=ids.device) - lay.position_ids  # each token's sequence start
+    before = count.gather(1, (start - 1).clamp(min=0)) * (start > 0)
+    return (count - before) * real + padding_idx
 
 
 def _tokens(named: dict[str, Any]) -> Any:
