@@ -207,9 +207,11 @@ def packed_forward(
     return _bucketed(module, query, key, value, lay, math=backend == "padfree_eager", **opts)
 
 
-# keyword arguments that route or describe the batch, never change what one sequence computes
+# keyword arguments that route or describe the batch, never change what one sequence computes (transformers'
+# TransformersKwargs among them: the loss normaliser the Trainer passes down, the output switches)
 _ROUTING = frozenset({"position_ids", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx",
-                      "cache_position", "output_attentions", "use_cache", "layer_idx", "target_dtype"})
+                      "cache_position", "output_attentions", "output_hidden_states", "output_router_logits",
+                      "use_cache", "layer_idx", "target_dtype", "num_items_in_batch"})
 
 
 def _unapplied(kwargs: dict[str, Any]) -> str | None:
