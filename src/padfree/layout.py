@@ -70,6 +70,7 @@ from padfree.errors import BackendUnavailableError, InvalidArgumentError, Invali
 from padfree.packing.inputs import as_positive_int
 
 __all__ = [
+    "IGNORE_INDEX",
     "block_causal_mask",
     "block_causal_mask_to_segment_ids",
     "block_mask",
@@ -93,6 +94,10 @@ __all__ = [
 ]
 
 INT32_MAX = 2**31 - 1
+
+# The label of a token that is not a target (Hugging Face's convention, and torch's cross_entropy default): a
+# sequence's first token and every pad carry it. The one definition in padfree.
+IGNORE_INDEX = -100
 
 # ---- backends: the few array operations numpy and torch spell differently -----------------------------------------
 

@@ -35,10 +35,10 @@ import torch
 import torch.nn.functional as F
 
 from padfree.errors import InvalidArgumentError, UnsupportedModelError, describe
+from padfree.layout import IGNORE_INDEX
 
 __all__ = ["IGNORE_INDEX", "causal_lm_loss", "default_chunk_size", "head_transform", "linear_cross_entropy"]
 
-IGNORE_INDEX = -100
 _CHUNK_BYTES = 1 << 27  # one chunk of float32 logits: 128 MiB (1,024 positions of a 32k vocabulary)
 
 
