@@ -1,7 +1,7 @@
 """Lengths in, plan out: the packing engine (numpy + numba, never torch)."""
 
 from padfree.packing.balance import BalancedSteps, balance_bins
-from padfree.packing.result import PackResult
+from padfree.packing.result import PackResult, as_pack_result
 from padfree.packing.strategies import DEFAULT_STRATEGY, STRATEGIES, Packer, Strategy, pack_sequences
 from padfree.packing.streaming import StreamBin, StreamPacker
 
@@ -14,6 +14,7 @@ __all__ = [
     "Strategy",
     "StreamBin",
     "StreamPacker",
+    "as_pack_result",
     "balance_bins",
     "pack_sequences",
 ]

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 from functools import cached_property
+from typing import Any
 
 import numpy as np
 
-__all__ = ["PackResult"]
+from padfree.errors import InvalidArgumentError, describe
+
+__all__ = ["PackResult", "as_pack_result"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -201,3 +204,24 @@ class PackResult:
             f"PackResult(strategy={self.strategy!r}, capacity={self.capacity}, num_sequences={self.num_sequences}, "
             f"num_bins={self.num_bins}, efficiency={self.efficiency:.4f})"
         )
+
+
+def as_pack_result(value: Any, name: str = "result") -> PackResult:
+    """``value`` if it is a :class:`PackResult`, else an :class:`InvalidArgumentError` naming ``name``.
+
+    The one check of every function that takes a plan: a list of bins or a dict would otherwise fail later
+    with an ``AttributeError`` that names neither the argument nor what was expected.
+
+    >>> from padfree import pack_sequences
+    >>> as_pack_result(pack_sequences([3, 2], 8)).bins
+    [[0, 1]]
+    >>> as_pack_result([[0, 1]], "plan")
+    Traceback (most recent call last):
+    ...
+    padfree.errors.InvalidArgumentError: plan must be a PackResult from pack_sequences / Packer.pack, got [[0, 1]] ...
+    """
+    if not isinstance(value, PackResult):
+        raise InvalidArgumentError(
+            f"{name} must be a PackResult from pack_sequences / Packer.pack, got {describe(value)}"
+        )
+    return value
