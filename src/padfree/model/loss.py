@@ -36,6 +36,7 @@ import torch.nn.functional as F
 
 from padfree.errors import InvalidArgumentError, UnsupportedModelError, describe
 from padfree.layout import IGNORE_INDEX
+from padfree.model.wrappers import unwrap_model
 
 __all__ = ["IGNORE_INDEX", "causal_lm_loss", "default_chunk_size", "head_transform", "linear_cross_entropy"]
 
@@ -261,16 +262,6 @@ def head_transform(model: Any) -> tuple[float, float | None]:
     return scale, softcap
 
 
-def _unwrap(model: Any) -> Any:
-    """The transformers model inside DDP / accelerate / torch.compile wrappers."""
-    for _ in range(8):
-        inner = getattr(model, "module", None) or getattr(model, "_orig_mod", None)
-        if inner is None:
-            return model
-        model = inner
-    return model
-
-
 @contextlib.contextmanager
 def _head_inputs(model: Any) -> Iterator[list[torch.Tensor]]:
     """Within the block, the model's output head records its input and returns empty logits ``(..., 0)``
@@ -388,7 +379,7 @@ def causal_lm_loss(
     if has_labels == has_shifted:
         raise InvalidArgumentError("inputs must hold exactly one of labels (aligned with input_ids) or shift_labels "
                                    f"(pre-shifted), got keys {sorted(inputs)}")
-    base = _unwrap(model)
+    base = unwrap_model(model)
     scale, softcap = _check_head(base)
     kwargs = {k: v for k, v in inputs.items() if k not in ("labels", "shift_labels")}
     kwargs.setdefault("use_cache", False)

@@ -733,14 +733,15 @@ MIXER_CLASSES: dict[str, str] = {
 #: the classes this module makes boundary-exact (read by :func:`padfree.configure_packing`)
 CLASSES = MIXER_CLASSES
 
-def _unwrap(fn: Callable) -> Callable:
+def unwrap_function(fn: Callable) -> Callable:
+    """The function inside ``fn``'s decorators (``functools.wraps`` chains, followed through ``__wrapped__``)."""
     while hasattr(fn, "__wrapped__"):
         fn = fn.__wrapped__
     return fn
 
 
 def _globals_used(fn: Callable) -> set[str]:
-    return {ins.argval for ins in dis.get_instructions(_unwrap(fn)) if ins.opname == "LOAD_GLOBAL"}
+    return {ins.argval for ins in dis.get_instructions(unwrap_function(fn)) if ins.opname == "LOAD_GLOBAL"}
 
 
 def _rebind(fn: Callable, scope: dict[str, Any]) -> Callable:
@@ -776,7 +777,7 @@ def _packed_forward(cls: type) -> Callable:
     something padfree does not know (a new transformers version must be proven again before it is trusted)."""
     family = FAMILIES[MIXER_CLASSES[cls.__name__]]
     forward = cls.forward
-    module_globals = sys.modules[_unwrap(forward).__module__].__dict__
+    module_globals = sys.modules[unwrap_function(forward).__module__].__dict__
     used = _globals_used(forward)
     missing = [name for name in family.required if name not in used]
     unknown = sorted(used - set(family.replace) - _PER_TOKEN_GLOBALS - {k for k, v in module_globals.items()
@@ -788,7 +789,7 @@ def _packed_forward(cls: type) -> Callable:
             f"until tests/test_model_mixers.py covers this version"
         )
     for name, params in family.signatures.items():
-        have = tuple(inspect.signature(_unwrap(module_globals[name])).parameters)
+        have = tuple(inspect.signature(unwrap_function(module_globals[name])).parameters)
         if have[:len(params)] != params:
             raise UnsupportedModelError(
                 f"{cls.__name__}: transformers' {name} now takes {have}, padfree's boundary-exact replacement "

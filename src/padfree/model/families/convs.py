@@ -119,7 +119,7 @@ def _packed_forward(cls: type) -> Callable:
     else that is not per-token (a new transformers release must be proven again before it is trusted)."""
     family = mixers.FAMILIES[_REBOUND[cls.__name__]]
     forward = cls.forward
-    module_globals = sys.modules[mixers._unwrap(forward).__module__].__dict__
+    module_globals = sys.modules[mixers.unwrap_function(forward).__module__].__dict__
     used = mixers._globals_used(forward)
     classes = {k for k, v in module_globals.items() if isinstance(v, type)}
     missing = [name for name in family.required if name not in used]
@@ -129,7 +129,7 @@ def _packed_forward(cls: type) -> Callable:
             f"{cls.__name__}.forward does not have the shape padfree proved exact: missing calls {missing}, unknown "
             f"global functions {unknown}; it cannot be made packing-exact until it is proven again")
     for name, params in family.signatures.items():
-        have = tuple(inspect.signature(mixers._unwrap(module_globals[name])).parameters)
+        have = tuple(inspect.signature(mixers.unwrap_function(module_globals[name])).parameters)
         if have[:len(params)] != params:
             raise UnsupportedModelError(f"{cls.__name__}: transformers' {name} now takes {have}, padfree's "
                                         f"boundary-exact replacement expects {params}; refusing rather than guessing")

@@ -124,7 +124,7 @@ def _packed_chunk_rule(rule: Callable, query, key, value, g, beta, chunk_size=64
 def _packed(cls: type) -> tuple[Any, Callable]:
     """``(family, packed forward)`` of KDA class ``cls``: its forward, primitives replaced (the chunked rule by the
     per-segment run of the class's own rule)."""
-    module_globals = sys.modules[mixers._unwrap(cls.forward).__module__].__dict__
+    module_globals = sys.modules[mixers.unwrap_function(cls.forward).__module__].__dict__
     if _CHUNK_RULE not in module_globals:
         raise UnsupportedModelError(f"{cls.__name__}: its module has no {_CHUNK_RULE} (transformers "
                                     f"{linear._transformers_version()}); refusing rather than guessing")

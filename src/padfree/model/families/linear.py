@@ -10,8 +10,8 @@ it uses, :func:`install_mixer` with :func:`packed_forward`, is shared by the oth
 >>> from padfree.model import mixers
 >>> from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5GatedDeltaNet as Gdn
 >>> family = mixers.FAMILIES["gated-delta-net"]
->>> inner = mixers._unwrap(packed_forward(Gdn, family.replace, family.signatures, family.required))
->>> inner.__code__ is mixers._unwrap(Gdn.forward).__code__  # transformers' own code ...
+>>> inner = mixers.unwrap_function(packed_forward(Gdn, family.replace, family.signatures, family.required))
+>>> inner.__code__ is mixers.unwrap_function(Gdn.forward).__code__  # transformers' own code ...
 True
 >>> inner.__globals__["torch_chunk_gated_delta_rule"] is family.replace["torch_chunk_gated_delta_rule"]  # new calls
 True
@@ -58,7 +58,7 @@ def packed_forward(cls: type, replace: Mapping[str, Callable], signatures: Mappi
     new transformers version must be proven again before it is trusted.
     """
     forward = cls.forward
-    module_globals = sys.modules[mixers._unwrap(forward).__module__].__dict__
+    module_globals = sys.modules[mixers.unwrap_function(forward).__module__].__dict__
     used = mixers._globals_used(forward)
     missing = [name for name in required if name not in used]
     classes = {k for k, v in module_globals.items() if isinstance(v, type)}
@@ -69,7 +69,7 @@ def packed_forward(cls: type, replace: Mapping[str, Callable], signatures: Mappi
             f"exact: missing calls {missing}, unknown global functions {unknown}; it cannot be made packing-exact "
             f"until it is proven again")
     for name, params in signatures.items():
-        have = tuple(inspect.signature(mixers._unwrap(module_globals[name])).parameters)
+        have = tuple(inspect.signature(mixers.unwrap_function(module_globals[name])).parameters)
         if have[:len(params)] != params:
             raise UnsupportedModelError(
                 f"{cls.__name__}: transformers' {name} now takes {have}, padfree's boundary-exact replacement "
