@@ -85,6 +85,7 @@ __all__ = [
     "position_ids_to_cu_seqlens",
     "position_ids_to_lengths",
     "position_ids_to_segment_ids",
+    "segment_ids_to_batch_seq_idx",
     "segment_ids_to_cu_seqlens",
     "segment_ids_to_lengths",
     "segment_ids_to_position_ids",
@@ -935,3 +936,26 @@ def block_mask_to_segment_ids(block_mask: Any, sliding_window: int | None = None
         full = _blocks_to_tokens(torch, block_mask.full_kv_num_blocks, block_mask.full_kv_indices, n_kv, block, q_len)
         allowed = allowed | full[..., :kv_len]
     return block_causal_mask_to_segment_ids(allowed, sliding_window, check=check)
+
+
+# ---- one index per sequence of the whole batch ---------------------------------------------------------------------
+
+
+def segment_ids_to_batch_seq_idx(segment_ids: Any, *, check: bool = True) -> Any:
+    """``(batch, seq)`` segment ids -> ``(batch, seq) int64``: the sequence of every token, counted over the whole
+    batch row after row — ``seq_idx`` with each row continuing the count of the rows before it, so that one
+    ``bincount`` / ``index_add`` reduces per sequence across the batch. Values are below ``batch * seq``.
+
+    A row's padding tail counts as one more sequence, as in :func:`segment_ids_to_seq_idx`. With ``check=False``
+    any integers are read as runs (a sequence starts at every row start and wherever the value changes), and
+    nothing syncs.
+
+    >>> segment_ids_to_batch_seq_idx(np.array([[1, 1, 2, 2, 2, 0], [1, 2, 2, 3, 3, 3], [0, 0, 0, 0, 0, 0]])).tolist()
+    [[0, 0, 1, 1, 1, 2], [3, 4, 4, 5, 5, 5], [6, 6, 6, 6, 6, 6]]
+    """
+    xp, seg = _ints(segment_ids, "segment_ids", 2, bool_ok=True)
+    if check:
+        _check_segment_ids(xp, seg, "segment_ids")
+    start = xp.zeros(tuple(seg.shape), xp.bool_, seg) == 0
+    start[:, 1:] = seg[:, 1:] != seg[:, :-1]
+    return start.reshape(-1).cumsum(0).reshape(tuple(seg.shape)) - 1
