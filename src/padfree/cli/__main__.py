@@ -1,0 +1,7 @@
+"""``python -m padfree.cli``: the ``padfree`` command."""
+
+import sys
+
+from padfree.cli import main
+
+sys.exit(main())

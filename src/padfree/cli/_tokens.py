@@ -1,0 +1,99 @@
+"""Tokenizers and tokenizing for the commands: ``--tokenizer`` loaded and named, texts turned into token ids.
+
+``pack`` tokenizes a whole dataset with ``datasets.map`` (in processes, into an Arrow file, with prompt-masked labels
+for ``--completion-field``); ``demo`` and ``bench`` tokenize a list of texts in memory.
+"""
+
+from __future__ import annotations
+
+import functools
+import uuid
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from padfree.cli._inputs import join_text
+from padfree.cli._output import bar
+
+
+def load_tokenizer(path: str | None) -> tuple[Any, str]:
+    """The tokenizer of ``--tokenizer`` (None: the default one) and the name the reports give it."""
+    from padfree import corpus
+
+    tokenizer = corpus.load_tokenizer(path)
+    name = corpus.DEFAULT_TOKENIZER_NAME if path is None else f"{path} ({type(tokenizer).__name__})"
+    return tokenizer, name
+
+
+def token_ids(texts: list[str], tokenizer: Any, batch_size: int = 64) -> list[list[int]]:
+    """The token ids of every text (no special tokens), with a progress bar over the texts."""
+    from padfree import corpus
+
+    ids: list[list[int]] = []
+    progress = bar(len(texts), "tokenizing", "doc")
+    try:
+        for start in range(0, len(texts), batch_size):
+            batch = [str(t) for t in texts[start:start + batch_size]]
+            ids.extend(corpus.encode(batch, tokenizer)["input_ids"])
+            progress.update(len(batch))
+    finally:
+        progress.close()
+    return ids
+
+
+def tokenize_dataset(ds: Any, tokenizer: Any, *, prompt: list[str], completion: str | None, add_special_tokens: bool,
+                     eos: int | None, num_proc: int, cache: Path) -> Any:
+    """``ds`` tokenized into a dataset of ``input_ids`` (and ``labels`` with a ``completion`` column).
+
+    ``prompt``: the text columns joined with newlines (then the completion, when there is one: only its tokens are
+    targets). ``eos``: a token appended to every row (a target). The rows are written to ``cache/tokenized.arrow``.
+    """
+    function = functools.partial(_tokenize_batch, tokenizer=tokenizer, prompt=prompt, completion=completion,
+                                 add_special_tokens=add_special_tokens, eos=eos)
+    return ds.with_format("arrow").map(
+        function, batched=True, batch_size=1000, num_proc=num_proc if num_proc > 1 else None,
+        remove_columns=ds.column_names, cache_file_name=str(cache / "tokenized.arrow"), load_from_cache_file=False,
+        new_fingerprint=uuid.uuid4().hex, desc="tokenizing",
+    ).with_format(None)
+
+
+def _tokenize_batch(batch: Any, *, tokenizer: Any, prompt: list[str], completion: str | None,
+                    add_special_tokens: bool, eos: int | None) -> Any:
+    """One ``datasets.map`` batch (a ``pyarrow.Table``) -> ``input_ids`` (and ``labels`` with a completion)."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    from padfree import corpus
+
+    boundary = None  # (rows,) — the character where the completion starts; tokens before it are not targets
+    if completion is None:
+        texts = join_text(batch, prompt)
+    else:
+        answer = pc.fill_null(batch[completion], "")
+        if prompt:
+            question = join_text(batch, prompt)
+            texts = pc.binary_join_element_wise(question, answer, "\n")
+            boundary = pc.utf8_length(question).to_numpy(zero_copy_only=False).astype(np.int64) + 1
+        else:
+            texts = answer
+            boundary = np.zeros(batch.num_rows, np.int64)
+    encoded = corpus.encode(texts.to_pylist(), tokenizer, add_special_tokens=add_special_tokens,
+                            offsets=boundary is not None)
+    ids = encoded["input_ids"]
+    if eos is not None:
+        for row in ids:
+            row.append(eos)
+    ids_array = pa.array(ids, pa.list_(pa.int32()))
+    if boundary is None:
+        return pa.table({"input_ids": ids_array})
+    spans = encoded["offset_mapping"]
+    if eos is not None:  # the EOS sits after the text: a target
+        ends = pc.utf8_length(texts).to_pylist()
+        for row, end in zip(spans, ends, strict=True):
+            row.append((end, end))
+    starts = pa.array(spans, pa.list_(pa.list_(pa.int64(), 2))).flatten().flatten().to_numpy()[::2]
+    counts = pc.list_value_length(ids_array).to_numpy(zero_copy_only=False)
+    targets = starts >= np.repeat(boundary, counts)
+    labels = np.where(targets, ids_array.values.to_numpy(), -100).astype(np.int32)
+    return pa.table({"input_ids": ids_array, "labels": pa.ListArray.from_arrays(ids_array.offsets, labels)})
