@@ -17,6 +17,13 @@ OVERLONG_POLICIES = ("error", "truncate", "split", "drop")
 # Sorting and best fit index arrays by token count (O(capacity) memory, 4-12 bytes per unit of capacity):
 # 2**26 tokens (64 Mi, far beyond any context length) keeps that under a gigabyte.
 MAX_CAPACITY = 2**26
+# The placement kernels index pieces and bins with int32 (half the memory traffic of int64 on their hot loops),
+# so one call can place at most 2**31 - 1 pieces; past that the indices would wrap and the plan would be wrong.
+# The limit is checked before anything is allocated, which also stops a typo from turning into a split of
+# absurd size: [2**40] at capacity 16 would be 2**36 pieces, ~4 TiB of index arrays. Below the limit a plan
+# costs ~50 bytes per piece, a fraction of the token data the pieces stand for at any capacity worth training at.
+MAX_PIECES = 2**31 - 1
+INT64_MAX = int(np.iinfo(np.int64).max)
 
 
 def as_lengths(lengths: Any, name: str = "lengths") -> np.ndarray:
@@ -32,19 +39,23 @@ def as_lengths(lengths: Any, name: str = "lengths") -> np.ndarray:
     ...
     padfree.errors.InvalidLengthsError: lengths[1] = 0, but every length must be >= 1 (1 of 2 values are < 1)
     """
+    accepted = "pass one length per sequence: a list, a numpy array or a CPU tensor of integers"
     if isinstance(lengths, np.ndarray):
         arr = lengths
     else:
-        if isinstance(lengths, (str, bytes, dict)) or np.isscalar(lengths):
+        if lengths is None or isinstance(lengths, (str, bytes, dict)) or np.isscalar(lengths):
             raise InvalidLengthsError(f"{name} must be a 1-D sequence of integers, got {describe(lengths)}")
         try:
             arr = np.asarray(lengths)
         except (TypeError, ValueError, RuntimeError) as exc:
             raise InvalidLengthsError(
-                f"{name} could not be read as an array ({exc}); pass a list, a numpy array or a CPU tensor"
+                f"{name} must be a 1-D sequence of integers, got {describe(lengths)}, which could not be read as an "
+                f"array ({exc}); {accepted}"
             ) from exc
+    if arr.ndim == 0:
+        raise InvalidLengthsError(f"{name} must be a 1-D sequence of integers, got {describe(lengths)}")
     if arr.ndim != 1:
-        raise InvalidLengthsError(f"{name} must be 1-D, got an array of shape {arr.shape}")
+        raise InvalidLengthsError(f"{name} must be 1-D, got an array of shape {arr.shape}; {accepted}")
     if arr.size == 0:
         return np.zeros(0, np.int64)
     kind = arr.dtype.kind
@@ -64,8 +75,10 @@ def as_lengths(lengths: Any, name: str = "lengths") -> np.ndarray:
                 raise InvalidLengthsError(f"{name}[{i}] = {describe(value)} is not an integer")
         try:
             arr = arr.astype(np.int64)
-        except OverflowError as exc:
-            raise InvalidLengthsError(f"{name} holds a value that does not fit in int64") from exc
+        except OverflowError:
+            # Python ints beyond int64: name the first one (a loop on the error path only)
+            i, value = next((i, v) for i, v in enumerate(arr) if not -(2**63) <= v <= INT64_MAX)
+            raise InvalidLengthsError(f"{name}[{i}] = {value} does not fit in int64") from None
     elif kind == "u":
         if arr.dtype.itemsize >= 8 and (arr > np.iinfo(np.int64).max).any():
             i = int(np.argmax(arr > np.iinfo(np.int64).max))
@@ -77,15 +90,39 @@ def as_lengths(lengths: Any, name: str = "lengths") -> np.ndarray:
         raise InvalidLengthsError(
             f"{name} must hold integers, got dtype {arr.dtype} (first value {describe(arr.flat[0])})"
         )
-    if arr.min() >= 1:  # the common case, without a boolean temporary
-        return arr
-    small = arr < 1
-    if small.any():
+    if arr.min() < 1:
+        small = arr < 1
         i = int(np.argmax(small))
         raise InvalidLengthsError(
             f"{name}[{i}] = {arr[i]}, but every length must be >= 1 ({int(small.sum())} of {arr.size} values are < 1)"
         )
+    # Every count derived from the lengths (placed, truncated, dropped tokens; offsets of token buffers) is an
+    # int64 sum somewhere; refusing a total past int64 here is what makes all of them exact, downstream too.
+    # Only when max * n passes int64 can the total do so: then add it up exactly.
+    if int(arr.max()) * arr.shape[0] > INT64_MAX and (total := exact_sum(arr)) > INT64_MAX:
+        raise InvalidLengthsError(
+            f"{name} add up to {total} tokens, more than an int64 count can hold ({INT64_MAX}); "
+            f"lengths are token counts of sequences that exist (the largest here is {int(arr.max())})"
+        )
     return arr
+
+
+def exact_sum(values: np.ndarray) -> int:
+    """The sum of ``values: (n,) int64``, all ``>= 0``, as an exact Python int (numpy's int64 sum wraps).
+
+    >>> exact_sum(np.array([2**62] * 3))
+    13835058055282163712
+    """
+    if values.shape[0] == 0:
+        return 0
+    if int(values.max()) * values.shape[0] <= INT64_MAX:  # the common case: one int64 sum cannot wrap
+        return int(values.sum())
+    # Split every value into 32-bit halves: a chunk of 2**30 halves sums below 2**62, so no partial sum wraps.
+    total = 0
+    for chunk in range(0, values.shape[0], 2**30):  # one iteration below a billion values
+        part = values[chunk : chunk + 2**30]
+        total += (int((part >> 32).sum()) << 32) + int((part & 0xFFFFFFFF).sum())
+    return total
 
 
 def as_capacity(value: Any, name: str = "capacity") -> int:
@@ -121,6 +158,21 @@ def as_int(value: Any, name: str, *, minimum: int | None = None, allow_none: boo
 def as_positive_int(value: Any, name: str, *, allow_none: bool = False) -> int | None:
     """``value`` as a Python int >= 1 (or None when allowed), else :class:`InvalidArgumentError`."""
     return as_int(value, name, minimum=1, allow_none=allow_none)
+
+
+def as_fraction(value: Any, name: str) -> float:
+    """``value`` as a float in ``[0, 1]`` (a Python or numpy real number, not a bool), else
+    :class:`InvalidArgumentError`.
+
+    >>> as_fraction(np.float32(0.5), "hold_fill")
+    0.5
+    """
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer, np.floating)):
+        raise InvalidArgumentError(f"{name} must be a number in [0, 1], got {describe(value)}")
+    number = float(value)
+    if not 0.0 <= number <= 1.0:  # nan fails both comparisons
+        raise InvalidArgumentError(f"{name} must be a number in [0, 1], got {describe(value)}")
+    return number
 
 
 def as_seed(seed: Any, name: str = "seed") -> int | None:
@@ -176,6 +228,11 @@ def apply_overlong(lengths: np.ndarray, capacity: int, policy: str) -> Pieces:
     """
     policy = as_choice(policy, "overlong", OVERLONG_POLICIES)
     n = lengths.shape[0]
+    if n > MAX_PIECES:
+        raise InvalidLengthsError(
+            f"lengths has {n} sequences, more than the {MAX_PIECES} pieces one call can place (the packing "
+            f"kernels index pieces with int32); pack the data in parts or stream it with StreamPacker"
+        )
     empty = np.zeros(0, np.int64)
     if n == 0 or lengths.max() <= capacity:  # the common case: one pass, no temporaries
         return Pieces(None, None, lengths, empty, 0)
@@ -196,6 +253,15 @@ def apply_overlong(lengths: np.ndarray, capacity: int, policy: str) -> Pieces:
         return Pieces(kept, None, lengths[kept], np.flatnonzero(over), 0)
     # split: ceil(L / C) pieces per sequence, all full but the last
     counts = -(-lengths // capacity)
+    num_pieces = int(counts.sum())  # counts <= lengths, whose total as_lengths keeps within int64
+    if num_pieces > MAX_PIECES:
+        i = int(np.argmax(counts))
+        raise InvalidLengthsError(
+            f"overlong='split' would cut lengths into {num_pieces} pieces of at most capacity={capacity} tokens "
+            f"(lengths[{i}] = {lengths[i]} alone into {counts[i]}), more than the {MAX_PIECES} pieces one call "
+            f"can place (the packing kernels index pieces with int32); raise capacity or pass "
+            f"overlong='truncate' or 'drop'"
+        )
     seq = np.repeat(np.arange(n, dtype=np.int64), counts)
     first = np.cumsum(counts) - counts
     rank = np.arange(seq.shape[0], dtype=np.int64) - np.repeat(first, counts)
