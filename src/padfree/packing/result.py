@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import MISSING, dataclass, field, fields
 from functools import cached_property
 from typing import Any
 
 import numpy as np
 
-from padfree.errors import InvalidArgumentError, describe
+from padfree.errors import InvalidArgumentError, InvalidLengthsError, PadfreeError, describe
+from padfree.packing.inputs import INT64_MAX, as_capacity, as_int, as_seed, exact_sum
 
 __all__ = ["PackResult", "as_pack_result"]
 
@@ -33,6 +34,25 @@ class PackResult:
         truncated_tokens: tokens cut off by ``overlong="truncate"``; ``num_truncated``: sequences that lost some.
         strategy: the strategy that made the plan; ``seed``: its seed, if it used one.
 
+    A plan made by hand is checked when it is built, so that whatever reads it may index without checks; each
+    rule broken raises an :class:`~padfree.InvalidArgumentError` (:class:`~padfree.InvalidLengthsError` for
+    ``lengths``) naming the field, the value and the rule:
+
+    - the arrays are 1-D and of any integer dtype (stored as int64); floats, booleans and objects are refused;
+    - ``capacity`` is an integer in ``[1, 2**26]``, as for :func:`~padfree.pack_sequences`; ``lengths`` are
+      ``>= 0`` and add up to at most ``2**63 - 1`` tokens, so that every total is an exact int64 sum;
+    - ``order`` holds sequence ids ``0 <= id < num_sequences``, none of them in ``dropped`` (itself distinct ids);
+    - ``bin_offsets`` starts at 0, never decreases and ends at ``len(order)`` (an empty bin is allowed);
+    - every piece holds at least one token and lies inside its sequence: ``piece_starts >= 0``,
+      ``piece_lengths >= 1`` and ``start + length <= lengths[order]``. ``piece_starts`` needs ``piece_lengths``;
+      without ``piece_lengths`` every piece is its whole sequence;
+    - a sequence is placed once, or as pieces that do not overlap; no bin holds more than ``capacity`` tokens;
+    - ``truncated_tokens``, ``num_truncated`` are integers ``>= 0``, and placed + truncated + dropped tokens do
+      not exceed the input's.
+
+    A plan need not place every sequence (:meth:`take_bins` keeps some bins). The arrays are not copied: do not
+    write into them afterwards.
+
     >>> from padfree import pack_sequences
     >>> r = pack_sequences([5, 3, 4, 2, 6], capacity=8)
     >>> r.bins
@@ -54,6 +74,23 @@ class PackResult:
     num_truncated: int = 0
     strategy: str = "obfd"
     seed: int | None = None
+
+    def __post_init__(self) -> None:
+        _check(self)
+
+    @classmethod
+    def _trusted(cls, **values: Any) -> PackResult:
+        """A plan built without the checks of ``__post_init__``, for plans that padfree computes valid by
+        construction (the strategies' and :meth:`take_bins`'): the checks would cost ~40% of an ``obfd`` pack
+        (~200% of a split one, whose overlap check sorts). The property tests rebuild such plans through the
+        checks, so a strategy that broke a rule would still be caught."""
+        plan = object.__new__(cls)
+        for f in fields(cls):
+            default = f.default_factory() if f.default_factory is not MISSING else f.default  # type: ignore[misc]
+            object.__setattr__(plan, f.name, values.pop(f.name, default))
+        if values:
+            raise TypeError(f"PackResult has no field {next(iter(values))!r}")  # a bug of padfree, not of input
+        return plan
 
     # ---- sizes -----------------------------------------------------------------------------------
 
@@ -110,23 +147,31 @@ class PackResult:
         return self.order[self.bin_offsets[b] : self.bin_offsets[b + 1]]
 
     def take_bins(self, bins: np.ndarray) -> PackResult:
-        """The plan made of ``bins`` (``(k,)`` bin indices), in that order: one gather, pieces carried along.
+        """The plan made of ``bins`` (``(k,)`` bin indices, negative ones counting from the end), in that order: one
+        gather, pieces carried along.
+
+        A bin listed twice is taken twice: that is a schedule repeating rows (as ``balance_bins(...,
+        remainder="repeat")`` makes), whose pieces are placed twice and counted twice in its totals — the one
+        plan the constructor would refuse, built here on purpose. Every other rule of a plan still holds.
 
         >>> from padfree import pack_sequences
         >>> r = pack_sequences([5, 3, 4, 2, 6], capacity=8)
         >>> r.take_bins(np.array([2, 0])).bins
         [[2], [4, 3]]
         """
-        bins = np.asarray(bins, dtype=np.int64)
+        bins = _bin_ids(bins, self.num_bins)
         starts = self.bin_offsets[bins]
         sizes = self.bin_offsets[bins + 1] - starts
         offsets = np.zeros(bins.size + 1, np.int64)
         np.cumsum(sizes, out=offsets[1:])
         src = np.repeat(starts - offsets[:-1], sizes) + np.arange(int(offsets[-1]), dtype=np.int64)
-        return replace(
-            self, order=self.order[src], bin_offsets=offsets,
+        # bins of a valid plan make a valid plan (but for the repeats asked for): nothing to check again
+        return PackResult._trusted(
+            lengths=self.lengths, capacity=self.capacity, order=self.order[src], bin_offsets=offsets,
             piece_starts=None if self.piece_starts is None else self.piece_starts[src],
             piece_lengths=None if self.piece_lengths is None else self.piece_lengths[src],
+            dropped=self.dropped, truncated_tokens=self.truncated_tokens, num_truncated=self.num_truncated,
+            strategy=self.strategy, seed=self.seed,
         )
 
     # ---- totals and quality ------------------------------------------------------------------------
@@ -225,3 +270,199 @@ def as_pack_result(value: Any, name: str = "result") -> PackResult:
             f"{name} must be a PackResult from pack_sequences / Packer.pack, got {describe(value)}"
         )
     return value
+
+
+# --------------------------------------------------------------------------------------------------
+# The checks of a plan: O(num_sequences + num_pieces) numpy passes, a sort only for split sequences
+# --------------------------------------------------------------------------------------------------
+
+
+def _ints(value: Any, name: str, error: type[PadfreeError] = InvalidArgumentError) -> np.ndarray:
+    """``value`` as a 1-D int64 array: any integer dtype passes; floats, booleans and objects are refused."""
+    accepted = f"{name} must be a 1-D array of integers"
+    try:
+        arr = np.asarray(value)
+    except (TypeError, ValueError, RuntimeError) as exc:
+        raise error(f"{accepted}, got {describe(value)}, which could not be read as one ({exc})") from None
+    if arr.ndim != 1:
+        shape = f" of shape {arr.shape}" if arr.ndim else ""
+        raise error(f"{accepted}, got {describe(value)}{shape}")
+    if arr.size == 0:
+        return np.zeros(0, np.int64)  # [] reads as float64: an empty list is still an empty list of ids
+    if arr.dtype.kind not in "iu":
+        raise error(f"{accepted} (any integer dtype), got dtype {arr.dtype} (first value {describe(arr[0])})")
+    if arr.dtype == np.uint64 and int(arr.max()) > INT64_MAX:
+        i = int(np.argmax(arr > INT64_MAX))
+        raise error(f"{name}[{i}] = {arr[i]} does not fit in int64")
+    return arr.astype(np.int64, copy=False)
+
+
+def _first(bad: np.ndarray) -> int:
+    return int(np.argmax(bad))
+
+
+def _check(plan: PackResult) -> None:
+    """Validate and normalise the fields of ``plan`` in place (the dataclass is frozen: fields are set through
+    ``object.__setattr__``); the per-piece lengths and the bin fills it computes are kept as the caches."""
+    store = object.__setattr__
+    store(plan, "capacity", as_capacity(plan.capacity, "PackResult.capacity"))
+    capacity = plan.capacity
+    if not isinstance(plan.strategy, str):
+        raise InvalidArgumentError(
+            f"PackResult.strategy must be a string (the name of what made the plan), got {describe(plan.strategy)}"
+        )
+    store(plan, "seed", as_seed(plan.seed, "PackResult.seed"))
+
+    lengths = _ints(plan.lengths, "PackResult.lengths", InvalidLengthsError)
+    n = lengths.shape[0]
+    if n and lengths.min() < 0:
+        i = _first(lengths < 0)
+        raise InvalidLengthsError(f"PackResult.lengths[{i}] = {lengths[i]}, but lengths are token counts (>= 0)")
+    input_tokens = exact_sum(lengths)
+    if input_tokens > INT64_MAX:
+        raise InvalidLengthsError(
+            f"PackResult.lengths add up to {input_tokens} tokens, more than an int64 count can hold ({INT64_MAX})"
+        )
+    ids = f"lengths has {n} sequences" + (f" (ids 0..{n - 1})" if n else "")
+
+    order = _ints(plan.order, "PackResult.order")
+    m = order.shape[0]
+    if m and (order.min() < 0 or order.max() >= n):
+        i = _first((order < 0) | (order >= n))
+        raise InvalidArgumentError(f"PackResult.order[{i}] = {order[i]} is not a sequence id: {ids}")
+
+    offsets = _ints(plan.bin_offsets, "PackResult.bin_offsets")
+    if offsets.shape[0] == 0 or offsets[0] != 0 or offsets[-1] != m:
+        raise InvalidArgumentError(
+            f"PackResult.bin_offsets must start at 0 and end at len(order) = {m} (the bins' CSR offsets into "
+            f"order), got {describe(offsets)}"
+        )
+    steps = np.diff(offsets)
+    if steps.size and steps.min() < 0:
+        b = _first(steps < 0)
+        raise InvalidArgumentError(
+            f"PackResult.bin_offsets must not decrease, but bin_offsets[{b + 1}] = {offsets[b + 1]} < "
+            f"bin_offsets[{b}] = {offsets[b]}"
+        )
+
+    dropped = _ints(plan.dropped, "PackResult.dropped")
+    if dropped.size:
+        if dropped.min() < 0 or dropped.max() >= n:
+            i = _first((dropped < 0) | (dropped >= n))
+            raise InvalidArgumentError(f"PackResult.dropped[{i}] = {dropped[i]} is not a sequence id: {ids}")
+        is_dropped = np.zeros(n, bool)
+        is_dropped[dropped] = True
+        if np.count_nonzero(is_dropped) < dropped.size:
+            twice = np.sort(dropped)
+            s = twice[_first(np.diff(twice) == 0)]
+            raise InvalidArgumentError(f"PackResult.dropped lists sequence {s} twice; dropped ids are distinct")
+        if m and is_dropped[order].any():
+            i = _first(is_dropped[order])
+            raise InvalidArgumentError(
+                f"PackResult.order[{i}] = {order[i]} places a sequence that PackResult.dropped lists as dropped"
+            )
+
+    pieces = plan.piece_lengths
+    starts = None if plan.piece_starts is None else _ints(plan.piece_starts, "PackResult.piece_starts")
+    if starts is not None and pieces is None:
+        raise InvalidArgumentError(
+            "PackResult.piece_starts needs piece_lengths: a piece that starts inside its sequence must say how "
+            "many tokens it takes (pass both, or piece_lengths alone when every piece starts at token 0)"
+        )
+    whole = lengths[order]
+    if pieces is None:
+        if m and whole.min() < 1:
+            i = _first(whole < 1)
+            raise InvalidArgumentError(
+                f"PackResult.order[{i}] = {order[i]} places a sequence of 0 tokens; a placed piece holds >= 1 token"
+            )
+        placed = whole
+    else:
+        placed = _ints(pieces, "PackResult.piece_lengths")
+        for name, arr in (("piece_lengths", placed), ("piece_starts", starts)):
+            if arr is not None and arr.shape[0] != m:
+                raise InvalidArgumentError(
+                    f"PackResult.{name} must have one entry per piece of order ({m}), got {arr.shape[0]}"
+                )
+        if m and placed.min() < 1:
+            i = _first(placed < 1)
+            raise InvalidArgumentError(
+                f"PackResult.piece_lengths[{i}] = {placed[i]}, but a placed piece holds >= 1 token"
+            )
+        room = whole
+        if starts is not None:
+            if m and starts.min() < 0:
+                i = _first(starts < 0)
+                raise InvalidArgumentError(
+                    f"PackResult.piece_starts[{i}] = {starts[i]}, but a piece starts at a token of its sequence (>= 0)"
+                )
+            room = whole - starts  # both in [0, 2**63): no wrap
+        if (placed > room).any():
+            i = _first(placed > room)
+            first = 0 if starts is None else int(starts[i])
+            raise InvalidArgumentError(
+                f"PackResult piece {i} takes tokens [{first}, {first + int(placed[i])}) of sequence "
+                f"order[{i}] = {order[i]}, which has lengths[{order[i]}] = {whole[i]}: a piece lies inside its sequence"
+            )
+        store(plan, "piece_lengths", placed)
+        store(plan, "piece_starts", starts)
+
+    if m:
+        count = np.bincount(order, minlength=n)
+        if count.max() > 1:
+            if starts is None:  # every piece starts at token 0: two pieces of one sequence overlap
+                s = _first(count > 1)
+                i, j = np.flatnonzero(order == s)[:2].tolist()
+                raise InvalidArgumentError(
+                    f"PackResult.order places sequence {s} twice (order[{i}] and order[{j}]); a sequence is placed "
+                    f"once, or as pieces that do not overlap (piece_starts / piece_lengths)"
+                )
+            # pieces of the sequences placed more than once, by (sequence, start): neighbours must not overlap
+            split = np.flatnonzero(count[order] > 1)
+            split = split[np.lexsort((starts[split], order[split]))]
+            a, b = split[:-1], split[1:]
+            clash = (order[a] == order[b]) & (starts[a] + placed[a] > starts[b])
+            if clash.any():
+                k = _first(clash)
+                i, j = int(a[k]), int(b[k])
+                raise InvalidArgumentError(
+                    f"PackResult pieces {i} and {j} of sequence {order[i]} overlap: tokens "
+                    f"[{starts[i]}, {starts[i] + placed[i]}) and [{starts[j]}, {starts[j] + placed[j]}); the pieces "
+                    f"of a sequence are disjoint"
+                )
+
+    # pieces are disjoint spans of sequences whose total fits in int64: these sums cannot wrap
+    ends = np.zeros(m + 1, np.int64)
+    np.cumsum(placed, out=ends[1:])
+    fill = ends[offsets[1:]] - ends[offsets[:-1]]
+    if fill.size and fill.max() > capacity:
+        b = _first(fill > capacity)
+        raise InvalidArgumentError(f"PackResult bin {b} holds {fill[b]} tokens, more than capacity={capacity}")
+
+    truncated = as_int(plan.truncated_tokens, "PackResult.truncated_tokens", minimum=0)
+    num_truncated = as_int(plan.num_truncated, "PackResult.num_truncated", minimum=0)
+    if num_truncated > n:  # type: ignore[operator]
+        raise InvalidArgumentError(f"PackResult.num_truncated = {num_truncated} is more than the {n} sequences")
+    accounted = int(ends[-1]) + truncated + exact_sum(lengths[dropped])  # type: ignore[operator]
+    if accounted > input_tokens:
+        raise InvalidArgumentError(
+            f"PackResult accounts for {accounted} tokens (placed + truncated_tokens + dropped) but lengths hold "
+            f"{input_tokens}: truncated_tokens = {truncated} is too large"
+        )
+    for name, value in (("lengths", lengths), ("order", order), ("bin_offsets", offsets), ("dropped", dropped),
+                        ("truncated_tokens", truncated), ("num_truncated", num_truncated)):
+        store(plan, name, value)
+    plan.__dict__["placed_lengths"] = placed  # the cached properties, already computed
+    plan.__dict__["bin_fill"] = fill
+
+
+def _bin_ids(bins: Any, num_bins: int) -> np.ndarray:
+    """``bins`` as bin indices in ``[0, num_bins)`` (negative ones count from the end), or an error."""
+    bins = _ints(bins, "bins")
+    if bins.size and (bins.min() < -num_bins or bins.max() >= num_bins):
+        i = _first((bins < -num_bins) | (bins >= num_bins))
+        raise InvalidArgumentError(
+            f"bins[{i}] = {bins[i]} is not a bin of this plan, which has {num_bins} bins (indices "
+            f"{-num_bins}..{num_bins - 1})"
+        )
+    return bins % max(num_bins, 1)

@@ -147,7 +147,8 @@ def place(
 
     The engine's inner step, shared by :class:`Packer` and the streaming packer; no validation happens here.
     """
-    limit = lengths.shape[0] + 1 if max_items is None else max_items
+    # n + 1 means "no limit" to the kernels; a larger limit (any Python int) would not even fit their int64
+    limit = lengths.shape[0] + 1 if max_items is None else min(max_items, lengths.shape[0] + 1)
     proc, bin_of, num_bins = STRATEGIES[strategy].fn(lengths, capacity, limit, rng)
     return kernels.group_by_bin(proc, bin_of, num_bins)
 
@@ -223,14 +224,19 @@ class Packer:
     def pack(self, lengths: Any, *, seed: int | None = None) -> PackResult:
         """Pack ``lengths``; ``seed`` (if given) overrides the packer's seed for this call."""
         seed = self.seed if seed is None else as_seed(seed)
+        given = lengths
         lengths = as_lengths(lengths)
+        if lengths is given or not lengths.flags.owndata:
+            # the plan keeps its own lengths: a caller that refills its buffer must not rewrite a plan it holds
+            lengths = lengths.copy()
         pieces = apply_overlong(lengths, self.capacity, self.overlong)
         spec = STRATEGIES[self.strategy]
         rng = np.random.default_rng(seed) if spec.randomized else None
         piece_order, offsets = place(pieces.length, self.capacity, self.strategy, self.max_sequences_per_bin, rng)
         split = pieces.start is not None
         shortened = split or pieces.num_truncated > 0
-        return PackResult(
+        # valid by construction, so the checks of PackResult(...) are skipped (see PackResult._trusted)
+        return PackResult._trusted(
             lengths=lengths,
             capacity=self.capacity,
             order=piece_order if pieces.seq is None else pieces.seq[piece_order],
