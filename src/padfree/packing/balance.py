@@ -20,8 +20,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from padfree.packing.inputs import as_choice, as_positive_int, as_seed
-from padfree.packing.result import PackResult
+from padfree.errors import InvalidArgumentError
+from padfree.packing.inputs import MAX_PIECES, as_choice, as_positive_int, as_seed
+from padfree.packing.result import PackResult, as_pack_result
 
 __all__ = ["BalancedSteps", "balance_bins"]
 
@@ -151,14 +152,21 @@ def balance_bins(
     >>> balance_bins(samples, 2, micro_batch_size=2, seed=None, group_by="random").steps.tolist()
     [[[0, 1], [2, 3]], [[7, 5], [6, 4]]]
     """
+    result = as_pack_result(result)
     num_ranks = as_positive_int(num_ranks, "num_ranks")
     micro_batch_size = as_positive_int(micro_batch_size, "micro_batch_size")
     remainder = as_choice(remainder, "remainder", REMAINDER_POLICIES)
     seed = as_seed(seed)
     group_by = as_choice(group_by, "group_by", GROUPINGS)
+    per_step = num_ranks * micro_batch_size  # type: ignore[operator]
+    if per_step > MAX_PIECES:
+        # a step is allocated whole, repeats and all: no plan has this many bins (pieces are int32-indexed)
+        raise InvalidArgumentError(
+            f"num_ranks * micro_batch_size must be <= {MAX_PIECES} (the most bins a plan can have), got "
+            f"{num_ranks} * {micro_batch_size} = {per_step}"
+        )
     tokens, cost = bin_loads(result)
     num_bins = tokens.shape[0]
-    per_step = num_ranks * micro_batch_size  # type: ignore[operator]
     # cheapest first: (cost, tokens, bin id) — the id makes the ranking total, hence deterministic
     ranking = np.lexsort((np.arange(num_bins), tokens, cost))
     place = np.empty(num_bins, np.int64)

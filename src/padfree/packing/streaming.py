@@ -18,12 +18,14 @@ from typing import Any
 
 import numpy as np
 
-from padfree.errors import InvalidArgumentError
+from padfree.errors import InvalidArgumentError, describe
 from padfree.packing.inputs import (
+    MAX_PIECES,
     OVERLONG_POLICIES,
     apply_overlong,
     as_capacity,
     as_choice,
+    as_fraction,
     as_lengths,
     as_positive_int,
     as_seed,
@@ -97,13 +99,16 @@ class StreamPacker:
     ) -> None:
         self.capacity = as_capacity(capacity)
         self.buffer_size: int = as_positive_int(buffer_size, "buffer_size")  # type: ignore[assignment]
+        if self.buffer_size > MAX_PIECES:  # a round places the whole buffer at once
+            raise InvalidArgumentError(
+                f"buffer_size must be an integer >= 1 and <= {MAX_PIECES} (the pieces one round can place), "
+                f"got {self.buffer_size}"
+            )
         self.strategy = as_choice(strategy, "strategy", tuple(STRATEGIES))
         self.seed = as_seed(seed)
         self.overlong = as_choice(overlong, "overlong", OVERLONG_POLICIES)
         self.max_sequences_per_bin = as_positive_int(max_sequences_per_bin, "max_sequences_per_bin", allow_none=True)
-        if isinstance(hold_fill, bool) or not isinstance(hold_fill, (int, float)) or not 0.0 <= hold_fill <= 1.0:
-            raise InvalidArgumentError(f"hold_fill must be a number in [0, 1], got {hold_fill!r}")
-        self.hold_fill = float(hold_fill)
+        self.hold_fill = as_fraction(hold_fill, "hold_fill")
         self._rng = np.random.default_rng(self.seed) if STRATEGIES[self.strategy].randomized else None
         # the buffer, as parallel arrays of pieces (ids, starts, lengths, held-once flags) + payloads
         self._ids = np.zeros(0, np.int64)
@@ -136,7 +141,14 @@ class StreamPacker:
             items = None if items is None else [items]
         lengths = as_lengths(lengths)
         if items is not None:
-            items = list(items)
+            accepted = f"items must be a sequence of payloads (one per length) or None, got {describe(items)}"
+            # a string or a dict is iterable, but as a list of payloads it is almost surely a mistake
+            if isinstance(items, (str, bytes, dict)):
+                raise InvalidArgumentError(accepted)
+            try:
+                items = list(items)
+            except TypeError:
+                raise InvalidArgumentError(accepted) from None
             if len(items) != lengths.shape[0]:
                 raise InvalidArgumentError(f"items has {len(items)} entries but lengths has {lengths.shape[0]}")
         if (items is None) != (self._items is None) and self._seen:
