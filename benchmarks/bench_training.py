@@ -77,7 +77,7 @@ def data_dir() -> Path:
 def load_tokens(every: int) -> tuple[Any, str, dict[str, int]]:
     """Token ids of the instruct records and the embedded corpus (every ``every``-th of each), and a description."""
     from padfree import corpus
-    from padfree.rows import as_token_buffers
+    from padfree.samples import read_tokens
 
     records = []
     for path in sorted(data_dir().glob("*.json")):
@@ -94,7 +94,7 @@ def load_tokens(every: int) -> tuple[Any, str, dict[str, int]]:
             "tokens")
     lengths = np.array([len(x) for x in ids])
     counts = {"records": len(records), "documents": len(docs), "tokens": int(lengths.sum())}
-    return as_token_buffers(ids), what, counts
+    return read_tokens(ids), what, counts
 
 
 def build_model(kind: str, capacity: int, gpu: bool) -> Any:

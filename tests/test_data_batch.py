@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 
 from padfree import (
     InvalidArgumentError,
+    InvalidSampleError,
     InvalidTokensError,
     OverlongSequenceError,
     PadfreeError,
@@ -269,7 +270,7 @@ def test_padding_free_collator_matches_data_collator_with_flattening():
         assert inputs["max_length_q"] == hf["max_length_q"] and inputs["max_length_k"] == hf["max_length_k"]
         assert torch.equal(ours.cu_seqlens, hf["cu_seq_lens_q"])
     # an empty sample is a fault of the data (transformers < 5.24 misaligned every later label on it): refused
-    with pytest.raises(InvalidTokensError, match=r"samples\[1\]\['input_ids'\] is empty"):
+    with pytest.raises(InvalidTokensError, match=r"samples\[1\]\['input_ids'\] has no tokens"):
         PaddingFreeCollator()([{"input_ids": [1, 2]}, {"input_ids": []}, {"input_ids": [3, 4]}])
 
 
@@ -391,8 +392,8 @@ def test_tiny_llama_packed_forward_is_exact(attn):
 @pytest.mark.parametrize(
     ("samples", "error", "match"),
     [
-        ([{"input_ids": [1, 2]}, {"ids": [3]}], InvalidTokensError,
-         r"samples\[1\] has no 'input_ids' \(keys: \['ids'\]"),
+        ([{"input_ids": [1, 2]}, {"ids": [3]}], InvalidSampleError,
+         r"samples\[1\] is a dict without 'input_ids' \(keys: \['ids'\]"),
         ([{"input_ids": [1, 2]}, {"input_ids": [3, 4.5]}], InvalidTokensError,
          r"samples\[1\]\['input_ids'\]\[1\] = 4.5 \(type float\) is not an integer token id"),
         ([[1, 2], ["a", 3]], InvalidTokensError, r"samples\[1\]\[0\] = 'a' \(type str\) is not an integer"),
@@ -400,26 +401,29 @@ def test_tiny_llama_packed_forward_is_exact(attn):
         ([{"input_ids": torch.tensor([1.0, 2.0])}], InvalidTokensError,
          r"samples\[0\]\['input_ids'\] must hold integer token ids, got dtype float32 \(first value 1.0"),
         ([[1, 2], np.array([True, False])], InvalidTokensError,
-         r"samples\[1\] must hold integer token ids, got dtype bool"),
+         r"samples\[1\] holds booleans .*not integer token ids"),
         ([[1, 2], (3, None)], InvalidTokensError, r"samples\[1\]\[1\] = None \(type NoneType\) is not an integer"),
         ([[[1, 2]]], InvalidTokensError, r"samples\[0\]\[0\] = \[1, 2\] \(type list\) is not an integer token id"),
-        ([[1, 2**64]], InvalidTokensError, r"samples\[0\]\[1\] = 18446744073709551616 does not fit in int64"),
+        ([[1, 2**64]], InvalidTokensError, r"samples\[0\]\[1\] = 18446744073709551616 does not fit int64"),
         ([np.array([2**63], np.uint64)], InvalidTokensError, r"samples\[0\]\[0\] = 9223372036854775808 does not fit"),
         ([{"input_ids": [1], "labels": [0.5]}], InvalidTokensError, r"samples\[0\]\['labels'\]\[0\] = 0.5"),
-        ([{"input_ids": [1, 2]}, {"input_ids": []}], InvalidTokensError, r"samples\[1\]\['input_ids'\] is empty"),
-        ([[1, 2], torch.zeros(0, dtype=torch.long)], InvalidTokensError, r"samples\[1\] is empty"),
+        ([{"input_ids": [1, 2]}, {"input_ids": []}], InvalidTokensError, r"samples\[1\]\['input_ids'\] has no tokens"),
+        ([[1, 2], torch.zeros(0, dtype=torch.long)], InvalidSampleError, r"samples\[1\] has no tokens"),
         ([{"input_ids": [1, 2], "labels": [1, 2]}, {"input_ids": [3, 4], "labels": [4]}], InvalidTokensError,
          r"samples\[1\]\['labels'\] has 1 entries but its input_ids has 2 tokens"),
         ([{"input_ids": [1, 2], "labels": [1, 2]}, {"input_ids": [3]}], InvalidTokensError,
          r"samples\[0\] has 'labels' but samples\[1\] has none"),
-        ([{"input_ids": [1, 2]}, [3]], InvalidTokensError, r"samples\[1\] is \[3\] .*but samples\[0\] is a dict"),
-        ([[1, 2], {"input_ids": [3]}], InvalidTokensError, r"samples\[1\] is a dict"),
+        ([{"input_ids": [1, 2]}, [3]], InvalidSampleError,
+         r"samples\[1\] is \[3\] .*but samples\[0\] is \{'input_ids'"),
+        ([[1, 2], {"input_ids": [3]}], InvalidSampleError,
+         r"samples\[1\] is \{'input_ids': \[3\]\} .* but samples\[0\] is \[1, 2\]"),
         ([[1, -2]], InvalidTokensError, r"samples\[0\]\[1\] = -2 is negative"),
         ([{"input_ids": torch.tensor([[1, 2]])}], InvalidTokensError,
-         r"must be 1-D \(one sequence\), got shape \(1, 2\)"),
-        ([[1, 2], "hello"], InvalidTokensError, r"samples\[1\] must be a sequence of integer token ids, got 'hello'"),
-        ([], InvalidTokensError, "empty list of samples"),
-        ({"input_ids": [[1, 2]]}, InvalidTokensError, "takes a list of samples"),
+         r"must be 1-D \(one sequence of token ids\), got shape \(1, 2\)"),
+        ([[1, 2], "hello"], InvalidSampleError, r"samples\[1\] is text \('hello'.*tokenize it first"),
+        ([], InvalidSampleError, "samples is empty; a batch needs at least one sample"),
+        ({"input_ids": [[1, 2]]}, InvalidSampleError, "samples must be a list of samples"),
+        ([[1, 2], torch.tensor([3, -4])], InvalidTokensError, r"samples\[1\]\[1\] = -4 is negative"),
     ],
 )
 def test_bad_samples_name_the_culprit(samples, error, match):

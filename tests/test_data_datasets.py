@@ -12,6 +12,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 datasets = pytest.importorskip("datasets")
+pa = pytest.importorskip("pyarrow")
 
 from torch.utils.data import DataLoader  # noqa: E402
 
@@ -340,10 +341,10 @@ def test_bad_options(cls, kwargs, match):
 
 BAD_SAMPLES = [
     ([[1, 2], 5], InvalidSampleError, r"{s1} = 5 \(type int\) is not a sequence of token ids"),
-    ([[1, 2], [3, "a"]], InvalidSampleError, r"{s1}\[1\] = 'a' \(type str\) is not an integer"),
-    ([[1, 2], [3, 2.5]], InvalidSampleError, r"{s1}\[1\] = 2.5 \(type float\) is not an integer"),
+    ([[1, 2], [3, "a"]], InvalidTokensError, r"{s1}\[1\] = 'a' \(type str\) is not an integer"),
+    ([[1, 2], [3, 2.5]], InvalidTokensError, r"{s1}\[1\] = 2.5 \(type float\) is not an integer"),
     ([[1, 2], "hello"], InvalidSampleError, r"{s1} is text"),
-    ([[1, 2], [3, -4]], InvalidSampleError, r"{s1}\[1\] = -4 is negative"),
+    ([[1, 2], [3, -4]], InvalidTokensError, r"{s1}\[1\] = -4 is negative"),
     ([[1, 2], {"text": "hi"}], InvalidSampleError, r"{s1} is a dict without 'input_ids' \(keys: \['text'\]\)"),
     ([[1, 2], []], InvalidSampleError, r"{s1} has no tokens \(1 of 2 samples are empty\)"),
     ([[1, 2], {"input_ids": [3, 4, 5], "labels": [3, 4]}], InvalidSampleError,
@@ -372,8 +373,14 @@ def test_bad_hf_datasets():
         PackingDataset(datasets.Dataset.from_dict({"input_ids": [[1], []]}), max_length=8)
     with pytest.raises(InvalidSampleError, match=r"dataset\[0\]\['labels'\] has 1 entries but .* has 2 tokens"):
         PackingDataset(datasets.Dataset.from_dict({"input_ids": [[1, 2]], "labels": [[1]]}), max_length=8)
-    with pytest.raises(InvalidSampleError, match="column 'input_ids' of the dataset has Arrow type string"):
+    with pytest.raises(InvalidSampleError, match="column 'input_ids' must hold one list of integer token ids per row"):
         PackingDataset(datasets.Dataset.from_dict({"input_ids": ["ab"]}), max_length=8)
+    # token values are checked in Arrow too: a negative id, or a uint64 id that int64 cannot hold, is never packed
+    with pytest.raises(InvalidTokensError, match=r"row 1 \(in table order\)\['input_ids'\]\[1\] = -2 is negative"):
+        PackingDataset(datasets.Dataset.from_dict({"input_ids": [[1], [1, -2]]}), max_length=8)
+    big = pa.table({"input_ids": pa.array([[1, 2**63]], pa.list_(pa.uint64()))})
+    with pytest.raises(InvalidTokensError, match=r"row 0 .*\]\[1\] = 9223372036854775808 does not fit int64"):
+        PackingDataset(datasets.Dataset(big), max_length=8)
     stream = IterablePackingDataset(datasets.Dataset.from_dict({"text": ["a"]}), max_length=8)
     with pytest.raises(InvalidSampleError, match=r"the samples have no 'input_ids' column \(columns: \['text'\]\)"):
         list(stream)

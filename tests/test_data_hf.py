@@ -410,10 +410,10 @@ def test_plan_and_tokens_must_agree():
 
 
 def test_empty_sequences_are_refused_not_dropped():
-    with pytest.raises(InvalidTokensError, match=r"data\[1\] has no tokens.*\(2 of 3 rows are empty\)"):
+    with pytest.raises(InvalidTokensError, match=r"data\[1\] has no tokens.*\(2 of 3 samples are empty\)"):
         pack_dataset([[1], [], []], 4)
     ds = datasets.Dataset.from_dict({"input_ids": [[1, 2], [3], []]})
-    with pytest.raises(InvalidTokensError, match=r"input_ids\[2\] has no tokens.*dataset.filter"):
+    with pytest.raises(InvalidTokensError, match=r"input_ids\[2\] has no tokens.*filter the empty ones out"):
         pack_dataset(ds, 4)
     nulls = pa.table({"input_ids": pa.array([[1, 2], None], pa.list_(pa.int32()))})
     with pytest.raises(InvalidTokensError, match=r"input_ids\[1\] is null"):
@@ -444,8 +444,21 @@ def test_token_ids_must_be_integers():
     text = datasets.Dataset.from_dict({"input_ids": ["hello"]})
     with pytest.raises(InvalidTokensError, match=r"input_ids must hold one list of integer token ids per row"):
         pack_dataset(text, 4)
-    with pytest.raises(InvalidTokensError, match="data must be a sequence of integer lists"):
+    with pytest.raises(InvalidTokensError, match="data must be a sequence of token-id sequences, got 42"):
         pack_dataset(42, 4)
+    # values a list or an Arrow column can hold but a token id cannot: refused, never packed as they are or wrapped
+    with pytest.raises(InvalidTokensError, match=r"data\[1\]\[1\] = -5 is negative"):
+        pack_dataset([[1, 2], [3, -5]], 4)
+    negative = datasets.Dataset.from_dict({"input_ids": [[1, 2], [3, -5]]})
+    with pytest.raises(InvalidTokensError, match=r"input_ids\[1\]\[1\] = -5 is negative"):
+        pack_dataset(negative, 4)
+    huge = pa.table({"input_ids": pa.array([[1, 2**63 + 1]], pa.list_(pa.uint64()))})
+    with pytest.raises(InvalidTokensError, match=r"input_ids\[0\]\[1\] = 9223372036854775809 does not fit int64"):
+        pack_dataset(huge, 4)
+    with pytest.raises(InvalidTokensError, match=r"data\[0\]\[1\] = 9223372036854775809 does not fit int64"):
+        pack_dataset([np.array([1, 2**63 + 1], np.uint64)], 4)
+    with pytest.raises(InvalidArgumentError, match=r"label_padding_value must be an integer that fits int32"):
+        pack_dataset([[1, 2]], 4, label_padding_value=-100.5)
 
 
 def test_overlong_sequences():

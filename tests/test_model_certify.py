@@ -8,6 +8,7 @@ the table, exact: accepted), the same with an attention module that computes its
 from __future__ import annotations
 
 import logging
+import re
 import warnings
 
 import pytest
@@ -82,8 +83,9 @@ def test_a_registered_llama_subclass_is_certified_and_accepted(caplog):
     model = _model(CertLlamaForCausalLM, CertLlamaConfig)
     assert model.config.model_type not in registry.load()["types"]
     report = configure_packing(model)
-    assert report.supported and report.proof.startswith("certified on the spot (model type 'padfree_cert_llama' "
-                                                        "is not in the support table)")
+    # why the table does not cover it: the type is unknown to it, or (on another transformers) the whole table
+    assert report.supported and re.match(r"certified on the spot \((model type 'padfree_cert_llama' is not in the "
+                                         r"support table|the support table was proven on transformers )", report.proof)
     assert "packed vs per-sequence on padfree_sdpa/fp32" in report.proof and "guards hold" in report.proof
     assert "certifying it on the spot" in caplog.text and "certified on the spot" in caplog.text
     verdict = padfree.verify(model, [[5, 6, 7, 8, 9], [10, 11, 12], [13, 14, 15, 16]])  # and it is exact

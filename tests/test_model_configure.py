@@ -227,7 +227,10 @@ def test_packed_batch_with_a_cache_is_refused_under_every_name(model_type):
 
     def cache():  # the cache object the model itself builds
         with torch.no_grad():
-            return model(input_ids=ids[:, :2], use_cache=True).cache
+            out = model(input_ids=ids[:, :2], use_cache=True)
+            # the output names it after the forward's argument: `cache` from transformers 5.24, before it
+            # `past_key_values` (`cache_params` for the Mamba family)
+            return next(getattr(out, k) for k in ("cache", "past_key_values", "cache_params") if k in out)
 
     accepted = []
     for name in _cache_keywords(model):
@@ -239,7 +242,7 @@ def test_packed_batch_with_a_cache_is_refused_under_every_name(model_type):
         accepted.append(name)
     assert "cache" in accepted or "past_key_values" in accepted
     params = list(inspect.signature(model.forward).parameters)
-    index = params.index("cache" if "cache" in params else "past_key_values")
+    index = params.index(next(k for k in ("cache", "past_key_values", "cache_params") if k in params))
     configure_packing(model)
     for name in accepted:
         with pytest.raises(PackingDisabledError, match=r"\w+=\w*Cache \(a cache\)"):
@@ -404,6 +407,10 @@ def test_a_multimodal_model_packs_text_only_and_refuses_images_in_a_packed_batch
     pixels = torch.zeros(1, vision.num_channels, vision.image_size, vision.image_size)
     with pytest.raises(PackingDisabledError, match=r"non-text inputs \(pixel_values\)"):
         model(input_ids=ids, position_ids=pos, pixel_values=pixels, use_cache=False)
+    # the model folds its attention_mask into per-layer-type masks above the language model: a 0/1 mask next to
+    # restarting positions is refused there, as the language model's own hook refuses it
+    with pytest.raises(PackingDisabledError, match=r"0/1 attention_mask next to position_ids that restart"):
+        model(input_ids=ids, position_ids=pos, attention_mask=torch.ones_like(ids), use_cache=False)
     out = model(input_ids=ids, position_ids=pos, use_cache=False).logits
     alone = model(input_ids=ids[:, 3:], use_cache=False).logits
     assert (out[0, 3:] - alone[0]).abs().max() <= ATOL * max(1.0, float(alone.abs().max()))

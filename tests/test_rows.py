@@ -13,7 +13,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from padfree import InvalidArgumentError, InvalidTokensError, layout, pack_sequences
-from padfree.rows import as_token_buffers, packed_rows
+from padfree.rows import packed_rows
+from padfree.samples import read_tokens
 
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 
@@ -116,7 +117,7 @@ def test_arrow_and_csr_inputs_are_read_without_python_lists():
     seqs = [[1, 2, 3], [4], [5, 6]]
     arrow = pa.array(seqs, type=pa.list_(pa.int32()))
     sliced = arrow.slice(1)
-    buf = as_token_buffers(sliced)
+    buf = read_tokens(sliced)
     assert [buf.values[a:b].tolist() for a, b in zip(buf.offsets[:-1], buf.offsets[1:], strict=True)] == seqs[1:]
     plan = pack_sequences([3, 1, 2], 4)
     from_arrow = packed_rows(plan, pa.chunked_array([arrow]))
@@ -137,10 +138,10 @@ def test_any_integer_dtype_and_strided_buffers_give_the_same_rows(dtype):
     labels = [[t if t % 3 else -100 for t in s] for s in seqs]
     plan = pack_sequences([len(s) for s in seqs], 64, overlong="split")
     want = packed_rows(plan, seqs, labels=labels)
-    flat = as_token_buffers(seqs)
+    flat = read_tokens(seqs)
     strided = np.zeros(2 * flat.values.shape[0], dtype)[::2]  # every other element: not contiguous
     strided[:] = flat.values
-    label_flat = as_token_buffers(labels)
+    label_flat = read_tokens(labels, "labels", kind="labels")
     for values in (flat.values.astype(dtype), strided):
         got = packed_rows(plan, (values, flat.offsets), labels=(label_flat.values.astype(np.int32), label_flat.offsets))
         assert got.input_ids.dtype == dtype
@@ -193,7 +194,13 @@ def _tokenizer(model_file: Path):
         ([[1, 2], [3, 4]], [2, 1], {}, r"token_ids\[1\] has 2 tokens but the plan says lengths\[1\] = 1"),
         ([[1, 2.5], [3]], [2, 1], {}, r"token_ids\[0\]\[1\] = 2.5 \(type float\) is not an integer token id"),
         ([[1, "a"], [3]], [2, 1], {}, r"token_ids\[0\]\[1\] = 'a'"),
-        ([[1, 2], 3], [2, 1], {}, r"token_ids\[1\] must be a sequence of ints, got 3"),
+        ([[1, 2], 3], [2, 1], {}, r"token_ids\[1\] = 3 \(type int\) is not a sequence of token ids"),
+        ([[1, 2], [-3]], [2, 1], {}, r"token_ids\[1\]\[0\] = -3 is negative; token ids are integers >= 0"),
+        ([np.array([1, 2], np.uint64), np.array([2**63], np.uint64)], [2, 1], {},
+         r"token_ids\[1\]\[0\] = 9223372036854775808 does not fit int64"),
+        ((np.array([1, 2, 2**63], np.uint64), np.array([0, 2, 3])), [2, 1], {},
+         r"token_ids\[1\]\[0\] = 9223372036854775808 does not fit int64"),
+        ([[1, 2], [True]], [2, 1], {}, r"token_ids\[1\]\[0\] = True \(type bool\) is not an integer token id"),
         ("hello", [5], {}, "token_ids must be a sequence of token-id sequences"),
         ([[1, 2], [3]], [2, 1], {"labels": [[1, 2], [3, 4]]}, r"labels\[1\] has 2 entries but token_ids\[1\] has 1"),
     ],
@@ -201,6 +208,18 @@ def _tokenizer(model_file: Path):
 def test_bad_tokens(tokens, lengths, kwargs, match):
     with pytest.raises(InvalidTokensError, match=match):
         packed_rows(pack_sequences(lengths, 8), tokens, **kwargs)
+
+
+@pytest.mark.parametrize("value", [-100.5, "-100", None, True, 2**63])
+def test_label_padding_value_is_an_int64(value):
+    with pytest.raises(InvalidArgumentError, match=r"label_padding_value must be an integer that fits int64"):
+        packed_rows(pack_sequences([2, 1], 8), [[1, 2], [3]], label_padding_value=value)
+
+
+@pytest.mark.parametrize("plan", [[[0, 1]], {"order": [0, 1]}, None])
+def test_a_plan_must_be_a_pack_result(plan):
+    with pytest.raises(InvalidArgumentError, match=r"result must be a PackResult"):
+        packed_rows(plan, [[1, 2], [3]])
 
 
 def test_bad_padding_options():

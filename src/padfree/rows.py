@@ -20,7 +20,6 @@ Conventions (shared with :mod:`padfree.layout`):
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,102 +30,11 @@ from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
 from padfree.errors import InvalidArgumentError, InvalidTokensError, describe
-from padfree.packing.result import PackResult
+from padfree.layout import IGNORE_INDEX
+from padfree.packing.result import PackResult, as_pack_result
+from padfree.samples import as_fill_value, read_tokens
 
-__all__ = ["PackedRows", "TokenBuffers", "as_token_buffers", "fill_rows", "mask_labels", "packed_rows"]
-
-
-# --------------------------------------------------------------------------------------------------
-# Token sources
-# --------------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True, eq=False)
-class TokenBuffers:
-    """Sequences of tokens as one flat buffer: sequence ``i`` is ``values[offsets[i]:offsets[i + 1]]``.
-
-    ``values: (total,)`` integer token ids (or labels); ``offsets: (num_sequences + 1,) int64``. The offsets need not
-    start at 0 (a sliced Arrow array keeps its parent's values).
-    """
-
-    values: np.ndarray
-    offsets: np.ndarray
-
-    @property
-    def lengths(self) -> np.ndarray:
-        """``(num_sequences,) int64``."""
-        return np.diff(self.offsets)
-
-    def __len__(self) -> int:
-        return int(self.offsets.shape[0] - 1)
-
-
-def as_token_buffers(tokens: Any, name: str = "token_ids") -> TokenBuffers:
-    """Read sequences of token ids into a :class:`TokenBuffers`, without copying when the input is columnar.
-
-    Accepts a pyarrow ``ListArray`` / ``LargeListArray`` / ``ChunkedArray`` (zero-copy), a ``(values, offsets)``
-    pair, a :class:`TokenBuffers`, or a sequence of sequences of ints (lists, tuples, numpy arrays).
-
-    >>> buf = as_token_buffers([[5, 6, 7], [8, 9]])
-    >>> buf.values.tolist(), buf.offsets.tolist()
-    ([5, 6, 7, 8, 9], [0, 3, 5])
-    """
-    if isinstance(tokens, TokenBuffers):
-        return tokens
-    arrow = _from_arrow(tokens)
-    if arrow is not None:
-        values, offsets = arrow
-    elif isinstance(tokens, tuple) and len(tokens) == 2 and all(isinstance(t, np.ndarray) for t in tokens):
-        values, offsets = tokens
-    elif isinstance(tokens, (str, bytes)) or not isinstance(tokens, Sequence | np.ndarray):
-        raise InvalidTokensError(f"{name} must be a sequence of token-id sequences, got {describe(tokens)}")
-    else:
-        try:
-            # one array per sequence (a loop over sequences, never over tokens); numpy infers each dtype, so a
-            # float or a string among the ids is caught below instead of being silently converted
-            arrays = [np.asarray(seq) for seq in tokens]
-        except (TypeError, ValueError):
-            arrays = []
-        for i, arr in enumerate(arrays):
-            if arr.ndim != 1 or isinstance(tokens[i], (str, bytes)):
-                raise InvalidTokensError(f"{name}[{i}] must be a sequence of ints, got {describe(tokens[i])}")
-        lengths = np.fromiter((a.shape[0] for a in arrays), dtype=np.int64, count=len(arrays))
-        offsets = np.zeros(lengths.shape[0] + 1, np.int64)
-        np.cumsum(lengths, out=offsets[1:])
-        # an empty sequence is a float64 array to numpy: leave it out, or it would turn every id into a float
-        filled = [a for a in arrays if a.shape[0]]
-        values = np.concatenate(filled) if filled else np.zeros(0, np.int64)
-        if values.dtype.kind not in "iu" and offsets[-1] > 0:
-            _raise_non_integer(tokens, name)
-    values = np.asarray(values)
-    offsets = np.asarray(offsets, dtype=np.int64)
-    if values.dtype.kind not in "iu" and offsets[-1] > offsets[0]:
-        raise InvalidTokensError(f"{name} must hold integer token ids, got dtype {values.dtype}")
-    return TokenBuffers(values, offsets)
-
-
-def _from_arrow(tokens: Any) -> tuple[np.ndarray, np.ndarray] | None:
-    module = type(tokens).__module__
-    if not module.startswith("pyarrow"):
-        return None
-    import pyarrow as pa
-
-    if isinstance(tokens, pa.ChunkedArray):
-        tokens = tokens.combine_chunks()
-    if not isinstance(tokens, pa.ListArray | pa.LargeListArray):
-        raise InvalidTokensError(f"token ids must be an Arrow list array, got Arrow type {tokens.type}")
-    if tokens.null_count:
-        raise InvalidTokensError(f"token ids hold {tokens.null_count} null rows; every row needs tokens")
-    return tokens.values.to_numpy(zero_copy_only=False), tokens.offsets.to_numpy().astype(np.int64, copy=False)
-
-
-def _raise_non_integer(tokens: Sequence[Any], name: str) -> None:
-    """Name the first token that is not an integer (error path only: this loop may touch every token)."""
-    for i, seq in enumerate(tokens):
-        for k, value in enumerate(seq):
-            if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-                raise InvalidTokensError(f"{name}[{i}][{k}] = {describe(value)} is not an integer token id")
-    raise InvalidTokensError(f"{name} must hold integer token ids")  # pragma: no cover - numpy found a non-int
+__all__ = ["PackedRows", "fill_rows", "mask_labels", "packed_rows"]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -298,7 +206,7 @@ class PackedRows:
     piece_offsets: np.ndarray
     sequence_ids: np.ndarray
     capacity: int
-    label_padding_value: int = -100
+    label_padding_value: int = IGNORE_INDEX
 
     @property
     def num_rows(self) -> int:
@@ -425,14 +333,14 @@ def packed_rows(
     token_ids: Any,
     *,
     labels: Any = None,
-    label_padding_value: int = -100,
+    label_padding_value: int = IGNORE_INDEX,
     bins: slice | None = None,
 ) -> PackedRows:
     """Lay the tokens of ``token_ids`` out in the rows planned by ``result``.
 
     Args:
         result: the plan, from :func:`padfree.pack_sequences` over the lengths of ``token_ids``.
-        token_ids: ``num_sequences`` sequences of token ids (see :func:`as_token_buffers` for accepted forms).
+        token_ids: ``num_sequences`` sequences of token ids (any form :func:`padfree.samples.read_tokens` reads).
         labels: optional per-token labels with the same lengths (e.g. ``-100`` on prompt tokens); default: the
             token ids themselves.
         label_padding_value: written on the first token of every piece (and on padding, later).
@@ -452,7 +360,9 @@ def packed_rows(
     >>> rows.labels.tolist()
     [-100, 2, 3, 4, -100, 7, -100]
     """
-    tokens = as_token_buffers(token_ids)
+    result = as_pack_result(result)
+    label_padding_value = as_fill_value(label_padding_value, "label_padding_value")
+    tokens = read_tokens(token_ids)
     if len(tokens) != result.num_sequences:
         raise InvalidTokensError(
             f"token_ids has {len(tokens)} sequences but the plan was made for {result.num_sequences}"
@@ -465,7 +375,7 @@ def packed_rows(
         )
     label_buf = None
     if labels is not None:
-        label_buf = as_token_buffers(labels, "labels")
+        label_buf = read_tokens(labels, "labels", kind="labels")
         if len(label_buf) != len(tokens) or not np.array_equal(label_buf.lengths, lengths):
             diff = np.flatnonzero(label_buf.lengths != lengths) if len(label_buf) == len(tokens) else [len(label_buf)]
             i = int(diff[0]) if len(diff) else 0

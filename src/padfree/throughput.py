@@ -58,7 +58,7 @@ import numpy as np
 from padfree.errors import BackendUnavailableError, InvalidArgumentError
 from padfree.packing import pack_sequences
 from padfree.packing.inputs import as_capacity, as_choice, as_positive_int, as_seed
-from padfree.rows import TokenBuffers, as_token_buffers
+from padfree.samples import TokenBuffers, read_tokens
 
 __all__ = [
     "MODES",
@@ -100,7 +100,7 @@ def sample_sequences(token_ids: Any, budget: int | None, capacity: int, *, overl
     """The sequences every mode trains on: a seeded random sample of about ``budget`` real tokens.
 
     Args:
-        token_ids: the candidate sequences (anything :func:`padfree.rows.as_token_buffers` reads).
+        token_ids: the candidate sequences (anything :func:`padfree.samples.read_tokens` reads).
         budget: real tokens to take: sequences are taken in a seeded random order until their tokens (after the
             overlong policy) reach ``budget``; None takes them all.
         capacity: the row length; a longer sequence is cut to it first.
@@ -116,7 +116,7 @@ def sample_sequences(token_ids: Any, budget: int | None, capacity: int, *, overl
     >>> buf.values.tolist(), buf.lengths.tolist()
     ([1, 2, 3, 4, 5, 6, 7, 8], [2, 2, 1, 2, 1])
     """
-    buf = as_token_buffers(token_ids)
+    buf = read_tokens(token_ids)
     capacity = as_capacity(capacity, "capacity")
     overlong = as_choice(overlong, "overlong", ("truncate", "split"))
     lengths = buf.lengths

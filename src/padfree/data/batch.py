@@ -41,9 +41,8 @@ Conventions (those of :mod:`padfree.layout`, plus two that only a model-facing b
 
 from __future__ import annotations
 
-import array
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -52,14 +51,15 @@ from padfree import layout
 from padfree.errors import (
     BackendUnavailableError,
     InvalidArgumentError,
-    InvalidTokensError,
     OverlongSequenceError,
     describe,
 )
-from padfree.packing.inputs import as_capacity, as_choice, as_int, as_positive_int, as_seed
+from padfree.layout import IGNORE_INDEX
+from padfree.packing.inputs import as_capacity, as_choice, as_positive_int, as_seed
 from padfree.packing.result import PackResult
 from padfree.packing.strategies import DEFAULT_STRATEGY, STRATEGIES, Packer
-from padfree.rows import PackedRows, TokenBuffers, packed_rows
+from padfree.rows import PackedRows, packed_rows
+from padfree.samples import as_fill_value, read_samples
 
 try:
     import torch
@@ -82,7 +82,6 @@ _NOT_A_DICT = (
     "collator with return_dict=True for the Hugging Face Trainer"
 )
 _INT32_MAX = 2**31 - 1
-_INT64_MAX = 2**63 - 1
 
 
 # --------------------------------------------------------------------------------------------------
@@ -349,10 +348,6 @@ def _to_batch(
     )
 
 
-def _as_int(value: Any, name: str) -> int:
-    return as_int(value, name)  # type: ignore[return-value]
-
-
 def _as_mask_kind(value: Any) -> str | None:
     if value is None:
         return None
@@ -374,7 +369,7 @@ def pack_result_to_tensors(
     result: PackResult,
     token_ids: Any,
     padding_value: int = 0,
-    label_padding_value: int = -100,
+    label_padding_value: int = IGNORE_INDEX,
     device: Any = None,
     *,
     labels: Any = None,
@@ -388,7 +383,7 @@ def pack_result_to_tensors(
 
     Args:
         result: the plan, from :func:`padfree.pack_sequences` over the lengths of ``token_ids``.
-        token_ids: the sequences (lists, arrays, a pyarrow list array, ...; see :func:`padfree.rows.as_token_buffers`).
+        token_ids: the sequences (lists, arrays, a pyarrow list array, ...; see :func:`padfree.samples.read_tokens`).
         padding_value: token id written into padding.
         label_padding_value: the ignored label, on padding and on the first token of every sequence.
         device: where the tensors go (None: stay on the CPU, sharing the numpy buffers).
@@ -415,12 +410,12 @@ def pack_result_to_tensors(
     [0, 3, 8, 10, 12, 16]
     """
     mask_kind = _as_mask_kind(attention_mask)
-    rows = packed_rows(result, token_ids, labels=labels, label_padding_value=_as_int(label_padding_value,
+    rows = packed_rows(result, token_ids, labels=labels, label_padding_value=as_fill_value(label_padding_value,
                                                                                       "label_padding_value"))
     arrays = rows.padded(
         pad_to,
         pad_to_multiple_of=pad_to_multiple_of,
-        padding_value=_as_int(padding_value, "padding_value"),
+        padding_value=as_fill_value(padding_value, "padding_value"),
         attention_mask=mask_kind,
         shift_labels=bool(shift_labels),
     )
@@ -433,145 +428,6 @@ def pack_result_to_tensors(
         num_dropped=int(result.dropped.shape[0]),
         truncated_tokens=int(result.truncated_tokens),
     )
-
-
-# --------------------------------------------------------------------------------------------------
-# Samples -> flat buffers
-# --------------------------------------------------------------------------------------------------
-
-
-def _sample_array(value: Any, where: str) -> np.ndarray:
-    """One sample's ids (or labels) as a 1-D integer numpy array, without copying tensors and arrays."""
-    if isinstance(value, torch.Tensor):
-        arr = value.detach().cpu().numpy()
-    elif isinstance(value, np.ndarray):
-        arr = value
-    elif isinstance(value, (list, tuple)):
-        # array('q') reads Python ints through __index__ in one C loop, a third faster than np.asarray (which first
-        # scans the list to infer a dtype), and refuses floats, strings and None instead of converting them
-        try:
-            arr = np.frombuffer(array.array("q", value), np.int64)
-        except (TypeError, OverflowError):
-            _raise_bad_token(value, where)
-        if value and isinstance(value[0], bool):  # a 0/1 mask passed as ids; checking one token costs nothing
-            raise InvalidTokensError(f"{where}[0] = {describe(value[0])} is not an integer token id")
-        return arr
-    elif isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
-        raise InvalidTokensError(f"{where} must be a sequence of integer token ids, got {describe(value)}")
-    else:
-        arr = np.asarray(value, dtype=object)
-    if arr.ndim != 1:
-        raise InvalidTokensError(f"{where} must be 1-D (one sequence), got shape {tuple(arr.shape)} "
-                                 f"from {describe(value)}")
-    if arr.dtype.kind not in "iu" and arr.shape[0]:
-        if arr.dtype != object:
-            raise InvalidTokensError(f"{where} must hold integer token ids, got dtype {arr.dtype} "
-                                     f"(first value {describe(arr[0].item())})")
-        try:
-            arr = np.frombuffer(array.array("q", arr.tolist()), np.int64)
-        except (TypeError, OverflowError):
-            _raise_bad_token(arr.tolist(), where)
-    if arr.dtype == np.uint64 and arr.shape[0] and arr.max() > _INT64_MAX:
-        k = int(np.argmax(arr > _INT64_MAX))
-        raise InvalidTokensError(f"{where}[{k}] = {arr[k]} does not fit in int64")
-    return arr
-
-
-def _raise_bad_token(values: Sequence[Any], where: str) -> None:
-    """Name the first token that is not an int64 (error path only: this loop may touch every token)."""
-    for k, token in enumerate(values):
-        if isinstance(token, bool) or not isinstance(token, (int, np.integer)):
-            raise InvalidTokensError(f"{where}[{k}] = {describe(token)} is not an integer token id")
-        if not -(2**63) <= int(token) <= _INT64_MAX:
-            raise InvalidTokensError(f"{where}[{k}] = {token} does not fit in int64")
-    raise InvalidTokensError(f"{where} must hold integer token ids")  # pragma: no cover - array() found a bad one
-
-
-def _flat(arrays: list[np.ndarray]) -> TokenBuffers:
-    lengths = np.fromiter((a.shape[0] for a in arrays), dtype=np.int64, count=len(arrays))
-    offsets = np.zeros(lengths.shape[0] + 1, np.int64)
-    np.cumsum(lengths, out=offsets[1:])
-    # one pass that concatenates and casts: every array is already known to hold integers in the int64 range
-    values = np.concatenate(arrays, dtype=np.int64, casting="unsafe") if arrays else np.zeros(0, np.int64)
-    return TokenBuffers(values, offsets)
-
-
-def _read_samples(samples: Any) -> tuple[TokenBuffers, TokenBuffers | None]:
-    """The loader batch as flat buffers: ``(ids, labels or None)``; one clear error per bad sample."""
-    if isinstance(samples, (str, bytes, Mapping)) or not isinstance(samples, Sequence):
-        raise InvalidTokensError(
-            f"a collator takes a list of samples (dicts with 'input_ids' or token-id sequences), got "
-            f"{describe(samples)}"
-        )
-    if len(samples) == 0:
-        raise InvalidTokensError("the collator got an empty list of samples; a batch needs at least one")
-    keyed = isinstance(samples[0], Mapping)
-    has_labels = keyed and samples[0].get("labels") is not None
-    ids: list[np.ndarray] = []
-    labels: list[np.ndarray] = []
-    for i, sample in enumerate(samples):
-        if keyed:
-            if not isinstance(sample, Mapping):
-                raise InvalidTokensError(f"samples[{i}] is {describe(sample)}, but samples[0] is a dict; give every "
-                                         f"sample as a dict with 'input_ids' or every one as a token-id sequence")
-            if "input_ids" not in sample:
-                raise InvalidTokensError(f"samples[{i}] has no 'input_ids' (keys: {sorted(map(str, sample))}); "
-                                         f"every sample needs its token ids under 'input_ids'")
-            ids.append(_sample_array(sample["input_ids"], f"samples[{i}]['input_ids']"))
-            if (sample.get("labels") is not None) != has_labels:
-                first, other = ("samples[0]", f"samples[{i}]") if has_labels else (f"samples[{i}]", "samples[0]")
-                raise InvalidTokensError(f"{first} has 'labels' but {other} has none; give labels to every sample "
-                                         f"of a batch or to none")
-            if has_labels:
-                labels.append(_sample_array(sample["labels"], f"samples[{i}]['labels']"))
-        else:
-            if isinstance(sample, Mapping):
-                raise InvalidTokensError(f"samples[{i}] is a dict but samples[0] is {describe(samples[0])}; give every "
-                                         f"sample as a dict with 'input_ids' or every one as a token-id sequence")
-            ids.append(_sample_array(sample, f"samples[{i}]"))
-    what = "['input_ids']" if keyed else ""
-    buf = _flat(ids)
-    lengths = buf.lengths
-    if lengths.min() < 1:
-        i = int(np.argmax(lengths < 1))
-        raise InvalidTokensError(f"samples[{i}]{what} is empty; every sample needs at least one token")
-    if buf.values.min() < 0:
-        k = int(np.argmax(buf.values < 0))
-        i = int(np.searchsorted(buf.offsets, k, side="right") - 1)
-        raise InvalidTokensError(f"samples[{i}]{what}[{k - buf.offsets[i]}] = {buf.values[k]} is negative; token "
-                                 f"ids are >= 0")
-    lab = None
-    if has_labels:
-        lab = _flat(labels)
-        if not np.array_equal(lab.lengths, lengths):
-            i = int(np.argmax(lab.lengths != lengths))
-            raise InvalidTokensError(f"samples[{i}]['labels'] has {lab.lengths[i]} entries but its input_ids has "
-                                     f"{lengths[i]} tokens; labels are aligned with input_ids, one per token")
-    if keyed and samples[0].get("seq_lens") is not None:
-        # already packed rows (PackingDataset, pack_dataset): every sequence inside a row is a sample of its own,
-        # so no boundary inside a row is lost
-        offsets = _sequence_offsets(samples, lengths)
-        buf = TokenBuffers(buf.values, offsets)
-        lab = TokenBuffers(lab.values, offsets) if lab is not None else None
-    return buf, lab
-
-
-def _sequence_offsets(samples: Sequence[Mapping[str, Any]], row_lengths: np.ndarray) -> np.ndarray:
-    """Offsets of the sequences inside already-packed rows, read from each row's ``seq_lens``."""
-    parts = []
-    for i, sample in enumerate(samples):
-        if sample.get("seq_lens") is None:
-            raise InvalidTokensError(f"samples[0] has 'seq_lens' (an already packed row) but samples[{i}] has none; "
-                                     f"give packed rows or plain samples, not both")
-        lens = _sample_array(sample["seq_lens"], f"samples[{i}]['seq_lens']")
-        if lens.shape[0] == 0 or lens.min() < 1 or int(lens.sum()) != int(row_lengths[i]):
-            raise InvalidTokensError(f"samples[{i}]['seq_lens'] = {lens.tolist()} must be lengths >= 1 summing to "
-                                     f"the row's {int(row_lengths[i])} tokens")
-        parts.append(lens)
-    seq_lens = np.concatenate(parts)
-    offsets = np.zeros(seq_lens.shape[0] + 1, np.int64)
-    np.cumsum(seq_lens, out=offsets[1:])
-    return offsets
 
 
 # --------------------------------------------------------------------------------------------------
@@ -592,7 +448,7 @@ class PackedCollator:
         strategy: str = DEFAULT_STRATEGY,
         seed: int | None = None,
         padding_value: int = 0,
-        label_padding_value: int = -100,
+        label_padding_value: int = IGNORE_INDEX,
         *,
         overlong: str = "error",
         max_sequences_per_bin: int | None = None,
@@ -605,8 +461,8 @@ class PackedCollator:
     ) -> None:
         self.packer = Packer(capacity, strategy, seed, overlong=overlong, max_sequences_per_bin=max_sequences_per_bin)
         self.capacity = self.packer.capacity
-        self.padding_value = _as_int(padding_value, "padding_value")
-        self.label_padding_value = _as_int(label_padding_value, "label_padding_value")
+        self.padding_value = as_fill_value(padding_value, "padding_value")
+        self.label_padding_value = as_fill_value(label_padding_value, "label_padding_value")
         self.pad_to = _as_pad_to(pad_to, self.capacity)
         self.pad_to_multiple_of = as_positive_int(pad_to_multiple_of, "pad_to_multiple_of", allow_none=True)
         self.mask_kind = _as_mask_kind(attention_mask)
@@ -637,7 +493,8 @@ class PackedCollator:
         return int(np.random.SeedSequence(key).generate_state(1, np.uint32)[0])
 
     def __call__(self, samples: Sequence[Any]) -> PackedBatch | dict[str, Any]:
-        ids, labels = _read_samples(samples)
+        read = read_samples(samples)
+        ids, labels = read.ids, read.labels
         lengths = ids.lengths
         if self.packer.overlong == "error" and lengths.max() > self.capacity:
             i = int(np.argmax(lengths > self.capacity))
@@ -679,7 +536,7 @@ def packed_collate_fn(
     strategy: str = DEFAULT_STRATEGY,
     seed: int | None = None,
     padding_value: int = 0,
-    label_padding_value: int = -100,
+    label_padding_value: int = IGNORE_INDEX,
     *,
     overlong: str = "error",
     max_sequences_per_bin: int | None = None,
@@ -776,14 +633,14 @@ class PaddingFreeCollator:
     def __init__(
         self,
         *,
-        label_padding_value: int = -100,
+        label_padding_value: int = IGNORE_INDEX,
         attention_mask: str | None = None,
         seq_idx: bool = False,
         shift_labels: bool = False,
         return_dict: bool = False,
         max_tokens: int | None = None,
     ) -> None:
-        self.label_padding_value = _as_int(label_padding_value, "label_padding_value")
+        self.label_padding_value = as_fill_value(label_padding_value, "label_padding_value")
         self.mask_kind = _as_mask_kind(attention_mask)
         self.seq_idx = bool(seq_idx)
         self.shift_labels = bool(shift_labels)
@@ -791,7 +648,8 @@ class PaddingFreeCollator:
         self.max_tokens = as_capacity(max_tokens, "max_tokens") if max_tokens is not None else None
 
     def __call__(self, samples: Sequence[Any]) -> PackedBatch | dict[str, Any]:
-        ids, labels = _read_samples(samples)
+        read = read_samples(samples)
+        ids, labels = read.ids, read.labels
         lengths = ids.lengths
         n, total = int(lengths.shape[0]), int(ids.offsets[-1])
         if self.max_tokens is not None and total > self.max_tokens:

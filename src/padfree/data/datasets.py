@@ -69,7 +69,7 @@ import logging
 import operator
 import sys
 import zlib
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from itertools import islice
 from typing import Any
 
@@ -83,11 +83,22 @@ from padfree.errors import (
     StateMismatchError,
     describe,
 )
+from padfree.layout import IGNORE_INDEX
 from padfree.packing.inputs import OVERLONG_POLICIES, as_capacity, as_choice, as_int, as_positive_int, as_seed
 from padfree.packing.result import PackResult
 from padfree.packing.strategies import DEFAULT_STRATEGY, STRATEGIES, Packer
 from padfree.packing.streaming import StreamBin, StreamPacker
-from padfree.rows import TokenBuffers, packed_rows
+from padfree.rows import packed_rows
+from padfree.samples import (
+    TokenBuffers,
+    as_fill_value,
+    concat,
+    length_of,
+    read_arrow_chunks,
+    read_sequence,
+    refuse_empty,
+    split_sample,
+)
 
 try:
     import torch
@@ -113,77 +124,11 @@ _SEED_PACK, _SEED_ORDER = 1, 2  # purposes of the seeds derived from (seed, epoc
 # --------------------------------------------------------------------------------------------------
 
 
-def _split_sample(sample: Any, where: str, ids_key: str, labels_key: str | None) -> tuple[Any, Any, str]:
-    """``(token ids, labels or None, name of the ids for messages)`` of one sample, not yet converted."""
-    if isinstance(sample, Mapping):
-        if ids_key not in sample:
-            keys = sorted(map(str, sample))[:10]
-            raise InvalidSampleError(
-                f"{where} is a dict without {ids_key!r} (keys: {keys}); every sample must be a sequence of token "
-                f"ids or a dict with {ids_key!r}" + (f" and optionally {labels_key!r}" if labels_key else "")
-            )
-        labels = sample.get(labels_key) if labels_key is not None else None
-        return sample[ids_key], labels, f"{where}[{ids_key!r}]"
-    return sample, None, where
-
-
-def _length(obj: Any, where: str) -> int:
-    """``len(obj)`` of a would-be token sequence, or an :class:`InvalidSampleError`."""
-    if isinstance(obj, (str, bytes)):
-        raise InvalidSampleError(f"{where} is text ({describe(obj)}); tokenize it first: samples are token ids")
-    try:
-        return len(obj)
-    except TypeError:
-        raise InvalidSampleError(f"{where} = {describe(obj)} is not a sequence of token ids") from None
-
-
-def _int_array(obj: Any, where: str, *, token_ids: bool) -> np.ndarray:
-    """``obj`` as a 1-D integer array (no copy for an integer numpy array); ``token_ids`` also refuses negatives."""
-    if isinstance(obj, (str, bytes)):
-        raise InvalidSampleError(f"{where} is text ({describe(obj)}); tokenize it first: samples are token ids")
-    try:
-        arr = np.asarray(obj)
-    except (TypeError, ValueError, RuntimeError) as exc:
-        raise InvalidSampleError(f"{where} = {describe(obj)} is not a sequence of token ids ({exc})") from None
-    if arr.ndim == 0:
-        raise InvalidSampleError(f"{where} = {describe(obj)} is not a sequence of token ids")
-    if arr.ndim != 1:
-        raise InvalidSampleError(
-            f"{where} must be a 1-D sequence of integers, got {describe(obj)} of shape {arr.shape}"
-        )
-    if arr.dtype.kind not in "iu":
-        if arr.size == 0:
-            return np.zeros(0, np.int64)
-        # error path only: name the first value that is not an integer (from the original list when there is
-        # one: numpy turns [1, "a"] into two strings)
-        for k, value in enumerate(obj if isinstance(obj, (list, tuple)) else arr.tolist()):
-            if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-                raise InvalidSampleError(f"{where}[{k}] = {describe(value)} is not an integer")
-        raise InvalidSampleError(f"{where} must hold integers, got dtype {arr.dtype}")
-    if token_ids and arr.size and arr.min() < 0:
-        k = int(np.argmax(arr < 0))
-        raise InvalidSampleError(f"{where}[{k}] = {arr[k]} is negative; token ids are >= 0")
-    return arr
-
-
-def _flat(arrays: Sequence[np.ndarray]) -> TokenBuffers:
-    lengths = np.fromiter((a.shape[0] for a in arrays), np.int64, count=len(arrays))
-    offsets = np.zeros(lengths.shape[0] + 1, np.int64)
-    np.cumsum(lengths, out=offsets[1:])
-    values = np.concatenate(arrays) if arrays else np.zeros(0, np.int64)
-    return TokenBuffers(values, offsets)
-
-
 def _check_lengths(lengths: np.ndarray, names: Callable[[int], str], max_length: int, overlong: str) -> None:
     """Refuse zero-length samples, and overlong ones under ``overlong="error"``, naming the first offender."""
     if lengths.size == 0:
         return
-    if lengths.min() < 1:
-        i = int(np.argmax(lengths < 1))
-        raise InvalidSampleError(
-            f"{names(i)} has no tokens ({int((lengths < 1).sum())} of {lengths.size} samples are empty); every "
-            f"sample needs at least one token: filter the empty ones out first"
-        )
+    refuse_empty(lengths, names)
     if overlong == "error" and lengths.max() > max_length:
         over = lengths > max_length
         i = int(np.argmax(over))
@@ -196,14 +141,6 @@ def _check_lengths(lengths: np.ndarray, names: Callable[[int], str], max_length:
 # --------------------------------------------------------------------------------------------------
 # Pieces -> one packed row
 # --------------------------------------------------------------------------------------------------
-
-
-def _gather(buf: TokenBuffers, rows: np.ndarray, starts: np.ndarray, lengths: np.ndarray) -> TokenBuffers:
-    """Tokens ``[starts[j], starts[j] + lengths[j])`` of sequence ``rows[j]`` of ``buf``, as ``k`` flat pieces."""
-    offsets = np.zeros(lengths.shape[0] + 1, np.int64)
-    np.cumsum(lengths, out=offsets[1:])
-    src = np.repeat(buf.offsets[:-1][rows] + starts - offsets[:-1], lengths) + np.arange(offsets[-1])
-    return TokenBuffers(buf.values[src], offsets)
 
 
 def _row(tokens: TokenBuffers, labels: TokenBuffers | None, capacity: int, label_padding_value: int) -> dict:
@@ -275,9 +212,7 @@ class _PackingBase:
         self.shuffle = bool(shuffle)
         self.overlong: str = as_choice(overlong, "overlong", OVERLONG_POLICIES)
         self.max_sequences_per_bin = as_positive_int(max_sequences_per_bin, "max_sequences_per_bin", allow_none=True)
-        if isinstance(label_padding_value, bool) or not isinstance(label_padding_value, (int, np.integer)):
-            raise InvalidArgumentError(f"label_padding_value must be an integer, got {describe(label_padding_value)}")
-        self.label_padding_value = int(label_padding_value)
+        self.label_padding_value = as_fill_value(label_padding_value, "label_padding_value")
         if not isinstance(input_ids_key, str):
             raise InvalidArgumentError(f"input_ids_key must be a string, got {describe(input_ids_key)}")
         if labels_key is not None and not isinstance(labels_key, str):
@@ -369,13 +304,13 @@ class _Column:
         """Piece ``j`` = tokens ``[starts[j], starts[j] + lengths[j])`` of row ``rows[j]``; reads only those tokens."""
         chunks = self._get()
         if len(chunks) == 1:
-            return _gather(chunks[0], rows, starts, lengths)
+            return chunks[0].take(rows, starts, lengths)
         chunk_of = np.searchsorted(self._row_starts, rows, side="right") - 1
         parts: list[np.ndarray] = []
         for j, c in enumerate(chunk_of.tolist()):  # one small gather per piece of the row (a handful)
-            part = _gather(chunks[c], rows[j : j + 1] - self._row_starts[c], starts[j : j + 1], lengths[j : j + 1])
+            part = chunks[c].take(rows[j : j + 1] - self._row_starts[c], starts[j : j + 1], lengths[j : j + 1])
             parts.append(part.values)
-        return _flat(parts)
+        return concat(parts)
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
@@ -384,32 +319,10 @@ class _Column:
         return state
 
 
-def _arrow_chunks(dataset: Any, key: str) -> list[TokenBuffers]:
+def _arrow_chunks(dataset: Any, key: str, kind: str = "ids") -> list[TokenBuffers]:
     """The chunks of list column ``key`` of a ``datasets.Dataset``'s table, zero-copy (physical row order)."""
-    import pyarrow as pa
-
-    column = dataset.data.column(key)
-    kind = column.type
-    if pa.types.is_fixed_size_list(kind):
-        column = column.cast(pa.large_list(kind.value_type))
-        kind = column.type
-    if not (pa.types.is_list(kind) or pa.types.is_large_list(kind)) or not pa.types.is_integer(kind.value_type):
-        raise InvalidSampleError(
-            f"column {key!r} of the dataset has Arrow type {kind}; expected a list of integers (token ids per row)"
-        )
-    chunks = []
-    base = 0
-    for chunk in column.chunks:
-        if chunk.null_count:
-            i = base + int(np.argmax(~chunk.is_valid().to_numpy(zero_copy_only=False)))
-            raise InvalidSampleError(f"row {i} of column {key!r} (in table order) is null; every row needs token ids")
-        values = chunk.values
-        if values.null_count:
-            raise InvalidSampleError(f"column {key!r} holds null token ids inside its lists")
-        offsets = chunk.offsets.to_numpy().astype(np.int64, copy=False)
-        chunks.append(TokenBuffers(values.to_numpy(zero_copy_only=False), offsets))
-        base += len(chunk)
-    return chunks
+    return read_arrow_chunks(dataset.data.column(key), f"column {key!r}", kind=kind,
+                             rows=lambda i: f"row {i} (in table order)[{key!r}]")
 
 
 def _hf_class(name: str) -> type | None:
@@ -473,7 +386,7 @@ class PackingDataset(_PackingBase, _TorchDataset):
         shuffle: bool = True,
         overlong: str = "error",
         max_sequences_per_bin: int | None = None,
-        label_padding_value: int = -100,
+        label_padding_value: int = IGNORE_INDEX,
         input_ids_key: str = "input_ids",
         labels_key: str | None = "labels",
     ) -> None:
@@ -522,7 +435,7 @@ class PackingDataset(_PackingBase, _TorchDataset):
             self._rows = indices.column(0).to_numpy().astype(np.int64, copy=False)
         self._labels = None
         if lkey is not None and lkey in names:
-            self._labels = _Column(loader=functools.partial(_arrow_chunks, dataset, lkey))
+            self._labels = _Column(loader=functools.partial(_arrow_chunks, dataset, lkey, "labels"))
             ids_len, lab_len = self._ids.lengths, self._labels.lengths
             if self._rows is not None:
                 ids_len, lab_len = ids_len[self._rows], lab_len[self._rows]
@@ -545,26 +458,26 @@ class PackingDataset(_PackingBase, _TorchDataset):
         labels: list[np.ndarray | None] = []
         self._keyed = False
         for i in range(len(dataset)):  # per sample: each is a Python object that has to be read once
-            raw_ids, raw_labels, where = _split_sample(dataset[i], f"dataset[{i}]", self.input_ids_key,
+            raw_ids, raw_labels, where = split_sample(dataset[i], f"dataset[{i}]", self.input_ids_key,
                                                        self.labels_key)
             self._keyed = self._keyed or where != f"dataset[{i}]"
-            arr = _int_array(raw_ids, where, token_ids=True)
+            arr = read_sequence(raw_ids, where)
             ids.append(arr)
             if raw_labels is None:
                 labels.append(None)
                 continue
-            lab = _int_array(raw_labels, f"dataset[{i}][{self.labels_key!r}]", token_ids=False)
+            lab = read_sequence(raw_labels, f"dataset[{i}][{self.labels_key!r}]", kind="labels")
             if lab.shape[0] != arr.shape[0]:
                 raise InvalidSampleError(
                     f"dataset[{i}][{self.labels_key!r}] has {lab.shape[0]} entries but {where} has {arr.shape[0]} "
                     f"tokens; labels are aligned with input_ids, one per token"
                 )
             labels.append(lab)
-        self._ids = _Column([_flat(ids)])
+        self._ids = _Column([concat(ids)])
         has_labels = any(lab is not None for lab in labels)
         # a sample without labels is trained on all its tokens: its ids stand in for its labels
         filled = [a if lab is None else lab for a, lab in zip(ids, labels, strict=True)]
-        self._labels = _Column([_flat(filled)]) if has_labels else None
+        self._labels = _Column([concat(filled)]) if has_labels else None
 
     # ---- plan and order --------------------------------------------------------------------------
 
@@ -761,7 +674,7 @@ class IterablePackingDataset(_PackingBase, _TorchIterableDataset):
         shuffle: bool = True,
         overlong: str = "error",
         max_sequences_per_bin: int | None = None,
-        label_padding_value: int = -100,
+        label_padding_value: int = IGNORE_INDEX,
         input_ids_key: str = "input_ids",
         labels_key: str | None = "labels",
     ) -> None:
@@ -903,7 +816,7 @@ class IterablePackingDataset(_PackingBase, _TorchIterableDataset):
             lengths = np.empty(len(block), np.int64)
             payloads = []
             for j, sample in enumerate(block):
-                raw_ids, raw_labels, where = _split_sample(sample, f"sample {seen + j} of the stream", ids_key,
+                raw_ids, raw_labels, where = split_sample(sample, f"sample {seen + j} of the stream", ids_key,
                                                            labels_key)
                 lengths[j] = self._measure(raw_ids, raw_labels, where, seen + j)
                 payloads.append([raw_ids, raw_labels])
@@ -911,9 +824,9 @@ class IterablePackingDataset(_PackingBase, _TorchIterableDataset):
             yield lengths, payloads
 
     def _measure(self, raw_ids: Any, raw_labels: Any, where: str, index: int) -> int:
-        length = _length(raw_ids, where)
+        length = length_of(raw_ids, where)
         if raw_labels is not None:
-            got = _length(raw_labels, f"sample {index} of the stream[{self.labels_key!r}]")
+            got = length_of(raw_labels, f"sample {index} of the stream[{self.labels_key!r}]")
             if got != length:
                 raise InvalidSampleError(
                     f"sample {index} of the stream[{self.labels_key!r}] has {got} entries but {where} has {length} "
@@ -964,15 +877,15 @@ class IterablePackingDataset(_PackingBase, _TorchIterableDataset):
             name = f"sample {index} of the stream"
             # converted arrays replace the raw sample in its payload, which every piece of a split sample shares:
             # a long sample is converted once, not once per piece
-            payload[0] = _int_array(payload[0], name, token_ids=True)
+            payload[0] = read_sequence(payload[0], name)
             ids.append(payload[0][start : start + length])
             if payload[1] is not None:
                 has_labels = True
-                payload[1] = _int_array(payload[1], f"{name}[{self.labels_key!r}]", token_ids=False)
+                payload[1] = read_sequence(payload[1], f"{name}[{self.labels_key!r}]", kind="labels")
                 labels.append(payload[1][start : start + length])
             else:
                 labels.append(ids[-1])
-        return _row(_flat(ids), _flat(labels) if has_labels else None, self.max_length, self.label_padding_value)
+        return _row(concat(ids), concat(labels) if has_labels else None, self.max_length, self.label_padding_value)
 
     def __repr__(self) -> str:
         return (

@@ -107,9 +107,11 @@ from padfree.errors import (
     OverlongSequenceError,
     describe,
 )
+from padfree.layout import IGNORE_INDEX
 from padfree.packing import DEFAULT_STRATEGY, PackResult, pack_sequences
 from padfree.packing.inputs import OVERLONG_POLICIES, as_capacity, as_choice, as_positive_int
-from padfree.rows import TokenBuffers, as_token_buffers, fill_rows, mask_labels
+from padfree.rows import fill_rows, mask_labels
+from padfree.samples import as_fill_value, read_arrow_chunks, read_tokens, refuse_empty
 
 __all__ = [
     "COLUMNS",
@@ -230,89 +232,41 @@ def _one_view(arrays: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
     return view, np.array([(addr - low) // item for addr in addresses], np.int64)
 
 
-def _arrow_source(column: Any, name: str, *, mask: bool = False) -> _Source:
-    """A :class:`_Source` over a pyarrow (chunked) list array: offsets read per chunk, values never copied.
+def _arrow_source(column: Any, name: str, *, kind: str = "ids", mask: bool = False) -> _Source:
+    """A :class:`_Source` over a pyarrow (chunked) list array: read and checked chunk by chunk by
+    :func:`padfree.samples.read_arrow_chunks`, values never copied.
 
     A dataset on disk is a thousand chunks or more: each is read straight from its Arrow buffers (a few
     microseconds), and everything per row is then computed once over all chunks.
     """
-    _, pa = _import_hf()
-    chunks = column.chunks if isinstance(column, pa.ChunkedArray) else [column]
-    accepted = "0/1 integers or booleans" if mask else "integer token ids"
-    for kind in {chunk.type for chunk in chunks}:
-        if not (pa.types.is_list(kind) or pa.types.is_large_list(kind) or pa.types.is_fixed_size_list(kind)):
-            raise InvalidTokensError(f"{name} must hold one list of {accepted} per row, got Arrow type {kind}")
-        value_type = kind.value_type
-        if not (pa.types.is_integer(value_type) or (mask and pa.types.is_boolean(value_type))):
-            raise InvalidTokensError(f"{name} must hold {accepted}, got Arrow type {kind}")
-    # per type (one for a whole column): the list's offset dtype (None: fixed size), the values' (None: booleans)
-    types = {kind: (None if pa.types.is_fixed_size_list(kind) else
-                    np.dtype(np.int64 if pa.types.is_large_list(kind) else np.int32),
-                    np.dtype(kind.value_type.to_pandas_dtype()) if pa.types.is_integer(kind.value_type) else None)
-             for kind in {chunk.type for chunk in chunks}}
-    values, offsets, nulls = [], [], []
-    rows = 0
-    for chunk in chunks:
-        n = len(chunk)
-        if n == 0:
-            continue
-        offset_type, value_type = types[chunk.type]
-        if offset_type is None:
-            offsets.append((np.arange(n + 1, dtype=np.int64) + chunk.offset) * chunk.type.list_size)
-        else:
-            offsets.append(np.frombuffer(chunk.buffers()[1], offset_type, n + 1, chunk.offset * offset_type.itemsize))
-        child = chunk.values
-        if child.null_count:
-            raise InvalidTokensError(f"{name} holds {child.null_count} null values inside its lists; every token "
-                                     "must be an integer")
-        if chunk.null_count:
-            nulls.append(rows + np.flatnonzero(chunk.is_null().to_numpy(zero_copy_only=False)))
-        if value_type is not None:  # zero-copy, straight from the buffer
-            values.append(np.frombuffer(child.buffers()[1], value_type, len(child), child.offset * value_type.itemsize))
-        else:  # booleans are unpacked to bytes
-            values.append(child.to_numpy(zero_copy_only=False))
-        rows += n
-    if not values:
+    chunks = read_arrow_chunks(column, name, kind=kind, mask=mask)
+    if not chunks:
         empty = np.zeros(0, np.int64)
         return _Source(name, empty, empty, empty, ())
+    values = [c.values for c in chunks]
     view, first = _one_view(values)
-    # every chunk's n + 1 offsets, back to back: row i's start and end are neighbours, except across chunks
-    flat = np.concatenate(offsets).astype(np.int64)
-    ends = np.cumsum([o.shape[0] for o in offsets])
-    first_of_chunk, last_of_chunk = np.zeros(flat.shape[0], bool), np.zeros(flat.shape[0], bool)
-    first_of_chunk[np.concatenate(([0], ends[:-1]))] = True
-    last_of_chunk[ends - 1] = True
-    starts = flat[~last_of_chunk]
-    lengths = flat[~first_of_chunk] - starts
-    starts += np.repeat(first, [o.shape[0] - 1 for o in offsets])
-    if nulls:
-        lengths[np.concatenate(nulls)] = -1
+    starts = np.concatenate([c.offsets[:-1] + base for c, base in zip(chunks, first.tolist(), strict=True)])
+    lengths = np.concatenate([c.lengths for c in chunks])
     return _Source(name, view, starts, lengths, tuple(values))
 
 
-def _buffer_source(tokens: Any, name: str, *, mask: bool = False) -> _Source:
-    """A :class:`_Source` over anything :func:`padfree.rows.as_token_buffers` reads (lists, arrays, pairs)."""
-    try:
-        buf = tokens if isinstance(tokens, TokenBuffers) else as_token_buffers(tokens, name)
-    except InvalidTokensError:
-        if not mask:
-            raise
-        # a 0/1 mask may come as booleans, which token ids may not: one array per row (never per token)
+def _buffer_source(tokens: Any, name: str, *, kind: str = "ids", mask: bool = False) -> _Source:
+    """A :class:`_Source` over anything :func:`padfree.samples.read_tokens` reads (lists, arrays, pairs)."""
+    if mask:  # a 0/1 mask may come as booleans, which token ids may not: one array per row (never per token)
         rows = [np.asarray(row) for row in tokens]
         if not all(r.ndim == 1 and r.dtype.kind in "biu" for r in rows):
-            raise
-        buf = as_token_buffers([r.astype(np.int8) for r in rows], name)
+            raise InvalidTokensError(f"{name} must hold one list of 0/1 integers or booleans per row")
+        tokens = [r.astype(np.int8) for r in rows]
+    buf = read_tokens(tokens, name, kind="labels" if mask else kind)
     view = buf.values.view()
     view.flags.writeable = False
     return _Source(name, view, buf.offsets[:-1], buf.lengths, (buf.values,))
 
 
-def _any_source(column: Any, name: str, *, mask: bool = False) -> _Source:
+def _any_source(column: Any, name: str, *, kind: str = "ids", mask: bool = False) -> _Source:
     if type(column).__module__.startswith("pyarrow"):
-        return _arrow_source(column, name, mask=mask)
-    if isinstance(column, (str, bytes)) or not isinstance(column, Sequence | np.ndarray | TokenBuffers | tuple):
-        raise InvalidTokensError(f"{name} must be a sequence of integer lists, got {describe(column)}")
-    return _buffer_source(column, name, mask=mask)
+        return _arrow_source(column, name, kind=kind, mask=mask)
+    return _buffer_source(column, name, kind=kind, mask=mask)
 
 
 @dataclass(frozen=True, eq=False)
@@ -363,7 +317,7 @@ def _read(data: Any, labels: Any, label_masks: Sequence[str]) -> _Data:
     if isinstance(data, Mapping):
         return _table_data(data, list(data), None, labels, label_masks, "data", None, None)
     ids = _any_source(data, "data")
-    label_source = None if labels is None else _any_source(labels, "labels")
+    label_source = None if labels is None else _any_source(labels, "labels", kind="labels")
     return _Data(ids, label_source, (), None, None, None)
 
 
@@ -381,7 +335,7 @@ def _table_data(table: Any, names: list[str], indices: np.ndarray | None, labels
         return table[name] if isinstance(table, Mapping) else table.column(name)
 
     ids = _any_source(column("input_ids"), "input_ids")
-    label_source = _any_source(column("labels"), "labels") if "labels" in names else None
+    label_source = _any_source(column("labels"), "labels", kind="labels") if "labels" in names else None
     masks: tuple[_Source, ...] = ()
     if label_source is None:
         masks = tuple(_any_source(column(m), m, mask=True) for m in label_masks if m in names)
@@ -392,15 +346,7 @@ def _check(data: _Data) -> np.ndarray:
     """Validate the input rows; return their lengths ``(rows,) int64`` in input order."""
     lengths = data.logical(data.ids.lengths)
     name = data.ids.name
-    bad = lengths < 1
-    if lengths.size and bad.any():
-        i = int(np.argmax(bad))
-        if lengths[i] < 0:
-            raise InvalidTokensError(f"{name}[{i}] is null; every row needs a list of token ids")
-        raise InvalidTokensError(
-            f"{name}[{i}] has no tokens, but every sequence needs at least one ({int(bad.sum())} of {lengths.size} "
-            f"rows are empty); drop them first, e.g. dataset.filter(lambda row: len(row['input_ids']) > 0)"
-        )
+    refuse_empty(lengths, lambda i: f"{name}[{i}]")
     for other in ((data.labels,) if data.labels is not None else ()) + data.masks:
         if other.lengths.shape[0] != data.ids.lengths.shape[0]:
             raise InvalidTokensError(
@@ -436,12 +382,6 @@ class _Options:
 
     def wants(self, what: str) -> bool:
         return any(w == what for w, _ in self.columns)
-
-
-def _int_value(value: Any, name: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or not _INT32.min <= value <= _INT32.max:
-        raise InvalidArgumentError(f"{name} must be an integer that fits int32, got {describe(value)}")
-    return int(value)
 
 
 def _options(padding_value: Any, label_padding_value: Any, padding: Any, pad_to_multiple_of: Any,
@@ -493,8 +433,8 @@ def _options(padding_value: Any, label_padding_value: Any, padding: Any, pad_to_
             raise InvalidArgumentError("keep_in_memory=True and a cache_file_name contradict each other; pass one")
         cache_file_name = os.fspath(cache_file_name)
     return _Options(
-        padding_value=_int_value(padding_value, "padding_value"),
-        label_padding_value=_int_value(label_padding_value, "label_padding_value"),
+        padding_value=as_fill_value(padding_value, "padding_value", np.int32),
+        label_padding_value=as_fill_value(label_padding_value, "label_padding_value", np.int32),
         padding=padding,
         pad_to_multiple_of=as_positive_int(pad_to_multiple_of, "pad_to_multiple_of", allow_none=True),
         attention_mask=attention_mask,
@@ -518,7 +458,7 @@ def pack_dataset(
     strategy: str = DEFAULT_STRATEGY,
     seed: int | None = None,
     padding_value: int = 0,
-    label_padding_value: int = -100,
+    label_padding_value: int = IGNORE_INDEX,
     *,
     overlong: str = "error",
     max_sequences_per_bin: int | None = None,
@@ -606,7 +546,7 @@ def pack_dataset_from_result(
     result: PackResult,
     data: Any,
     padding_value: int = 0,
-    label_padding_value: int = -100,
+    label_padding_value: int = IGNORE_INDEX,
     *,
     padding: str | int | None = "capacity",
     pad_to_multiple_of: int | None = None,

@@ -661,6 +661,12 @@ def _before_multimodal(state: _State, module: torch.nn.Module, args: tuple, kwar
                 f"a packed batch reached {type(module).__name__} with non-text inputs ({', '.join(extra)}): padfree "
                 f"packs text-only batches through a multimodal model (its image and audio paths are not "
                 f"boundary-aware); pass these batches unpacked")
+        # the model turns its attention_mask into per-layer-type masks, which a packed forward builds empty: the
+        # language model's own hook would never see a 0/1 or dense mask, so it is refused here, by the same rule
+        _layout(named)
+        cache = guards.find_cache(named, type(module).forward)
+        if cache is not None:
+            raise PackingDisabledError(_fix(f"{cache} (a cache)"))
     state.tokens.append(PACKED_FORWARD.set(packed))
 
 

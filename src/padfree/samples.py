@@ -1,0 +1,512 @@
+"""The front door for samples: every accepted form of token sequences becomes flat buffers, checked once.
+
+Every entry point that takes samples — :func:`padfree.packed_rows`, :func:`padfree.pack_result_to_tensors`,
+:func:`padfree.pack_dataset`, the collators, :class:`padfree.PackingDataset`, :class:`padfree.IterablePackingDataset`
+and the CLI — reads them here, so one input gives one answer and one error wherever it goes in:
+
+>>> buf = read_tokens([[5, 6, 7], [8, 9]])
+>>> buf.values.tolist(), buf.offsets.tolist(), buf.lengths.tolist()
+([5, 6, 7, 8, 9], [0, 3, 5], [3, 2])
+>>> read_tokens([[5, 6], [7, -1]])
+Traceback (most recent call last):
+...
+padfree.errors.InvalidTokensError: token_ids[1][1] = -1 is negative; token ids are integers >= 0
+>>> ids, labels = read_samples([{"input_ids": [1, 2, 3], "labels": [-100, 2, 3]}, {"input_ids": [4, 5]}])
+Traceback (most recent call last):
+...
+padfree.errors.InvalidSampleError: samples[0] has 'labels' but samples[1] has none; give labels to every sample \
+of a batch or to none
+
+What is accepted: lists or tuples of ints, numpy integer arrays, torch integer tensors, pyarrow list arrays
+(zero-copy), a ``(values, offsets)`` pair, a :class:`TokenBuffers`; samples as token sequences or as dicts with the
+ids under ``input_ids`` (and optionally ``labels``). The checks: every token is an integer that fits int64, token
+ids are >= 0 (and below ``vocab_size`` when it is known), labels are aligned with their ids one per token.
+
+The faults, one class each: :class:`~padfree.errors.InvalidSampleError` for a sample's shape (not a sequence, a
+missing key, no tokens, labels of another length, samples of mixed forms) and
+:class:`~padfree.errors.InvalidTokensError` for a token's value (not an integer, negative, out of the vocabulary,
+too large). Both name the sample, the field and the token.
+"""
+
+from __future__ import annotations
+
+import array
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from padfree.errors import InvalidArgumentError, InvalidSampleError, InvalidTokensError, describe
+
+__all__ = [
+    "TokenBuffers",
+    "as_fill_value",
+    "check_tokens",
+    "concat",
+    "length_of",
+    "read_arrow_chunks",
+    "read_samples",
+    "read_sequence",
+    "read_tokens",
+    "refuse_empty",
+    "split_sample",
+]
+
+_INT64_MAX = np.iinfo(np.int64).max
+_KINDS = ("ids", "labels")
+
+
+@dataclass(frozen=True, eq=False)
+class TokenBuffers:
+    """Sequences of tokens as one flat buffer: sequence ``i`` is ``values[offsets[i]:offsets[i + 1]]``.
+
+    ``values: (total,)`` integer token ids (or labels); ``offsets: (num_sequences + 1,) int64``. The offsets need not
+    start at 0 (a sliced Arrow array keeps its parent's values).
+    """
+
+    values: np.ndarray
+    offsets: np.ndarray
+
+    @property
+    def lengths(self) -> np.ndarray:
+        """``(num_sequences,) int64``."""
+        return np.diff(self.offsets)
+
+    def __len__(self) -> int:
+        return int(self.offsets.shape[0] - 1)
+
+    def take(self, rows: np.ndarray, starts: np.ndarray, lengths: np.ndarray) -> TokenBuffers:
+        """Piece ``j`` = tokens ``[starts[j], starts[j] + lengths[j])`` of sequence ``rows[j]``, as new buffers.
+
+        >>> TokenBuffers(np.arange(10), np.array([0, 4, 10])).take(np.array([1, 0]), np.array([2, 0]),
+        ...                                                         np.array([3, 1])).values.tolist()
+        [6, 7, 8, 0]
+        """
+        offsets = np.zeros(lengths.shape[0] + 1, np.int64)
+        np.cumsum(lengths, out=offsets[1:])
+        src = np.repeat(self.offsets[:-1][rows] + starts - offsets[:-1], lengths) + np.arange(offsets[-1])
+        return TokenBuffers(self.values[src], offsets)
+
+
+def concat(arrays: Sequence[np.ndarray]) -> TokenBuffers:
+    """One :class:`TokenBuffers` of int64 from 1-D integer arrays (each already checked: the cast cannot wrap).
+
+    >>> concat([np.array([1, 2]), np.array([3])]).offsets.tolist()
+    [0, 2, 3]
+    """
+    lengths = np.fromiter((a.shape[0] for a in arrays), dtype=np.int64, count=len(arrays))
+    offsets = np.zeros(lengths.shape[0] + 1, np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    values = np.concatenate(arrays, dtype=np.int64, casting="unsafe") if len(arrays) else np.zeros(0, np.int64)
+    return TokenBuffers(values, offsets)
+
+
+# --------------------------------------------------------------------------------------------------
+# Values: one vectorized pass, and on the error path the first offender by name
+# --------------------------------------------------------------------------------------------------
+
+
+def check_tokens(
+    values: np.ndarray,
+    starts: np.ndarray,
+    lengths: np.ndarray,
+    names: Callable[[int], str],
+    *,
+    kind: str = "ids",
+    vocab_size: int | None = None,
+    chunks: Sequence[tuple[np.ndarray, int]] | None = None,
+) -> tuple[int, int]:
+    """Check the tokens of rows ``values[starts[i]:starts[i] + lengths[i]]``; return their ``(min, max)``.
+
+    ``kind="ids"``: integers in ``[0, vocab_size)`` (``vocab_size`` None: any non-negative int64); ``"labels"``:
+    integers that fit int64, below ``vocab_size`` unless negative (ignored). ``names(i)`` names row ``i`` in a
+    message. ``chunks`` lists ``(array, base)`` pieces of ``values`` to scan instead of the span the rows cover
+    (``values[base:base + array.size]`` is ``array``) — for columns whose chunks lie apart in memory.
+
+    >>> check_tokens(np.array([3, 1, 4]), np.array([0]), np.array([3]), lambda i: f"ids[{i}]")
+    (1, 4)
+    """
+    if chunks is None:
+        nonempty = lengths > 0
+        if not nonempty.any():
+            return 0, 0
+        lo = int(starts[nonempty].min())
+        chunks = [(values[lo:int((starts + lengths)[nonempty].max())], lo)]
+    chunks = [(c, base) for c, base in chunks if c.size]
+    if not chunks:
+        return 0, 0
+    dtype = chunks[0][0].dtype
+    if dtype.kind not in "iu":
+        raise InvalidTokensError(f"{names(0)} must hold integer token {kind}, got dtype {dtype}")
+    low = min(int(c.min()) for c, _ in chunks)
+    high = max(int(c.max()) for c, _ in chunks)
+    faults = []
+    if high > _INT64_MAX:
+        faults.append((lambda c: c > _INT64_MAX, "does not fit int64 (token values are at most 2**63 - 1)"))
+    if kind == "ids" and low < 0:
+        faults.append((lambda c: c < 0, "is negative; token ids are integers >= 0"))
+    if vocab_size is not None and high >= vocab_size:
+        faults.append((lambda c: c >= vocab_size, f"is not below the vocabulary size {vocab_size}"))
+    if faults:
+        bad, why = faults[0]
+        _raise_first(chunks, bad, why, starts, lengths, names)
+    return low, high
+
+
+def _raise_first(chunks: Sequence[tuple[np.ndarray, int]], bad: Callable[[np.ndarray], np.ndarray], why: str,
+                 starts: np.ndarray, lengths: np.ndarray, names: Callable[[int], str]) -> None:
+    """Name the first row (in row order) holding a token that ``bad`` flags, and where in the row (error path)."""
+    hits = np.concatenate([np.flatnonzero(bad(c)) + base for c, base in chunks])
+    order = np.argsort(starts, kind="stable")
+    j = np.searchsorted(starts[order], hits, side="right") - 1
+    row = order[np.maximum(j, 0)]
+    inside = (j >= 0) & (hits < starts[row] + lengths[row])
+    if not inside.any():  # flagged values lie between rows (a sliced Arrow child): nothing a row holds is wrong
+        return
+    pick = np.flatnonzero(inside)
+    first = pick[np.lexsort((hits[pick], row[pick]))[0]]
+    i, at = int(row[first]), int(hits[first])
+    value = next(int(c[at - base]) for c, base in chunks if base <= at < base + c.size)
+    raise InvalidTokensError(f"{names(i)}[{at - int(starts[i])}] = {value} {why}")
+
+
+def refuse_empty(lengths: np.ndarray, names: Callable[[int], str]) -> None:
+    """Every sequence needs a token: name the first empty one, and count them all.
+
+    >>> refuse_empty(np.array([3, 0, 0]), lambda i: f"samples[{i}]")
+    Traceback (most recent call last):
+    ...
+    padfree.errors.InvalidSampleError: samples[1] has no tokens (2 of 3 samples are empty); every sample needs at \
+least one: filter the empty ones out first
+    """
+    if lengths.size and lengths.min() < 1:
+        i = int(np.argmax(lengths < 1))
+        raise InvalidSampleError(
+            f"{names(i)} has no tokens ({int((lengths < 1).sum())} of {lengths.size} samples are empty); every sample "
+            f"needs at least one: filter the empty ones out first"
+        )
+
+
+def as_fill_value(value: Any, name: str, dtype: Any = np.int64) -> int:
+    """A padding token or ignored label (``padding_value``, ``label_padding_value``): an integer — never a bool, a
+    float or a string — that fits ``dtype``, the type of the column it is written into.
+
+    >>> as_fill_value(-100, "label_padding_value")
+    -100
+    >>> as_fill_value(-100.5, "label_padding_value")
+    Traceback (most recent call last):
+    ...
+    padfree.errors.InvalidArgumentError: label_padding_value must be an integer that fits int64, got -100.5 (type \
+float)
+    """
+    info = np.iinfo(dtype)
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)) or not (
+        info.min <= int(value) <= info.max
+    ):
+        raise InvalidArgumentError(f"{name} must be an integer that fits {np.dtype(dtype).name}, got {describe(value)}")
+    return int(value)
+
+
+# --------------------------------------------------------------------------------------------------
+# One sample
+# --------------------------------------------------------------------------------------------------
+
+
+def split_sample(sample: Any, where: str, ids_key: str = "input_ids",
+                 labels_key: str | None = "labels") -> tuple[Any, Any, str]:
+    """``(token ids, labels or None, the ids' name for messages)`` of one sample, not yet converted.
+
+    >>> split_sample({"input_ids": [1, 2], "labels": [-100, 2]}, "samples[0]")
+    ([1, 2], [-100, 2], "samples[0]['input_ids']")
+    """
+    if isinstance(sample, Mapping):
+        if ids_key not in sample:
+            keys = sorted(map(str, sample))[:10]
+            raise InvalidSampleError(
+                f"{where} is a dict without {ids_key!r} (keys: {keys}); every sample must be a sequence of token "
+                f"ids or a dict with {ids_key!r}" + (f" and optionally {labels_key!r}" if labels_key else "")
+            )
+        labels = sample.get(labels_key) if labels_key is not None else None
+        return sample[ids_key], labels, f"{where}[{ids_key!r}]"
+    return sample, None, where
+
+
+def length_of(obj: Any, where: str) -> int:
+    """``len(obj)`` of a would-be token sequence (a stream measures before it converts), or an error."""
+    if isinstance(obj, (str, bytes)):
+        raise InvalidSampleError(f"{where} is text ({describe(obj)}); tokenize it first: samples are token ids")
+    try:
+        return len(obj)
+    except TypeError:
+        raise InvalidSampleError(f"{where} = {describe(obj)} is not a sequence of token ids") from None
+
+
+def read_sequence(value: Any, where: str, *, kind: str = "ids", vocab_size: int | None = None) -> np.ndarray:
+    """One sample's ids (or labels) as a checked 1-D integer numpy array; tensors and arrays are not copied.
+
+    >>> read_sequence((4, 5, 6), "samples[0]").tolist()
+    [4, 5, 6]
+    >>> read_sequence([4, 5.5], "samples[0]")
+    Traceback (most recent call last):
+    ...
+    padfree.errors.InvalidTokensError: samples[0][1] = 5.5 (type float) is not an integer token id
+    """
+    arr = _as_array(value, where)
+    check_tokens(arr, np.zeros(1, np.int64), np.array([arr.shape[0]]), lambda _: where, kind=kind,
+                 vocab_size=vocab_size)
+    return arr
+
+
+def _as_array(value: Any, where: str) -> np.ndarray:
+    if type(value).__module__.startswith("torch"):
+        value = value.detach().cpu().numpy()
+    if isinstance(value, np.ndarray):
+        arr = value
+    elif isinstance(value, (list, tuple)):
+        # array('q') reads Python ints through __index__ in one C loop, a third faster than np.asarray (which first
+        # scans the list to infer a dtype), and refuses floats, strings and None instead of converting them
+        try:
+            arr = np.frombuffer(array.array("q", value), np.int64)
+        except (TypeError, OverflowError):
+            _raise_bad_token(value, where)
+        if value and isinstance(value[0], bool):  # a 0/1 mask passed as ids; checking one token costs nothing
+            raise InvalidTokensError(f"{where}[0] = {describe(value[0])} is not an integer token id")
+        return arr
+    elif isinstance(value, (str, bytes)):
+        raise InvalidSampleError(f"{where} is text ({describe(value)}); tokenize it first: samples are token ids")
+    elif not isinstance(value, Sequence):
+        raise InvalidSampleError(f"{where} = {describe(value)} is not a sequence of token ids")
+    else:
+        arr = np.asarray(value, dtype=object)
+    if arr.ndim != 1:
+        raise InvalidSampleError(f"{where} must be 1-D (one sequence of token ids), got shape {tuple(arr.shape)} "
+                                 f"from {describe(value)}")
+    if arr.dtype.kind == "b" and arr.shape[0]:
+        raise InvalidTokensError(f"{where} holds booleans ({describe(value)}), not integer token ids")
+    if arr.dtype.kind not in "iu":
+        if arr.shape[0] == 0:
+            return np.zeros(0, np.int64)
+        if arr.dtype != object:
+            raise InvalidTokensError(f"{where} must hold integer token ids, got dtype {arr.dtype} "
+                                     f"(first value {describe(arr[0].item())})")
+        try:
+            arr = np.frombuffer(array.array("q", arr.tolist()), np.int64)
+        except (TypeError, OverflowError):
+            _raise_bad_token(arr.tolist(), where)
+    return arr
+
+
+def _raise_bad_token(values: Sequence[Any], where: str) -> None:
+    """Name the first token that is not an int64 (error path only: this loop may touch every token)."""
+    for k, token in enumerate(values):
+        if isinstance(token, bool) or not isinstance(token, (int, np.integer)):
+            raise InvalidTokensError(f"{where}[{k}] = {describe(token)} is not an integer token id")
+        if not -(2**63) <= int(token) <= _INT64_MAX:
+            raise InvalidTokensError(f"{where}[{k}] = {token} does not fit int64 (token values are at most 2**63 - 1)")
+    raise InvalidTokensError(f"{where} must hold integer token ids")  # pragma: no cover - array() found a bad one
+
+
+# --------------------------------------------------------------------------------------------------
+# Many sequences: columns and batches
+# --------------------------------------------------------------------------------------------------
+
+
+def read_tokens(tokens: Any, name: str = "token_ids", *, kind: str = "ids",
+                vocab_size: int | None = None) -> TokenBuffers:
+    """Sequences of token ids (or labels) as checked :class:`TokenBuffers`, without copying columnar input.
+
+    Accepts a pyarrow ``ListArray`` / ``LargeListArray`` / ``ChunkedArray`` (zero-copy but for several chunks), a
+    ``(values, offsets)`` pair of numpy arrays, a :class:`TokenBuffers`, or a sequence of sequences of ints (lists,
+    tuples, numpy arrays, tensors).
+
+    >>> read_tokens([[5, 6, 7], [8, 9]], vocab_size=9)
+    Traceback (most recent call last):
+    ...
+    padfree.errors.InvalidTokensError: token_ids[1][1] = 9 is not below the vocabulary size 9
+    """
+    if kind not in _KINDS:
+        raise ValueError(f"kind must be one of {_KINDS}")  # a programming error inside padfree, not a user input
+    if isinstance(tokens, TokenBuffers):
+        buf = tokens
+    elif type(tokens).__module__.startswith("pyarrow"):
+        buf = _from_arrow(tokens, name)
+    elif isinstance(tokens, tuple) and len(tokens) == 2 and all(isinstance(t, np.ndarray) for t in tokens):
+        buf = _from_pair(tokens[0], tokens[1], name)
+    elif isinstance(tokens, (str, bytes, Mapping)) or not isinstance(tokens, Sequence | np.ndarray):
+        raise InvalidSampleError(f"{name} must be a sequence of token-id sequences, got {describe(tokens)}")
+    elif isinstance(tokens, np.ndarray) and tokens.ndim == 2 and tokens.dtype.kind in "iu":
+        # a (sequences, length) block: rows of equal length, one view
+        values = np.ascontiguousarray(tokens).reshape(-1)
+        buf = TokenBuffers(values, np.arange(tokens.shape[0] + 1, dtype=np.int64) * tokens.shape[1])
+    else:
+        return concat_checked([_as_array(seq, f"{name}[{i}]") for i, seq in enumerate(tokens)],
+                              lambda i: f"{name}[{i}]", kind=kind, vocab_size=vocab_size)
+    check_tokens(buf.values, buf.offsets[:-1], buf.lengths, lambda i: f"{name}[{i}]", kind=kind,
+                 vocab_size=vocab_size)
+    return buf
+
+
+def concat_checked(arrays: Sequence[np.ndarray], names: Callable[[int], str], *, kind: str = "ids",
+                   vocab_size: int | None = None) -> TokenBuffers:
+    """:func:`concat` after one check of every value (int64 overflow, negative ids, vocabulary) across arrays."""
+    for i, a in enumerate(arrays):  # per sequence, never per token: only uint64 can hold what int64 cannot
+        if a.dtype == np.uint64 and a.size and a.max() > _INT64_MAX:
+            k = int(np.argmax(a > _INT64_MAX))
+            raise InvalidTokensError(f"{names(i)}[{k}] = {a[k]} does not fit int64 (token values are at most "
+                                     f"2**63 - 1)")
+    buf = concat(arrays)
+    check_tokens(buf.values, buf.offsets[:-1], buf.lengths, names, kind=kind, vocab_size=vocab_size)
+    return buf
+
+
+def _from_pair(values: np.ndarray, offsets: np.ndarray, name: str) -> TokenBuffers:
+    if values.ndim != 1 or offsets.ndim != 1 or offsets.shape[0] < 1 or offsets.dtype.kind not in "iu":
+        raise InvalidSampleError(f"{name} as a (values, offsets) pair needs 1-D values and 1-D integer offsets of "
+                                 f"num_sequences + 1 entries, got shapes {values.shape} and {offsets.shape}")
+    offsets = offsets.astype(np.int64, copy=False)
+    if (np.diff(offsets) < 0).any() or offsets[0] < 0 or offsets[-1] > values.shape[0]:
+        raise InvalidSampleError(f"{name}'s offsets must be non-decreasing and within the {values.shape[0]} values, "
+                                 f"got {describe(offsets.tolist())}")
+    return TokenBuffers(values, offsets)
+
+
+def _from_arrow(tokens: Any, name: str) -> TokenBuffers:
+    chunks = read_arrow_chunks(tokens, name)
+    if len(chunks) == 1:
+        return chunks[0]
+    return concat([c.values[c.offsets[0]:c.offsets[-1]] for c in chunks]) if chunks else concat([])
+
+
+def read_arrow_chunks(column: Any, name: str, *, kind: str = "ids", vocab_size: int | None = None,
+                      mask: bool = False, rows: Callable[[int], str] | None = None) -> list[TokenBuffers]:
+    """A pyarrow list column (``ListArray``, ``LargeListArray``, ``FixedSizeListArray`` or a ``ChunkedArray`` of
+    them) as one checked :class:`TokenBuffers` per chunk, zero-copy: a memory-mapped dataset stays mapped.
+
+    ``mask=True`` reads a 0/1 loss-mask column (integers or booleans; booleans become ``uint8``) without value
+    checks. ``rows(i)`` names row ``i`` (counted from the column's first row) in messages; default ``name[i]``.
+
+    >>> import pyarrow as pa
+    >>> [c.values.tolist() for c in read_arrow_chunks(pa.chunked_array([[[1, 2]], [[3]]]), "input_ids")]
+    [[1, 2], [3]]
+    """
+    import pyarrow as pa
+
+    rows = rows or (lambda i: f"{name}[{i}]")
+    chunks = column.chunks if isinstance(column, pa.ChunkedArray) else [column]
+    accepted = "0/1 integers or booleans" if mask else "integer token ids"
+    out = []
+    base = 0
+    for chunk in chunks:
+        kind_ = chunk.type
+        if not (pa.types.is_list(kind_) or pa.types.is_large_list(kind_) or pa.types.is_fixed_size_list(kind_)):
+            raise InvalidSampleError(f"{name} must hold one list of {accepted} per row, got Arrow type {kind_}")
+        if not (pa.types.is_integer(kind_.value_type) or (mask and pa.types.is_boolean(kind_.value_type))):
+            raise InvalidTokensError(f"{name} must hold {accepted}, got Arrow type {kind_}")
+        if chunk.null_count:
+            i = base + int(np.argmax(~chunk.is_valid().to_numpy(zero_copy_only=False)))
+            raise InvalidSampleError(f"{rows(i)} is null ({column.null_count} rows of {name} are); every row needs a "
+                                     f"list of tokens")
+        child = chunk.values
+        if child.null_count:
+            raise InvalidTokensError(f"{name} holds {child.null_count} null values inside its lists; every token "
+                                     f"must be an integer")
+        n = len(chunk)
+        if pa.types.is_fixed_size_list(kind_):
+            offsets = (np.arange(n + 1, dtype=np.int64) + chunk.offset) * kind_.list_size
+        else:
+            offsets = np.frombuffer(chunk.buffers()[1], np.int64 if pa.types.is_large_list(kind_) else np.int32,
+                                    n + 1, chunk.offset * (8 if pa.types.is_large_list(kind_) else 4))
+            offsets = offsets.astype(np.int64)
+        if pa.types.is_boolean(kind_.value_type):  # booleans are bit-packed in Arrow: unpacked to bytes
+            values = child.to_numpy(zero_copy_only=False).astype(np.uint8)
+        else:  # zero-copy, straight from the buffer (the child's own slice offset included)
+            dtype = np.dtype(kind_.value_type.to_pandas_dtype())
+            values = np.frombuffer(child.buffers()[1], dtype, len(child), child.offset * dtype.itemsize)
+        buf = TokenBuffers(values, offsets)
+        if not mask:
+            check_tokens(values, offsets[:-1], np.diff(offsets), lambda i, b=base: rows(b + i), kind=kind,
+                         vocab_size=vocab_size)
+        out.append(buf)
+        base += n
+    return out
+
+
+@dataclass(frozen=True, eq=False)
+class Samples:
+    """A batch of samples as flat buffers: ``ids``, ``labels`` (None: none given) and, for rows that are already
+    packed, ``row_offsets`` — row ``r`` holds sequences ``row_offsets[r]:row_offsets[r + 1]`` of the buffers."""
+
+    ids: TokenBuffers
+    labels: TokenBuffers | None
+    row_offsets: np.ndarray | None = None
+
+
+def read_samples(samples: Any, *, name: str = "samples", ids_key: str = "input_ids", labels_key: str = "labels",
+                 vocab_size: int | None = None) -> Samples:
+    """A loader batch (token sequences, or dicts with ``ids_key`` / ``labels_key``) as checked flat buffers.
+
+    Already-packed rows (dicts with ``seq_lens``) are cut into their sequences, so no boundary inside a row is lost:
+
+    >>> s = read_samples([{"input_ids": [1, 2, 3, 4, 5], "seq_lens": [3, 2]}])
+    >>> s.ids.offsets.tolist(), s.row_offsets.tolist()
+    ([0, 3, 5], [0, 2])
+    """
+    if isinstance(samples, (str, bytes, Mapping)) or not isinstance(samples, Sequence):
+        raise InvalidSampleError(f"{name} must be a list of samples (dicts with {ids_key!r} or token-id sequences), "
+                                 f"got {describe(samples)}")
+    if len(samples) == 0:
+        raise InvalidSampleError(f"{name} is empty; a batch needs at least one sample")
+    keyed = isinstance(samples[0], Mapping)
+    has_labels = keyed and samples[0].get(labels_key) is not None
+    ids: list[np.ndarray] = []
+    labels: list[np.ndarray] = []
+    for i, sample in enumerate(samples):  # per sample: each is a Python object that has to be read once
+        where = f"{name}[{i}]"
+        if isinstance(sample, Mapping) != keyed:
+            raise InvalidSampleError(f"{where} is {describe(sample)} but {name}[0] is {describe(samples[0])}; give "
+                                     f"every sample as a dict with {ids_key!r} or every one as a token-id sequence")
+        raw_ids, raw_labels, where_ids = split_sample(sample, where, ids_key, labels_key if keyed else None)
+        ids.append(_as_array(raw_ids, where_ids))
+        if (raw_labels is not None) != has_labels:
+            first, other = (f"{name}[0]", where) if has_labels else (where, f"{name}[0]")
+            raise InvalidSampleError(f"{first} has {labels_key!r} but {other} has none; give labels to every sample "
+                                     f"of a batch or to none")
+        if has_labels:
+            labels.append(_as_array(raw_labels, f"{where}[{labels_key!r}]"))
+    field = f"[{ids_key!r}]" if keyed else ""
+    buf = concat_checked(ids, lambda i: f"{name}[{i}]{field}", vocab_size=vocab_size)
+    lengths = buf.lengths
+    refuse_empty(lengths, lambda i: f"{name}[{i}]{field}")
+    lab = None
+    if has_labels:
+        lab = concat_checked(labels, lambda i: f"{name}[{i}][{labels_key!r}]", kind="labels", vocab_size=vocab_size)
+        if not np.array_equal(lab.lengths, lengths):
+            i = int(np.argmax(lab.lengths != lengths))
+            raise InvalidSampleError(f"{name}[{i}][{labels_key!r}] has {lab.lengths[i]} entries but its {ids_key} "
+                                     f"has {lengths[i]} tokens; labels are aligned with the ids, one per token")
+    if not (keyed and samples[0].get("seq_lens") is not None):
+        return Samples(buf, lab)
+    seq_lens, per_row = _seq_lens(samples, lengths, name)
+    offsets = np.zeros(seq_lens.shape[0] + 1, np.int64)
+    np.cumsum(seq_lens, out=offsets[1:])
+    row_offsets = np.zeros(per_row.shape[0] + 1, np.int64)
+    np.cumsum(per_row, out=row_offsets[1:])
+    return Samples(TokenBuffers(buf.values, offsets), TokenBuffers(lab.values, offsets) if lab is not None else None,
+                   row_offsets)
+
+
+def _seq_lens(samples: Sequence[Mapping[str, Any]], row_lengths: np.ndarray,
+              name: str) -> tuple[np.ndarray, np.ndarray]:
+    """The lengths of the sequences inside already-packed rows, read from each row's ``seq_lens``."""
+    parts = []
+    for i, sample in enumerate(samples):
+        if sample.get("seq_lens") is None:
+            raise InvalidSampleError(f"{name}[0] has 'seq_lens' (an already packed row) but {name}[{i}] has none; "
+                                     f"give packed rows or plain samples, not both")
+        lens = _as_array(sample["seq_lens"], f"{name}[{i}]['seq_lens']")
+        if lens.shape[0] == 0 or lens.min() < 1 or int(lens.sum()) != int(row_lengths[i]):
+            raise InvalidSampleError(f"{name}[{i}]['seq_lens'] = {lens.tolist()} must be lengths >= 1 summing to "
+                                     f"the row's {int(row_lengths[i])} tokens")
+        parts.append(lens)
+    return np.concatenate(parts).astype(np.int64), np.array([p.shape[0] for p in parts], np.int64)
