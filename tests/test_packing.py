@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from dataclasses import fields
 
 import numpy as np
 import pytest
@@ -125,8 +126,15 @@ def test_obfd_equals_bfd_on_a_million_lengths():
     assert obfd.efficiency >= 0.9995
 
 
+def _through_the_checks(result: PackResult) -> PackResult:
+    """``result`` rebuilt by the public constructor: the strategies skip its checks, this runs them."""
+    return PackResult(**{f.name: getattr(result, f.name) for f in fields(PackResult)})
+
+
 def _check_plan(result: PackResult, lengths, capacity, policy, max_items):
     """Every sequence is placed exactly once or accounted for by the policy; no bin overflows."""
+    checked = _through_the_checks(result)
+    assert np.array_equal(checked.bin_fill, result.bin_fill) and checked.total_tokens == result.total_tokens
     lengths = np.asarray(lengths, np.int64)
     assert result.bin_offsets[0] == 0 and result.bin_offsets[-1] == result.num_pieces
     assert np.all(np.diff(result.bin_offsets) >= 1), "no empty bin"
@@ -166,6 +174,20 @@ def test_every_token_accounted_for(name, policy, lengths, capacity, max_items, s
     result = pack_sequences(lengths, capacity, name, seed, overlong=policy, max_sequences_per_bin=max_items)
     _check_plan(result, lengths, capacity, policy, max_items)
     assert result.strategy == name
+
+
+@given(lengths=any_lengths, capacity=capacities, policy=st.sampled_from(["truncate", "split", "drop"]),
+       data=st.data())
+@settings(max_examples=100, deadline=None)
+def test_any_choice_of_bins_is_a_plan_that_accounts_for_its_tokens(lengths, capacity, policy, data):
+    plan = pack_sequences(lengths, capacity, overlong=policy)
+    shuffled = data.draw(st.permutations(range(plan.num_bins)))
+    bins = np.array(shuffled[: data.draw(st.integers(0, plan.num_bins))], np.int64)
+    part = _through_the_checks(plan.take_bins(bins))
+    assert part.bins == [plan.bins[b] for b in bins]
+    assert part.total_tokens == int(plan.bin_fill[bins].sum())
+    # the pieces left out are neither truncated nor dropped: what the part accounts for is at most the input
+    assert part.total_tokens + part.truncated_tokens + part.dropped_tokens <= part.input_tokens
 
 
 @pytest.mark.parametrize("name", sorted(STRATEGIES))

@@ -78,11 +78,15 @@ def as_lengths(lengths: Any, name: str = "lengths") -> np.ndarray:
         except OverflowError:
             # Python ints beyond int64: name the first one (a loop on the error path only)
             i, value = next((i, v) for i, v in enumerate(arr) if not -(2**63) <= v <= INT64_MAX)
-            raise InvalidLengthsError(f"{name}[{i}] = {value} does not fit in int64") from None
+            raise InvalidLengthsError(
+                f"{name}[{i}] = {value} does not fit in int64; a length is an integer in [1, {INT64_MAX}]"
+            ) from None
     elif kind == "u":
         if arr.dtype.itemsize >= 8 and (arr > np.iinfo(np.int64).max).any():
             i = int(np.argmax(arr > np.iinfo(np.int64).max))
-            raise InvalidLengthsError(f"{name}[{i}] = {arr[i]} does not fit in int64")
+            raise InvalidLengthsError(
+                f"{name}[{i}] = {arr[i]} does not fit in int64; a length is an integer in [1, {INT64_MAX}]"
+            )
         arr = arr.astype(np.int64)
     elif kind == "i":
         arr = arr.astype(np.int64, copy=False)

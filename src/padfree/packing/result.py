@@ -366,8 +366,9 @@ def _check(plan: PackResult) -> None:
     starts = None if plan.piece_starts is None else _ints(plan.piece_starts, "PackResult.piece_starts")
     if starts is not None and pieces is None:
         raise InvalidArgumentError(
-            "PackResult.piece_starts needs piece_lengths: a piece that starts inside its sequence must say how "
-            "many tokens it takes (pass both, or piece_lengths alone when every piece starts at token 0)"
+            f"PackResult.piece_starts = {describe(plan.piece_starts)} needs piece_lengths: a piece that starts "
+            f"inside its sequence must say how many tokens it takes (pass both, or piece_lengths alone when every "
+            f"piece starts at token 0)"
         )
     whole = lengths[order]
     if pieces is None:
@@ -382,7 +383,7 @@ def _check(plan: PackResult) -> None:
         for name, arr in (("piece_lengths", placed), ("piece_starts", starts)):
             if arr is not None and arr.shape[0] != m:
                 raise InvalidArgumentError(
-                    f"PackResult.{name} must have one entry per piece of order ({m}), got {arr.shape[0]}"
+                    f"PackResult.{name} must have one entry per piece of order ({m}), got {arr.shape[0]} entries"
                 )
         if m and placed.min() < 1:
             i = _first(placed < 1)

@@ -146,11 +146,15 @@ class StreamPacker:
             if isinstance(items, (str, bytes, dict)):
                 raise InvalidArgumentError(accepted)
             try:
-                items = list(items)
+                payloads = list(items)
             except TypeError:
                 raise InvalidArgumentError(accepted) from None
-            if len(items) != lengths.shape[0]:
-                raise InvalidArgumentError(f"items has {len(items)} entries but lengths has {lengths.shape[0]}")
+            if len(payloads) != lengths.shape[0]:
+                raise InvalidArgumentError(
+                    f"items has {len(payloads)} entries but lengths has {lengths.shape[0]}; give one payload per "
+                    f"length (got {describe(items)})"
+                )
+            items = payloads
         if (items is None) != (self._items is None) and self._seen:
             raise InvalidArgumentError("items must be given on every call to add() or on none")
         pieces = apply_overlong(lengths, self.capacity, self.overlong)
