@@ -417,6 +417,27 @@ def test_states_from_another_configuration_are_refused():
     resumed.load_state_dict(two)
     with pytest.raises(StateMismatchError, match="num_workers=2 but this one has num_workers=1"):
         list(resumed)
+    # a resume point past the end of the stream (a state from longer data) is an error, not an empty epoch
+    far = IterablePackingDataset(samples, max_length=8, buffer_size=4, seed=1).state_dict(50, batch_size=2)
+    short = IterablePackingDataset(samples, max_length=8, buffer_size=4, seed=1)
+    short.load_state_dict(far)
+    with pytest.raises(StateMismatchError, match=r"skips 100 rows of epoch 0, but the stream packs into \d+"):
+        list(short)
+    # states that are not what state_dict() writes: one clear error each, never a KeyError or a numpy error
+    good = PackingDataset(samples, max_length=8, seed=1).state_dict(1)
+    for key, value in [("seed", None), ("seed", "1"), ("epoch", -1), ("epoch", 1.5), ("seed", True)]:
+        broken = {**good, key: value}
+        with pytest.raises(StateMismatchError, match=rf"the state's '{key}' is .*an integer >= 0"):
+            PackingDataset(samples, max_length=8).load_state_dict(broken)
+        with pytest.raises(StateMismatchError, match=rf"the state's '{key}' is"):
+            IterablePackingDataset(samples, max_length=8, buffer_size=4).load_state_dict(
+                {**far, key: value})
+    for key in ("seed", "epoch"):
+        with pytest.raises(StateMismatchError, match=rf"the state's '{key}' is None"):
+            PackingDataset(samples, max_length=8).load_state_dict({k: v for k, v in good.items() if k != key})
+    for bad in (None, [], "state", {"format": "padfree.PackingDataset"}):
+        with pytest.raises(StateMismatchError):
+            PackingDataset(samples, max_length=8).load_state_dict(bad)
     ds = PackingDataset(samples, max_length=8)
     with pytest.raises(InvalidArgumentError, match="sequential sampler"):
         ds.state_dict(1, loader=DataLoader(ds, shuffle=True))

@@ -263,6 +263,11 @@ class _PackingBase:
                 f"the state was saved from a {self._kind} with another configuration: " + ", ".join(diffs)
                 + "; build the dataset with the arguments of the run that saved it"
             )
+        for key in ("seed", "epoch"):  # present in every state padfree writes: anything else is not one of ours
+            value = state.get(key)
+            if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)) or value < 0:
+                raise StateMismatchError(f"the state's {key!r} is {describe(value)}; a state from "
+                                         f"{self._kind}.state_dict() holds an integer >= 0 there")
         if self._seed_given and state.get("seed") != self.seed:
             raise StateMismatchError(
                 f"the state was saved with seed={state.get('seed')!r} but this dataset has seed={self.seed}; "
@@ -773,9 +778,18 @@ class IterablePackingDataset(_PackingBase, _TorchIterableDataset):
         worker, num_workers = (info.id, info.num_workers) if info is not None else (0, 1)
         virtual, skip = self._position(worker, num_workers)
         skip_global = skip * num_workers  # rows of the global sequence before this worker's first unconsumed one
+        rows = 0
         for p, b in enumerate(self._packed_stream(log=worker == 0)):
+            rows = p + 1
             if p % num_workers == virtual and p >= skip_global:
                 yield self._layout(b)
+        if skip and rows < skip_global:
+            # the stream ended before the resume point: the state belongs to other (longer) data, or to another
+            # configuration of this one; yielding nothing would look like a finished epoch
+            raise StateMismatchError(
+                f"the resumed state skips {skip_global} rows of epoch {self.epoch}, but the stream packs into "
+                f"{rows}; it was saved over other data"
+            )
 
     def _open(self) -> Iterator[tuple[np.ndarray, list[list[Any]]]]:
         """Blocks of ``(lengths (n,) int64, payloads)`` in stream order; a payload is ``[ids, labels or None]``, as
