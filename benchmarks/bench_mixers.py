@@ -110,7 +110,7 @@ class Row:
 def make_row(tokens: int, k: int, sigma: float) -> Row:
     import torch
 
-    from padfree.model import mixers
+    from padfree.model import scans
     from padfree.model.packed import PackedLayout
 
     lengths = sequence_lengths(tokens, k, sigma, seed=k)
@@ -122,7 +122,7 @@ def make_row(tokens: int, k: int, sigma: float) -> Row:
         "beta": torch.rand(1, tokens, HV, generator=gen),
         "weight": torch.randn(CHANNELS, KERNEL, generator=gen) / KERNEL,
     }
-    padded_chunks = int(mixers._gdr_padded(lengths, CHUNK).sum())
+    padded_chunks = int(scans._gdr_padded(lengths, CHUNK).sum())
     return Row(tokens, k, lengths, PackedLayout.from_position_ids(pos), inputs,
                torch.randn(1, tokens, HV, DV, generator=gen) / tokens, int(k * lengths.max()),
                padded_chunks / tokens)
@@ -141,7 +141,7 @@ def contender(name: str, row: Row) -> Callable[[dict[str, Any]], Any]:
     import torch
     from transformers.models.qwen3_5.modeling_qwen3_5 import causal_conv1d_fn, torch_chunk_gated_delta_rule
 
-    from padfree.model import mixers
+    from padfree.model import scans
 
     lay = row.layout
     if name == LEAKY:
@@ -156,8 +156,8 @@ def contender(name: str, row: Row) -> Callable[[dict[str, Any]], Any]:
             q, k = (x.repeat_interleave(HV // HK, dim=2) for x in (q, k))
             q, k, v, b, g = (x.transpose(1, 2).to(torch.float32, memory_format=torch.contiguous_format)
                              for x in (q, k, v, t["beta"], t["g"]))
-            q, k = mixers._l2norm(q), mixers._l2norm(k)
-            out = mixers._gdr_chunked(q * DK ** -0.5, k, v, b, g, None, CHUNK)
+            q, k = scans._l2norm(q), scans._l2norm(k)
+            out = scans._gdr_chunked(q * DK ** -0.5, k, v, b, g, None, CHUNK)
             return out.transpose(1, 2).contiguous()
         return same_code_leaky
     if name == PADDED:
@@ -182,8 +182,8 @@ def contender(name: str, row: Row) -> Callable[[dict[str, Any]], Any]:
     formulation = {PER_SEGMENT: "per-segment", MASKED: "masked", AUTO: "auto"}[name]
 
     def exact(t):
-        q, k, v = _split(mixers.segment_causal_conv1d(t["x"], t["weight"], None, "silu", lay))
-        return mixers.segment_gated_delta_rule(q, k, v, t["g"], t["beta"], lay, chunk_size=CHUNK,
+        q, k, v = _split(scans.segment_causal_conv1d(t["x"], t["weight"], None, "silu", lay))
+        return scans.segment_gated_delta_rule(q, k, v, t["g"], t["beta"], lay, chunk_size=CHUNK,
                                                use_qk_l2norm_in_kernel=True, formulation=formulation)
     return exact
 
@@ -247,7 +247,7 @@ def main() -> None:
 
     import torch
 
-    from padfree.model import mixers
+    from padfree.model import scans
 
     torch.set_num_threads(1)
     shapes = [(2048, 7), (2048, 64)] + ([] if args.quick else [(8192, 7), (8192, 64), (2048, 256)])
@@ -265,7 +265,7 @@ def main() -> None:
         results = run_row(row, short_runs if tokens <= 2048 else runs)
         leaky, leaky_same = results[LEAKY].median, results[LEAKY_SAME].median
         chosen = {"per-segment": "per-segment", "masked": "decay-reset"}[
-            mixers._gdr_formulation(row.layout, CHUNK)]
+            scans._gdr_formulation(row.layout, CHUNK)]
         for name in (PER_SEGMENT, MASKED, AUTO):
             ratios[name].append(results[name].median / leaky)
             same[name].append(results[name].median / leaky_same)

@@ -16,7 +16,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from padfree.errors import PackingDisabledError, UnsupportedModelError  # noqa: E402
-from padfree.model import configure, mixers  # noqa: E402
+from padfree.model import configure, scans  # noqa: E402
 from padfree.model.families import convs, rglru, rwkv, xlstm  # noqa: E402
 from padfree.model.packed import PackedLayout  # noqa: E402
 from padfree.model.proof import prove  # noqa: E402
@@ -114,8 +114,8 @@ def test_the_same_comparison_catches_a_family_whose_reset_is_off(monkeypatch, mo
         exact = xlstm.chunk_plan
         monkeypatch.setattr(xlstm, "chunk_plan", lambda lay, chunk: exact(_leaky(lay), chunk))
     elif model_type == "lfm3":
-        exact = mixers.segment_causal_conv1d
-        monkeypatch.setattr(mixers, "segment_causal_conv1d", lambda *a: exact(*map(_leaky, a)))
+        exact = scans.segment_causal_conv1d
+        monkeypatch.setattr(scans, "segment_causal_conv1d", lambda *a: exact(*map(_leaky, a)))
     else:
         exact_conv, exact_pos = rglru.segment_causal_conv1d, rglru.segment_positions
         monkeypatch.setattr(rglru, "segment_causal_conv1d", lambda *a: exact_conv(*map(_leaky, a)))

@@ -24,7 +24,7 @@ transformers = pytest.importorskip("transformers")
 
 from padfree import configure_packing  # noqa: E402
 from padfree.errors import PackingDisabledError, UnsupportedModelError  # noqa: E402
-from padfree.model import configure, mixers  # noqa: E402
+from padfree.model import configure, kernels, mixers, scans  # noqa: E402
 from padfree.model.packed import PackedLayout  # noqa: E402
 from zoo import (  # noqa: E402
     MIXER_ROWS,
@@ -297,7 +297,7 @@ def test_reference_conv_matches_transformers_per_segment():
     torch.manual_seed(0)
     x, w, bias = torch.randn(2, 6, 15), torch.randn(6, 4), torch.randn(6)
     for activation in (None, "silu"):
-        got = mixers.segment_causal_conv1d(x, w, bias, activation, lay)
+        got = scans.segment_causal_conv1d(x, w, bias, activation, lay)
         want = _per_segment(lambda t, act=activation: causal_conv1d_fn(t, w, bias, activation=act), lay, x, dim=2)
         assert float((got - want).abs().max()) <= 1e-6
 
@@ -324,7 +324,7 @@ def test_reference_gated_delta_rule_both_formulations(rows):
         return torch_chunk_gated_delta_rule(q, k, v, g=decay, beta=beta, use_qk_l2norm_in_kernel=True)[0]
 
     want = _per_segment(alone, lay, q, k, v, decay, beta, dim=1)
-    got = {form: mixers.segment_gated_delta_rule(q, k, v, decay, beta, lay, use_qk_l2norm_in_kernel=True,
+    got = {form: scans.segment_gated_delta_rule(q, k, v, decay, beta, lay, use_qk_l2norm_in_kernel=True,
                                                  formulation=form) for form in ("masked", "per-segment", "auto")}
     for out in got.values():
         assert out.shape == want.shape and float((out - want).abs().max()) <= 1e-5
@@ -335,10 +335,10 @@ def test_gated_delta_rule_formulation_choice():
     few, _ = _layout([[600, 700, 748]])
     short, _ = _layout([[16, 30, 45, 1] * 16])
     tiny_segments, _ = _layout([[4] * 256])
-    assert mixers._gdr_formulation(few, 64) == "per-segment"  # little padding to whole chunks
-    assert mixers._gdr_formulation(short, 64) == "per-segment"  # one chunk each, padded to multiples of 16 only
-    assert mixers._gdr_formulation(tiny_segments, 64) == "masked"  # 4-token segments would pad 4x
-    groups = mixers._gdr_groups(short, 64)
+    assert scans._gdr_formulation(few, 64) == "per-segment"  # little padding to whole chunks
+    assert scans._gdr_formulation(short, 64) == "per-segment"  # one chunk each, padded to multiples of 16 only
+    assert scans._gdr_formulation(tiny_segments, 64) == "masked"  # 4-token segments would pad 4x
+    groups = scans.gdr_groups(short, 64)
     assert [(length, chunk) for length, chunk, *_ in groups] == [(48, 48), (32, 32), (16, 16)]
 
 
@@ -357,7 +357,7 @@ def test_reference_gated_delta_rule_never_builds_denormals():
 
     try:
         torch.Tensor.exp = spy
-        mixers.segment_gated_delta_rule(q, k, v, decay, beta, lay, formulation="masked")
+        scans.segment_gated_delta_rule(q, k, v, decay, beta, lay, formulation="masked")
     finally:
         torch.Tensor.exp = real_exp
     assert seen
@@ -379,7 +379,7 @@ def test_reference_ssd_scan_matches_transformers_per_segment():
     b_, c_ = (torch.randn(batch_, length, groups, state, generator=g) for _ in range(2))
     d, dt_bias = torch.randn(heads, generator=g), torch.randn(heads, generator=g)
     opts = dict(D=d, dt_bias=dt_bias, dt_softplus=True, dt_limit=(0.0, float("inf")))
-    got = mixers.segment_ssd_scan(x, dt, a, b_, c_, 8, lay, **opts)
+    got = scans.segment_ssd_scan(x, dt, a, b_, c_, 8, lay, **opts)
     want = _per_segment(lambda x, dt, b_, c_: mamba2_chunk_scan(x, dt, a, b_, c_, 8, **opts), lay, x, dt, b_, c_,
                         dim=1)
     assert float((got - want).abs().max()) <= 1e-5
@@ -397,7 +397,7 @@ def test_reference_selective_scan_matches_transformers_per_segment():
     b_, c_ = (torch.randn(batch_, state, length, generator=g) for _ in range(2))
     d, bias = torch.randn(channels, generator=g), torch.randn(channels, generator=g)
     opts = dict(D=d, delta_bias=bias, delta_softplus=True)
-    got = mixers.segment_selective_scan(x, dt, a, b_, c_, lay, z=z, **opts)
+    got = scans.segment_selective_scan(x, dt, a, b_, c_, lay, z=z, **opts)
     want = _per_segment(lambda x, dt, b_, c_, z: mamba_selective_scan(x, dt, a, b_, c_, z=z, **opts), lay,
                         x, dt, b_, c_, z, dim=2)
     assert float((got - want).abs().max()) <= 1e-6
@@ -408,8 +408,8 @@ def test_reference_selective_scan_matches_transformers_per_segment():
 
 @pytest.fixture
 def fresh_kernels(monkeypatch):
-    monkeypatch.setattr(mixers, "_loaded", {})
-    monkeypatch.setattr(mixers, "_broken", {})
+    monkeypatch.setattr(kernels, "_loaded", {})
+    monkeypatch.setattr(kernels, "_broken", {})
     return monkeypatch
 
 
@@ -432,8 +432,8 @@ def _fake_fla(calls):
 
 def test_kernel_path_is_used_when_usable(fresh_kernels):
     calls = []
-    fresh_kernels.setitem(mixers._loaded, "fla", (_fake_fla(calls), ""))
-    fresh_kernels.setattr(mixers, "_on_accelerator", lambda t: True)
+    fresh_kernels.setitem(kernels._loaded, "fla", (_fake_fla(calls), ""))
+    fresh_kernels.setattr(kernels, "_on_accelerator", lambda t: True)
     model = tiny_model("qwen3_5_text").to(torch.bfloat16)  # flash-linear-attention takes bf16/fp16 only
     report = configure_packing(model)
     assert all("flash-linear-attention chunk_gated_delta_rule with cu_seqlens" in d for d in report.mixers.values())
@@ -475,9 +475,9 @@ def test_mamba_ssm_and_causal_conv1d_kernel_paths(fresh_kernels):
                                                        C[b:b + 1, s:e], chunk_size, **opts)
                                      for s, e in _runs(seq_idx[b])], dim=1) for b in range(x.shape[0])])
 
-    fresh_kernels.setitem(mixers._loaded, "causal_conv1d", (fake_conv, ""))
-    fresh_kernels.setitem(mixers._loaded, "mamba_ssm", (fake_scan, ""))
-    fresh_kernels.setattr(mixers, "_on_accelerator", lambda t: True)
+    fresh_kernels.setitem(kernels._loaded, "causal_conv1d", (fake_conv, ""))
+    fresh_kernels.setitem(kernels._loaded, "mamba_ssm", (fake_scan, ""))
+    fresh_kernels.setattr(kernels, "_on_accelerator", lambda t: True)
     model = tiny_model("bamba")
     ids, pos, seqs = packed_rows(MIXER_ROWS)
     alone, _ = run_separately(model, seqs)
@@ -505,8 +505,8 @@ def test_a_kernel_that_fails_at_its_first_call_falls_back_to_the_reference(fresh
         calls.append(1)
         raise RuntimeError("triton: 0 active drivers")
 
-    fresh_kernels.setitem(mixers._loaded, kernel, (broken, ""))
-    fresh_kernels.setattr(mixers, "_on_accelerator", lambda t: True)
+    fresh_kernels.setitem(kernels._loaded, kernel, (broken, ""))
+    fresh_kernels.setattr(kernels, "_on_accelerator", lambda t: True)
     model = tiny_model(model_type).to(dtype)
     ids, pos, seqs = packed_rows(MIXER_ROWS)
     with torch.no_grad():
@@ -519,14 +519,14 @@ def test_a_kernel_that_fails_at_its_first_call_falls_back_to_the_reference(fresh
         again = model(input_ids=ids, position_ids=pos).logits
     assert len(calls) == 1 and torch.equal(out, again)
     assert "using the exact PyTorch reference" in caplog.text
-    assert mixers.kernel_status(kernel) == (False, mixers._broken[kernel])
+    assert kernels.kernel_status(kernel) == (False, kernels._broken[kernel])
     for description in configure.packing_state(model).report.mixers.values():
         assert "failed at its first call (RuntimeError: triton: 0 active drivers)" in description
         assert selected not in description
     if dtype == torch.float32:  # exact: packed == every sequence alone
         assert max_diff([out[b, c:c + len(s)] for b, c, s in seqs], alone) <= 1e-5
     else:  # bf16: the same numbers as the reference path taken from the start
-        fresh_kernels.setattr(mixers, "_on_accelerator", lambda t: False)
+        fresh_kernels.setattr(kernels, "_on_accelerator", lambda t: False)
         with torch.no_grad():
             assert torch.equal(model(input_ids=ids, position_ids=pos).logits, out)
 
@@ -539,10 +539,10 @@ def test_a_kernel_that_fails_to_import_is_reported_and_never_used(fresh_kernels)
             raise RuntimeError("0 active drivers ([]). There should only be one.")
         return real_import(name, *args)
 
-    fresh_kernels.setattr(mixers, "_cuda_available", lambda: True)
-    fresh_kernels.setattr(mixers.importlib.util, "find_spec", lambda name, *a: types.SimpleNamespace(name=name))
-    fresh_kernels.setattr(mixers.importlib, "import_module", import_module)
-    usable, why = mixers.kernel_status("fla")
+    fresh_kernels.setattr(kernels, "_cuda_available", lambda: True)
+    fresh_kernels.setattr(kernels.importlib.util, "find_spec", lambda name, *a: types.SimpleNamespace(name=name))
+    fresh_kernels.setattr(kernels.importlib, "import_module", import_module)
+    usable, why = kernels.kernel_status("fla")
     assert not usable and "failed to import (RuntimeError: 0 active drivers" in why
     report = configure_packing(tiny_model("qwen3_5_text"))
     assert all("flash-linear-attention is installed but fla.ops.gated_delta_rule.chunk_gated_delta_rule failed to "
@@ -553,8 +553,8 @@ def test_no_kernel_package_is_imported_without_cuda(fresh_kernels):
     """Without CUDA padfree never even imports a kernel package (a triton without a GPU can crash at import)."""
     asked = []
     real_import = importlib.import_module
-    fresh_kernels.setattr(mixers, "_cuda_available", lambda: False)
-    fresh_kernels.setattr(mixers.importlib, "import_module", lambda name, *a: asked.append(name) or real_import(name))
+    fresh_kernels.setattr(kernels, "_cuda_available", lambda: False)
+    fresh_kernels.setattr(kernels.importlib, "import_module", lambda name, *a: asked.append(name) or real_import(name))
     model = tiny_model("bamba")
     report = configure_packing(model)
     ids, pos, _ = packed_rows(MIXER_ROWS)

@@ -39,7 +39,7 @@ from typing import Any
 import torch
 
 from padfree.errors import PackingDisabledError, UnsupportedModelError
-from padfree.model import guards, mixers
+from padfree.model import guards, mixers, scans
 from padfree.model.packed import PackedLayout
 from padfree.model.state import current_layout, hooks_live
 
@@ -80,7 +80,7 @@ def _current(what: str) -> PackedLayout:
 @torch.compiler.disable
 def _conv(hidden_states: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
           activation: str | None = None, **kwargs: Any) -> torch.Tensor:
-    return mixers.segment_causal_conv1d(hidden_states, weight, bias, activation, _current("causal_conv1d_fn"))
+    return scans.segment_causal_conv1d(hidden_states, weight, bias, activation, _current("causal_conv1d_fn"))
 
 
 @torch.compiler.disable
@@ -90,7 +90,7 @@ def _scan(hidden_states: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: tor
     if return_last_state:
         raise PackingDisabledError("a packed batch reached a Mamba mixer with a cache; packed training never uses a "
                                    "cache (pass use_cache=False)")
-    return mixers.segment_selective_scan(hidden_states, dt, A, B, C, _current("mamba_selective_scan"), D=D, z=z,
+    return scans.segment_selective_scan(hidden_states, dt, A, B, C, _current("mamba_selective_scan"), D=D, z=z,
                                          delta_bias=delta_bias, delta_softplus=delta_softplus)
 
 

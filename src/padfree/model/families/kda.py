@@ -5,7 +5,7 @@ causal convolution over q, k and v and then ``chunk_kimi_delta_attention``, a re
 chunk. In a packed row both would run across the boundary between two sequences. Installed, such a module runs
 transformers' own forward for an ordinary batch and, for a packed one, the same forward with
 
-- ``causal_conv1d_fn`` -> :func:`padfree.model.mixers.segment_causal_conv1d` (zero history at every segment start);
+- ``causal_conv1d_fn`` -> :func:`padfree.model.scans.segment_causal_conv1d` (zero history at every segment start);
 - ``chunk_kimi_delta_attention`` -> :func:`segment_kimi_delta_attention`: every segment its own row, starting from
   a zero state — transformers' own chunked rule, run on the segments (those of one padded length in one call);
 - the one-token cached-decode functions refuse: a packed batch never has a cache.
@@ -36,7 +36,7 @@ from typing import Any
 import torch
 
 from padfree.errors import PackingDisabledError, UnsupportedModelError
-from padfree.model import mixers
+from padfree.model import mixers, scans
 from padfree.model.families import linear
 from padfree.model.packed import PackedLayout
 
@@ -99,7 +99,7 @@ def segment_kimi_delta_attention(
 
     fq, fk, fv, fg, fb = (flat(x) for x in (query, key, value, g, beta))
     pieces, dest = [], []
-    for _, chunk, gather, valid, to in mixers._gdr_groups(lay, chunk_size):
+    for _, chunk, gather, valid, to in scans.gdr_groups(lay, chunk_size):
         out, _ = rule(fq[gather], fk[gather], fv[gather], g=fg[gather], beta=fb[gather], chunk_size=chunk,
                       initial_state=None, output_final_state=False, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
         pieces.append(out.reshape(-1, heads, out.shape[-1])[valid])

@@ -6,7 +6,7 @@ sequence, and the recurrence carries its state into the next one. For a packed b
 transformers' own forward with
 
 - its ``conv_1d`` computing the same depthwise convolution restarted from a zero history at every segment
-  (:func:`padfree.model.mixers.segment_causal_conv1d`: one ``F.conv1d``, as ``nn.Conv1d`` runs it);
+  (:func:`padfree.model.scans.segment_causal_conv1d`: one ``F.conv1d``, as ``nn.Conv1d`` runs it);
 - the RG-LRU given the positions inside each segment: it resets where a position is 0 — it multiplies the carried
   state by 0 and skips the input normalisation there, exactly what the first token of a lone sequence gets —
   so transformers' own recurrence (its loop over time steps) runs unchanged.
@@ -39,8 +39,8 @@ import torch
 
 from padfree.errors import PackingDisabledError, UnsupportedModelError
 from padfree.model import guards
-from padfree.model.mixers import segment_causal_conv1d
 from padfree.model.packed import PackedLayout
+from padfree.model.scans import segment_causal_conv1d
 from padfree.model.state import current_layout, hooks_live
 
 __all__ = ["CLASSES", "install", "segment_positions", "uninstall"]
