@@ -224,13 +224,6 @@ def test_a_stream_buffer_or_a_step_past_the_limit_is_refused():
         balance_bins(PLAN, 2**20, micro_batch_size=2**12)
 
 
-def test_a_plan_keeps_its_own_lengths():
-    lengths = np.array([5, 3, 4])
-    plan = pack_sequences(lengths, 8)
-    lengths[:] = 100  # a caller reusing its buffer
-    assert plan.lengths.tolist() == [5, 3, 4] and plan.bin_fill.max() <= 8
-
-
 # ---------------------------------------------------------------------------------------------------
 # Hand-made plans: each rule of PackResult
 # ---------------------------------------------------------------------------------------------------
