@@ -24,7 +24,7 @@ datasets = pytest.importorskip("datasets")
 import padfree  # noqa: E402
 from multiproc import as_launched_rank, free_port, run_ranks  # noqa: E402
 from padfree.integrations.distributed import DistributedPackedBatchSampler  # noqa: E402
-from padfree.integrations.trainer import PackedRowsCollator, pack_for_trainer  # noqa: E402
+from padfree.integrations.trainer_data import PackedRowsCollator, pack_for_trainer  # noqa: E402
 from zoo import mistral_tokenizer, tiny_model  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")

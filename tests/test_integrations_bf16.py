@@ -22,13 +22,10 @@ datasets = pytest.importorskip("datasets")
 trl = pytest.importorskip("trl")
 
 import padfree.integrations.trl as ptrl  # noqa: E402
-from padfree.integrations.trainer import (  # noqa: E402
-    PackedRowsCollator,
-    Trainer,
-    pack_for_trainer,
-    packing_status,
-    token_losses,
-)
+from padfree.integrations.status import packing_status  # noqa: E402
+from padfree.integrations.step_loss import token_losses  # noqa: E402
+from padfree.integrations.trainer import Trainer  # noqa: E402
+from padfree.integrations.trainer_data import PackedRowsCollator, pack_for_trainer  # noqa: E402
 from zoo import mistral_tokenizer  # noqa: E402
 
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k_train.json"

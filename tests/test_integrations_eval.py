@@ -23,7 +23,7 @@ mistral_common = pytest.importorskip("mistral_common")
 
 import padfree.integrations.trl as ptrl  # noqa: E402
 from padfree.errors import InvalidArgumentError  # noqa: E402
-from padfree.integrations.trainer import token_losses  # noqa: E402
+from padfree.integrations.step_loss import token_losses  # noqa: E402
 from zoo import mistral_tokenizer, tiny_model  # noqa: E402
 
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k_train.json"
@@ -217,7 +217,8 @@ def test_eval_packing_in_padding_free_mode_reads_packing_strategy_and_max_length
 def test_padfree_trainer_eval_loss_follows_the_loss_rule(tok, data, reference, tmp_path, loss_rule, packed):
     """``padfree.Trainer`` (the plain HF Trainer with padfree's collator) reports the same eval loss as the
     per-sequence reference, on packed rows and on unpacked samples flattened padding-free."""
-    from padfree.integrations.trainer import PackedRowsCollator, Trainer, pack_for_trainer
+    from padfree.integrations.trainer import Trainer
+    from padfree.integrations.trainer_data import PackedRowsCollator, pack_for_trainer
 
     rows = datasets.Dataset.from_dict({"input_ids": [r["input_ids"] for r in _tokenized(tok, data, tmp_path)],
                                        "labels": [r["labels"] for r in _tokenized(tok, data, tmp_path)]})

@@ -28,7 +28,7 @@ mistral_common = pytest.importorskip("mistral_common")
 
 import padfree  # noqa: E402
 from multiproc import as_launched_rank, free_port, run_ranks  # noqa: E402
-from padfree.integrations.trainer import count_loss_items, token_losses  # noqa: E402
+from padfree.integrations.step_loss import count_loss_items, token_losses  # noqa: E402
 from padfree.integrations.trl import SFTConfig, SFTTrainer  # noqa: E402
 from zoo import mistral_tokenizer  # noqa: E402
 

@@ -10,6 +10,7 @@ import json
 import logging
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -18,16 +19,12 @@ datasets = pytest.importorskip("datasets")
 mistral_common = pytest.importorskip("mistral_common")
 
 from padfree.errors import InvalidArgumentError, InvalidSampleError, UnsupportedModelError  # noqa: E402
-from padfree.integrations.trainer import (  # noqa: E402
-    PackedRowsCollator,
-    PackingTelemetryCallback,
-    Trainer,
-    count_loss_items,
-    enable,
-    pack_for_trainer,
-    packing_status,
-    token_losses,
-)
+from padfree.integrations.enable import enable  # noqa: E402
+from padfree.integrations.status import packing_status  # noqa: E402
+from padfree.integrations.step_loss import count_loss_items, sequence_ids, token_losses  # noqa: E402
+from padfree.integrations.telemetry import PackingTelemetryCallback  # noqa: E402
+from padfree.integrations.trainer import Trainer  # noqa: E402
+from padfree.integrations.trainer_data import PackedRowsCollator, pack_for_trainer  # noqa: E402
 from zoo import mistral_tokenizer, with_unknown_mixer  # noqa: E402
 
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k_train.json"
@@ -103,6 +100,23 @@ def test_count_loss_items():
     assert count_loss_items(prompt_only) == (1, 1)  # a sequence without a target does not count
     shifted = {"shift_labels": torch.tensor([[6, 7, -100, 9, -100]]), "position_ids": torch.tensor([[0, 1, 2, 0, 1]])}
     assert count_loss_items(shifted) == (3, 2)
+
+
+def test_sequence_ids_split_at_row_starts_and_restarts_whatever_the_positions():
+    """The loss rule reads positions unchecked (a check would sync every micro-batch): a sequence starts at every
+    row start and every 0, also in positions that are no packing (left padding 1, 1, 0, 1, 2; a jump)."""
+    rng = np.random.default_rng(0)
+    for _ in range(50):
+        rows, width = (int(v) for v in rng.integers(1, 6, size=2))
+        pos = rng.integers(-1, 3, size=(rows, width))
+        expected, seq = np.zeros((rows, width), np.int64), -1
+        for r in range(rows):  # the rule, one token at a time
+            for t in range(width):
+                seq += t == 0 or pos[r, t] == 0
+                expected[r, t] = seq
+        assert sequence_ids(torch.from_numpy(pos)).tolist() == expected.tolist()
+    assert sequence_ids(torch.tensor([1, 1, 0, 1, 2])).tolist() == [[0, 0, 1, 1, 1]]
+    assert sequence_ids(None, torch.ones(2, 3)).tolist() == [[0, 0, 0], [1, 1, 1]]  # no positions: a row each
 
 
 @pytest.mark.parametrize("mode", ["token", "sequence"])

@@ -24,13 +24,11 @@ mistral_common = pytest.importorskip("mistral_common")
 
 import padfree.integrations.trl as ptrl  # noqa: E402
 from padfree.errors import DataLoadError, InvalidArgumentError, UnsupportedModelError  # noqa: E402
-from padfree.integrations.trainer import (  # noqa: E402
-    PackedRowsCollator,
-    PackingTelemetryCallback,
-    enable,
-    packing_status,
-    token_losses,
-)
+from padfree.integrations.enable import enable  # noqa: E402
+from padfree.integrations.status import packing_status  # noqa: E402
+from padfree.integrations.step_loss import token_losses  # noqa: E402
+from padfree.integrations.telemetry import PackingTelemetryCallback  # noqa: E402
+from padfree.integrations.trainer_data import PackedRowsCollator  # noqa: E402
 from zoo import mistral_tokenizer, with_unknown_mixer  # noqa: E402
 
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k_train.json"
@@ -212,7 +210,7 @@ def test_packing_first_step_loss_equals_unpacked_and_20_steps(tok, records, tmp_
     model = llama(tok)
     reference = copy.deepcopy(model)  # never configured: runs transformers' own code on one sequence at a time
     cls = enable(RecordingSFT)
-    assert issubclass(cls, RecordingSFT) and issubclass(cls, ptrl._SFTMixin)
+    assert issubclass(cls, RecordingSFT) and issubclass(cls, ptrl.SFTMixin)
     trainer = cls(model=model, args=config(tmp_path, packing=True, max_length=256, max_steps=20, logging_steps=5,
                                             per_device_train_batch_size=1, learning_rate=1e-3),
                   train_dataset=ds, processing_class=tok)

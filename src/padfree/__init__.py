@@ -63,12 +63,12 @@ _LAZY = {
     "SFTTrainer": "padfree.integrations.trl",
     "SFTConfig": "padfree.integrations.trl",
     "Trainer": "padfree.integrations.trainer",
-    "enable": "padfree.integrations.trainer",
-    "packing_status": "padfree.integrations.trainer",
-    "PackingStatus": "padfree.integrations.trainer",
-    "PackingTelemetryCallback": "padfree.integrations.trainer",
-    "PackedRowsCollator": "padfree.integrations.trainer",
-    "pack_for_trainer": "padfree.integrations.trainer",
+    "enable": "padfree.integrations.enable",
+    "packing_status": "padfree.integrations.status",
+    "PackingStatus": "padfree.integrations.status",
+    "PackingTelemetryCallback": "padfree.integrations.telemetry",
+    "PackedRowsCollator": "padfree.integrations.trainer_data",
+    "pack_for_trainer": "padfree.integrations.trainer_data",
     "DistributedPackedBatchSampler": "padfree.integrations.distributed",
 }
 

@@ -63,7 +63,7 @@ logger = logging.getLogger("padfree")
 _SEED_PACK, _SEED_STEPS = 11, 12  # purposes of the seeds derived from (seed, epoch)
 
 
-def _is_hf_dataset(data: Any) -> bool:
+def is_hf_dataset(data: Any) -> bool:
     datasets = sys.modules.get("datasets")  # never imported here: a datasets.Dataset means it already is
     return datasets is not None and isinstance(data, datasets.Dataset)
 
@@ -104,7 +104,7 @@ def _hf_lengths(dataset: Any, key: str = "input_ids") -> np.ndarray:
 
 def _rows_plan(rows: Any, capacity: Any) -> PackResult:
     """A :class:`PackResult` with one bin per row of ``rows`` (per-row sequence lengths), bins in row order."""
-    if _is_hf_dataset(rows):
+    if is_hf_dataset(rows):
         import pyarrow.compute as pc
 
         column = _hf_list_column(
@@ -394,7 +394,7 @@ class DistributedPackedBatchSampler(Sampler[list[int]]):
             raise InvalidArgumentError(
                 f"micro_batch_size must be >= 2 for from_samples, got {micro_batch_size}: with one sample per rank "
                 f"per step, balancing could only change which samples share a step; use a plain sampler")
-        lengths = _hf_lengths(data) if _is_hf_dataset(data) else data
+        lengths = _hf_lengths(data) if is_hf_dataset(data) else data
         try:
             lengths = as_lengths(lengths, "data")
         except InvalidLengthsError as exc:
@@ -440,7 +440,7 @@ class DistributedPackedBatchSampler(Sampler[list[int]]):
                     )
                 self._plan = data
             return
-        if _is_hf_dataset(data):
+        if is_hf_dataset(data):
             data = _hf_lengths(data)
         elif isinstance(data, torch.utils.data.Dataset) or hasattr(data, "column_names"):
             raise InvalidArgumentError(

@@ -6,7 +6,8 @@ prompt-completion and assistant masks work as before — and padfree replaces wh
 
 ``"padding-free batching"`` (automatic when safe, or ``padding_free=True``)
     Every loader batch of tokenized samples becomes one row: sequences back to back, ``position_ids`` restarting
-    at each, the first label of each ``-100``, no padding and no ``attention_mask`` (:class:`PackedRowsCollator`).
+    at each, the first label of each ``-100``, no padding and no ``attention_mask``
+    (:class:`~padfree.PackedRowsCollator`).
 ``"sample packing"`` (``packing=True``)
     The whole tokenized dataset is packed at once by padfree's engine (best fit decreasing, ``obfd``) into rows of at
     most ``max_length`` tokens — not TRL's blocks of 1,000 rows — and rows are collated as above.
@@ -43,9 +44,9 @@ too; a plain ``trl.SFTConfig`` cannot tell ``False`` from its default, so use th
 
 After construction ``trainer.args.packing`` and ``trainer.args.padding_free`` tell the truth, and
 ``padfree.packing_status(trainer)`` says which mode is active and why (also logged through the ``padfree`` logger).
-padfree's loss rule (:mod:`padfree.integrations.trainer`) makes the loss the token mean of the optimizer step
-(``padfree_loss="sequence"``: the mean of per-sequence means), and :class:`PackingTelemetryCallback` is added when a
-padfree mode is on.
+padfree's loss rule (:mod:`padfree.integrations.step_loss`) makes the loss the token mean of the optimizer step
+(``padfree_loss="sequence"``: the mean of per-sequence means), and :class:`~padfree.PackingTelemetryCallback` is
+added when a padfree mode is on.
 
 **Evaluation.** TRL's ``eval_packing`` decides whether the eval set is packed like the train set: None follows
 ``packing``, False never packs, True packs in padding-free mode too (reading ``packing_strategy`` and ``max_length``
@@ -79,23 +80,11 @@ from padfree.errors import (
     UnsupportedModelError,
     describe,
 )
-from padfree.integrations.trainer import (
-    LOSS_MODES,
-    PACKING,
-    PADDING_FREE,
-    STANDARD,
-    PackedRowsCollator,
-    PackingStatus,
-    PadfreeTrainerMixin,
-    _as_flag,
-    _model_facts,
-    _refuse_with_own_nll,
-    _targets,
-    _unwrap,
-    pack_for_trainer,
-    reduce_loss,
-    token_losses,
-)
+from padfree.integrations.status import PACKING, PADDING_FREE, STANDARD, PackingStatus, model_facts
+from padfree.integrations.step_loss import LOSS_MODES, reduce_loss, refuse_with_own_nll, scored_labels, token_losses
+from padfree.integrations.trainer import PadfreeTrainerMixin, as_flag, configure_model
+from padfree.integrations.trainer_data import PackedRowsCollator, pack_for_trainer
+from padfree.model.wrappers import unwrap_model
 from padfree.packing.inputs import as_choice
 from padfree.packing.strategies import DEFAULT_STRATEGY, STRATEGIES
 
@@ -113,6 +102,7 @@ __all__ = [
     "ENV_DISABLE_AUTO",
     "ENV_RETURN_LOGITS",
     "SFTConfig",
+    "SFTMixin",
     "SFTTrainer",
     "support_reason",
 ]
@@ -136,7 +126,7 @@ class SFTConfig(trl.SFTConfig):
         auto_padding_free: False turns the automatic choice off (as ``PADFREE_DISABLE_AUTO_PADDING_FREE=1`` does).
         padfree_loss: ``"token"`` (token mean over the optimizer step) or ``"sequence"`` (mean of per-sequence
             means over the step).
-        padfree_telemetry: add :class:`~padfree.integrations.trainer.PackingTelemetryCallback` when a padfree mode
+        padfree_telemetry: add :class:`~padfree.PackingTelemetryCallback` when a padfree mode
             is on.
         padfree_balance: with ``packing=True`` under data parallelism (``world_size > 1``), deal the packed rows to
             the ranks in steps balanced in tokens and Σ len² instead of sharding them by count (see
@@ -192,7 +182,7 @@ def support_reason(model: Any, config: Any = None) -> str | None:
     from padfree.model import registry
     from padfree.model.configure import check_packing_support
 
-    instance = _unwrap(model) if not isinstance(model, str) else None
+    instance = unwrap_model(model) if not isinstance(model, str) else None
     if isinstance(instance, transformers.PreTrainedModel):
         verdict = check_packing_support(instance)
         return None if verdict.ok else f"not supported because {verdict.reason}"
@@ -243,7 +233,7 @@ def _model_config(model: Any, args: Any) -> Any:
         except Exception as exc:  # unreadable here; TRL reports it properly when it loads the model
             logger.debug("padfree: could not read the config of %r: %s", model, exc)
             return None
-    return getattr(_unwrap(model), "config", None)
+    return getattr(unwrap_model(model), "config", None)
 
 
 def _vlm_reason(model: Any, config: Any, sample: Any) -> str | None:
@@ -254,7 +244,7 @@ def _vlm_reason(model: Any, config: Any, sample: Any) -> str | None:
         vlm_types = set(getattr(modeling_auto, "MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES", {}))
         vlm_types |= set(getattr(modeling_auto, "MODEL_FOR_VISION_2_SEQ_MAPPING_NAMES", {}))
         if getattr(config, "vision_config", None) is not None or model_type in vlm_types:
-            name = model if isinstance(model, str) else type(_unwrap(model)).__name__
+            name = model if isinstance(model, str) else type(unwrap_model(model)).__name__
             return f"the model is a vision-language model ({name}, model type {model_type!r})"
     if isinstance(sample, dict) and ("image" in sample or "images" in sample):
         return "the dataset holds images (vision-language data is processed on the fly, one padded batch at a time)"
@@ -386,10 +376,8 @@ def _skip_reason(args: Any, model: Any, config: Any, processing_class: Any, data
 
 
 def _configure(model: Any, decision: _Decision) -> None:
-    from padfree.integrations.trainer import _configure as configure
-
     try:
-        configure(model)
+        configure_model(model)
     except UnsupportedModelError as exc:
         how = (f"set {ENV_DISABLE_AUTO}=1 or auto_padding_free=False to train with standard batching"
                if decision.auto else "unset packing / padding_free to train with standard batching")
@@ -419,7 +407,7 @@ def _as_config(args: Any, model: Any) -> Any:
                                f"{describe(args)}")
 
 
-class _SFTMixin(PadfreeTrainerMixin):
+class SFTMixin(PadfreeTrainerMixin):
     """What :class:`SFTTrainer` adds to ``trl.SFTTrainer`` (and :func:`padfree.enable` to its subclasses)."""
 
     _padfree_decision: _Decision | None = None
@@ -429,12 +417,12 @@ class _SFTMixin(PadfreeTrainerMixin):
                  eval_dataset: Any = None, processing_class: Any = None, *rest: Any, **kwargs: Any) -> None:
         args = _as_config(args, model)
         loss = as_choice(getattr(args, "padfree_loss", "token"), "padfree_loss", LOSS_MODES)
-        self.padfree_balance = _as_flag(getattr(args, "padfree_balance", True), "padfree_balance")
-        self.padfree_fused_loss = _as_flag(getattr(args, "padfree_fused_loss", False), "padfree_fused_loss")
+        self.padfree_balance = as_flag(getattr(args, "padfree_balance", True), "padfree_balance")
+        self.padfree_fused_loss = as_flag(getattr(args, "padfree_fused_loss", False), "padfree_fused_loss")
         for flag, what in ((loss == "sequence", "padfree_loss='sequence'"),
                            (self.padfree_fused_loss, "padfree_fused_loss=True")):
             if flag:
-                _refuse_with_own_nll(what, args, kwargs.get("compute_loss_func"))
+                refuse_with_own_nll(what, args, kwargs.get("compute_loss_func"))
         config = _model_config(model, args)
         decision = _decide(args, model, config, processing_class, data_collator, train_dataset,
                            kwargs.get("formatting_func"))
@@ -461,7 +449,7 @@ class _SFTMixin(PadfreeTrainerMixin):
             padding_free=on, loss=loss, efficiency=None if plan is None else float(plan.efficiency),
             rows=None if plan is None else int(plan.num_bins),
             sequences=None if plan is None else int(plan.num_pieces), balance=self._padfree_balance_note(),
-            **_model_facts(self.model))
+            **model_facts(self.model))
         logger.info("%s", self._padfree_status)
         if decision.auto and decision.mode == STANDARD and "not supported because" in decision.reason:
             _warn_once(f"padfree: {decision.reason}; training with standard batching")
@@ -600,7 +588,7 @@ def _logit_stats(logits: torch.Tensor, inputs: Mapping[str, Any]
     entropy of the predicted distribution and the count of arg-max hits."""
     token_loss, mask = token_losses(logits, inputs)
     scored = (logits[:, :-1] if "shift_labels" not in inputs else logits)[mask].float()
-    targets = _targets(inputs)[0][mask]
+    targets = scored_labels(inputs)[0][mask]
     with torch.no_grad():
         logp = torch.log_softmax(scored, dim=-1)
         entropy = -(logp.exp() * logp).sum()
@@ -608,7 +596,7 @@ def _logit_stats(logits: torch.Tensor, inputs: Mapping[str, Any]
     return token_loss, mask, entropy, top1
 
 
-class SFTTrainer(_SFTMixin, trl.SFTTrainer):
+class SFTTrainer(SFTMixin, trl.SFTTrainer):
     """``trl.SFTTrainer`` with exact padding-free batching (automatic when safe) and exact global packing
     (``packing=True``): see the module docstring for the modes, the skip reasons and the opt-outs.
 
