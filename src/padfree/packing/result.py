@@ -362,75 +362,11 @@ def _check(plan: PackResult) -> None:
                 f"PackResult.order[{i}] = {order[i]} places a sequence that PackResult.dropped lists as dropped"
             )
 
-    pieces = plan.piece_lengths
-    starts = None if plan.piece_starts is None else _ints(plan.piece_starts, "PackResult.piece_starts")
-    if starts is not None and pieces is None:
-        raise InvalidArgumentError(
-            f"PackResult.piece_starts = {describe(plan.piece_starts)} needs piece_lengths: a piece that starts "
-            f"inside its sequence must say how many tokens it takes (pass both, or piece_lengths alone when every "
-            f"piece starts at token 0)"
-        )
-    whole = lengths[order]
-    if pieces is None:
-        if m and whole.min() < 1:
-            i = _first(whole < 1)
-            raise InvalidArgumentError(
-                f"PackResult.order[{i}] = {order[i]} places a sequence of 0 tokens; a placed piece holds >= 1 token"
-            )
-        placed = whole
-    else:
-        placed = _ints(pieces, "PackResult.piece_lengths")
-        for name, arr in (("piece_lengths", placed), ("piece_starts", starts)):
-            if arr is not None and arr.shape[0] != m:
-                raise InvalidArgumentError(
-                    f"PackResult.{name} must have one entry per piece of order ({m}), got {arr.shape[0]} entries"
-                )
-        if m and placed.min() < 1:
-            i = _first(placed < 1)
-            raise InvalidArgumentError(
-                f"PackResult.piece_lengths[{i}] = {placed[i]}, but a placed piece holds >= 1 token"
-            )
-        room = whole
-        if starts is not None:
-            if m and starts.min() < 0:
-                i = _first(starts < 0)
-                raise InvalidArgumentError(
-                    f"PackResult.piece_starts[{i}] = {starts[i]}, but a piece starts at a token of its sequence (>= 0)"
-                )
-            room = whole - starts  # both in [0, 2**63): no wrap
-        if (placed > room).any():
-            i = _first(placed > room)
-            first = 0 if starts is None else int(starts[i])
-            raise InvalidArgumentError(
-                f"PackResult piece {i} takes tokens [{first}, {first + int(placed[i])}) of sequence "
-                f"order[{i}] = {order[i]}, which has lengths[{order[i]}] = {whole[i]}: a piece lies inside its sequence"
-            )
+    starts, placed = _pieces(plan, lengths, order)
+    _disjoint(order, starts, placed, n)
+    if plan.piece_lengths is not None:
         store(plan, "piece_lengths", placed)
         store(plan, "piece_starts", starts)
-
-    if m:
-        count = np.bincount(order, minlength=n)
-        if count.max() > 1:
-            if starts is None:  # every piece starts at token 0: two pieces of one sequence overlap
-                s = _first(count > 1)
-                i, j = np.flatnonzero(order == s)[:2].tolist()
-                raise InvalidArgumentError(
-                    f"PackResult.order places sequence {s} twice (order[{i}] and order[{j}]); a sequence is placed "
-                    f"once, or as pieces that do not overlap (piece_starts / piece_lengths)"
-                )
-            # pieces of the sequences placed more than once, by (sequence, start): neighbours must not overlap
-            split = np.flatnonzero(count[order] > 1)
-            split = split[np.lexsort((starts[split], order[split]))]
-            a, b = split[:-1], split[1:]
-            clash = (order[a] == order[b]) & (starts[a] + placed[a] > starts[b])
-            if clash.any():
-                k = _first(clash)
-                i, j = int(a[k]), int(b[k])
-                raise InvalidArgumentError(
-                    f"PackResult pieces {i} and {j} of sequence {order[i]} overlap: tokens "
-                    f"[{starts[i]}, {starts[i] + placed[i]}) and [{starts[j]}, {starts[j] + placed[j]}); the pieces "
-                    f"of a sequence are disjoint"
-                )
 
     # pieces are disjoint spans of sequences whose total fits in int64: these sums cannot wrap
     ends = np.zeros(m + 1, np.int64)
@@ -455,6 +391,83 @@ def _check(plan: PackResult) -> None:
         store(plan, name, value)
     plan.__dict__["placed_lengths"] = placed  # the cached properties, already computed
     plan.__dict__["bin_fill"] = fill
+
+
+def _pieces(plan: PackResult, lengths: np.ndarray, order: np.ndarray) -> tuple[np.ndarray | None, np.ndarray]:
+    """``(starts, placed)``: the checked ``piece_starts`` (None: every piece starts at token 0) and the tokens of
+    every piece, ``(num_pieces,) int64``, each piece at least one token and inside its sequence."""
+    m = order.shape[0]
+    pieces = plan.piece_lengths
+    starts = None if plan.piece_starts is None else _ints(plan.piece_starts, "PackResult.piece_starts")
+    if starts is not None and pieces is None:
+        raise InvalidArgumentError(
+            f"PackResult.piece_starts = {describe(plan.piece_starts)} needs piece_lengths: a piece that starts "
+            f"inside its sequence must say how many tokens it takes (pass both, or piece_lengths alone when every "
+            f"piece starts at token 0)"
+        )
+    whole = lengths[order]
+    if pieces is None:
+        if m and whole.min() < 1:
+            i = _first(whole < 1)
+            raise InvalidArgumentError(
+                f"PackResult.order[{i}] = {order[i]} places a sequence of 0 tokens; a placed piece holds >= 1 token"
+            )
+        return None, whole
+    placed = _ints(pieces, "PackResult.piece_lengths")
+    for name, arr in (("piece_lengths", placed), ("piece_starts", starts)):
+        if arr is not None and arr.shape[0] != m:
+            raise InvalidArgumentError(
+                f"PackResult.{name} must have one entry per piece of order ({m}), got {arr.shape[0]} entries"
+            )
+    if m and placed.min() < 1:
+        i = _first(placed < 1)
+        raise InvalidArgumentError(f"PackResult.piece_lengths[{i}] = {placed[i]}, but a placed piece holds >= 1 token")
+    room = whole
+    if starts is not None:
+        if m and starts.min() < 0:
+            i = _first(starts < 0)
+            raise InvalidArgumentError(
+                f"PackResult.piece_starts[{i}] = {starts[i]}, but a piece starts at a token of its sequence (>= 0)"
+            )
+        room = whole - starts  # both in [0, 2**63): no wrap
+    if (placed > room).any():
+        i = _first(placed > room)
+        first = 0 if starts is None else int(starts[i])
+        raise InvalidArgumentError(
+            f"PackResult piece {i} takes tokens [{first}, {first + int(placed[i])}) of sequence "
+            f"order[{i}] = {order[i]}, which has lengths[{order[i]}] = {whole[i]}: a piece lies inside its sequence"
+        )
+    return starts, placed
+
+
+def _disjoint(order: np.ndarray, starts: np.ndarray | None, placed: np.ndarray, n: int) -> None:
+    """No token placed twice: a sequence appears once in ``order``, or as pieces whose spans do not overlap."""
+    if order.shape[0] == 0:
+        return
+    count = np.bincount(order, minlength=n)
+    if count.max() <= 1:
+        return
+    if starts is None:  # every piece starts at token 0: two pieces of one sequence overlap
+        s = _first(count > 1)
+        i, j = np.flatnonzero(order == s)[:2].tolist()
+        raise InvalidArgumentError(
+            f"PackResult.order places sequence {s} twice (order[{i}] and order[{j}]); a sequence is placed once, "
+            f"or as pieces that do not overlap (piece_starts / piece_lengths)"
+        )
+    # only the pieces of sequences placed more than once are sorted, by (sequence, start); neighbours must not
+    # overlap
+    split = np.flatnonzero(count[order] > 1)
+    split = split[np.lexsort((starts[split], order[split]))]
+    a, b = split[:-1], split[1:]
+    clash = (order[a] == order[b]) & (starts[a] + placed[a] > starts[b])
+    if clash.any():
+        k = _first(clash)
+        i, j = int(a[k]), int(b[k])
+        raise InvalidArgumentError(
+            f"PackResult pieces {i} and {j} of sequence {order[i]} overlap: tokens [{starts[i]}, "
+            f"{starts[i] + placed[i]}) and [{starts[j]}, {starts[j] + placed[j]}); the pieces of a sequence are "
+            f"disjoint"
+        )
 
 
 def _bin_ids(bins: Any, num_bins: int) -> np.ndarray:
