@@ -18,7 +18,7 @@ transformers = pytest.importorskip("transformers")
 datasets = pytest.importorskip("datasets")
 mistral_common = pytest.importorskip("mistral_common")
 
-from padfree.errors import InvalidArgumentError, InvalidSampleError, UnsupportedModelError  # noqa: E402
+from padfree.errors import InvalidArgumentError, InvalidLayoutError, UnsupportedModelError  # noqa: E402
 from padfree.integrations.enable import enable  # noqa: E402
 from padfree.integrations.status import packing_status  # noqa: E402
 from padfree.integrations.step_loss import count_loss_items, sequence_ids, token_losses  # noqa: E402
@@ -255,11 +255,47 @@ def test_collator_and_dataset_helper():
     assert all(torch.equal(full[k], dropped[k]) for k in ("input_ids", "labels", "position_ids"))
     assert full["position_ids"].tolist() == [[0, 1, 2, 3, 0, 1, 0, 1, 2]]
     assert full["labels"].tolist() == [[-100, 7, 8, 9, -100, 5, -100, 2, 3]]
-    with pytest.raises(InvalidSampleError, match=r"samples\[0\]\['position_ids'\] must restart at 0"):
-        collate([{"input_ids": [1, 2, 3], "position_ids": [1, 2, 3]}])
     for bad in (0, None, 2.5, True):
         with pytest.raises(InvalidArgumentError, match="max_length must be an int >= 1"):
             pack_for_trainer({"input_ids": [[1, 2]]}, max_length=bad)
+
+
+ACCEPTED_POSITIONS = r"; accepted: one position per input_ids token, restarting at 0 at every sequence"
+
+
+@pytest.mark.parametrize(("position_ids", "why"), [
+    ([0, 1, 5, 0], r"is not a packed row \(position_ids\[0, 2\] = 5 follows 1\)"),  # no count 0, 1, 2 inside
+    (torch.tensor([0, 1, 5, 0]), r"is not a packed row \(position_ids\[0, 2\] = 5 follows 1\)"),
+    ([0, 1, -1, 0], r"is not a packed row \(position_ids\[0, 2\] = -1 is negative\)"),
+    ([1, 2, 3, 4], r"is not a packed row \(position_ids\[0, 0\] = 1, but a row starts a sequence at position 0\)"),
+    ([0, 1, 2], r"must be 1-D with one position per token \(4\), got shape \(3,\)"),
+    ([0, 1, 2, 3, 4], r"must be 1-D with one position per token \(4\), got shape \(5,\)"),
+    ([[0, 1], [0, 1]], r"must be 1-D with one position per token \(4\), got shape \(2, 2\)"),
+    ([0, 1, [2], 3], r"must be 1-D with one position per token \(4\), got a ragged nesting"),
+    ([0.0, 1.0, 0.0, 1.0], r"is not a packed row \(position_ids must hold integers, got dtype float64\)"),
+])
+def test_collator_refuses_position_ids_that_are_not_a_packing(position_ids, why):
+    """Positions are the boundaries of a row the Trainer stripped of seq_lens: read wrong, sequences would be
+    glued together or cut apart, so anything that is not a packing is refused, naming the sample and the field."""
+    collate = PackedRowsCollator()
+    good = {"input_ids": [7, 8, 9], "position_ids": [0, 1, 0]}
+    with pytest.raises(InvalidLayoutError, match=r"^samples\[1\]\['position_ids'\] = .*" + why + ACCEPTED_POSITIONS):
+        collate([good, {"input_ids": [1, 2, 3, 4], "position_ids": position_ids}])
+    # with seq_lens beside them the positions are still read, and must agree
+    with pytest.raises(InvalidLayoutError, match=r"^samples\[1\]\['position_ids'\] = .*" + why):
+        collate([{**good, "seq_lens": [2, 1]}, {"input_ids": [1, 2, 3, 4], "position_ids": position_ids,
+                                                "seq_lens": [4]}])
+
+
+def test_collator_position_ids_must_agree_with_seq_lens():
+    collate = PackedRowsCollator()
+    row = {"input_ids": [1, 2, 3, 4], "position_ids": [0, 1, 0, 1]}
+    both, alone = collate([{**row, "seq_lens": torch.tensor([2, 2])}]), collate([row])
+    assert all(torch.equal(both[k], alone[k]) for k in ("input_ids", "labels", "position_ids"))
+    assert alone["labels"].tolist() == [[-100, 2, -100, 4]]
+    with pytest.raises(InvalidLayoutError, match=r"samples\[0\]\['position_ids'\] split the row into sequences "
+                                                 r"of \[2, 2\] tokens, but its 'seq_lens' = \[3, 1\]"):
+        collate([{**row, "seq_lens": [3, 1]}])
 
 
 def test_status_enable_and_refusals(samples, tmp_path):

@@ -18,8 +18,8 @@ from typing import Any
 import numpy as np
 
 from padfree.data.batch import PaddingFreeCollator
-from padfree.errors import BackendUnavailableError, InvalidArgumentError, InvalidSampleError, describe
-from padfree.layout import IGNORE_INDEX
+from padfree.errors import BackendUnavailableError, InvalidArgumentError, InvalidLayoutError, describe
+from padfree.layout import IGNORE_INDEX, position_ids_to_lengths
 from padfree.packing.strategies import DEFAULT_STRATEGY
 
 try:
@@ -30,6 +30,8 @@ except ImportError as exc:  # pragma: no cover - torch is installed wherever thi
 
 __all__ = ["PackedRowsCollator", "pack_for_trainer"]
 
+_ACCEPTED_POSITIONS = ("accepted: one position per input_ids token, restarting at 0 at every sequence of the row and "
+                       "counting up by 1 within it")
 
 
 class PackedRowsCollator(PaddingFreeCollator):
@@ -40,7 +42,9 @@ class PackedRowsCollator(PaddingFreeCollator):
     (:func:`pack_for_trainer`, :func:`padfree.pack_dataset` with ``padding=None``) keep their boundaries: read from
     ``seq_lens``, or — when the ``Trainer`` dropped that column (``remove_unused_columns``) — from their
     ``position_ids``, which restart at every sequence. A packed row without either raises rather than being trained
-    as one long sequence.
+    as one long sequence, and so do ``position_ids`` that are not a packing (a jump, a negative value, a row that
+    does not start at 0, one position more or fewer than tokens) or that disagree with ``seq_lens``
+    (:class:`~padfree.errors.InvalidLayoutError`).
 
     Args:
         label_padding_value, seq_idx, max_tokens: as in :class:`~padfree.PaddingFreeCollator`.
@@ -71,21 +75,51 @@ class PackedRowsCollator(PaddingFreeCollator):
         return super().__call__(samples).model_inputs(flash_kwargs=self.flash_kwargs)
 
     @staticmethod
-    def _with_seq_lens(sample: Mapping[str, Any], i: int) -> Mapping[str, Any]:
-        if sample.get("seq_lens") is not None:
+    def _with_seq_lens(sample: Any, i: int) -> Any:
+        """``sample`` with the boundaries its ``position_ids`` spell, as ``seq_lens`` (kept when it has them and
+        they agree); anything that is not a dict with both fields is left to the sample reader to judge."""
+        if not isinstance(sample, Mapping) or sample.get("position_ids") is None:
             return sample
-        pos = sample.get("position_ids")
-        if pos is None:
+        try:
+            tokens = len(sample["input_ids"])
+        except (KeyError, TypeError):  # no token ids: the sample reader refuses the sample by name
             return sample
-        pos = np.asarray(pos.tolist() if isinstance(pos, torch.Tensor) else pos, dtype=np.int64).reshape(-1)
-        if pos.shape[0] != len(sample["input_ids"]) or pos.shape[0] == 0 or pos[0] != 0:
-            raise InvalidSampleError(
-                f"samples[{i}]['position_ids'] must restart at 0 at every sequence of the row and have one entry "
-                f"per token ({len(sample['input_ids'])}), got {describe(pos.tolist())}"
-            )
-        starts = np.flatnonzero(pos == 0)
-        lens = np.diff(np.append(starts, pos.shape[0]))
-        return {k: v for k, v in sample.items() if k != "position_ids"} | {"seq_lens": lens.tolist()}
+        lengths = _position_lengths(sample["position_ids"], tokens, f"samples[{i}]['position_ids']")
+        given = sample.get("seq_lens")
+        if given is None:
+            return {k: v for k, v in sample.items() if k != "position_ids"} | {"seq_lens": lengths.tolist()}
+        given = given.tolist() if isinstance(given, torch.Tensor) else given
+        try:
+            agree = np.asarray(given).tolist() == lengths.tolist()
+        except (TypeError, ValueError):  # unreadable seq_lens: the sample reader refuses them by name
+            return sample
+        if not agree:
+            raise InvalidLayoutError(
+                f"samples[{i}]['position_ids'] split the row into sequences of {lengths.tolist()} tokens, but its "
+                f"'seq_lens' = {describe(given)}; both spell the same boundaries, so they must agree")
+        return sample
+
+
+def _position_lengths(position_ids: Any, tokens: int, where: str) -> np.ndarray:
+    """``(n,) int64`` — the sequence lengths that one row's ``position_ids`` spell, or InvalidLayoutError naming
+    ``where``, the value and what is accepted."""
+    values = position_ids.tolist() if isinstance(position_ids, torch.Tensor) else position_ids
+    try:
+        row = np.asarray(values)
+    except (TypeError, ValueError):  # ragged nesting
+        row = None
+    if row is None or row.ndim != 1 or row.shape[0] != tokens:
+        got = "a ragged nesting" if row is None else f"shape {row.shape}"
+        raise InvalidLayoutError(f"{where} = {describe(position_ids)} must be 1-D with one position per token "
+                                 f"({tokens}), got {got}; {_ACCEPTED_POSITIONS}")
+    try:
+        return position_ids_to_lengths(row[None, :])
+    except InvalidLayoutError as exc:
+        # layout names the offending entry of the (1, T) row it was given; its hint about attention masks does
+        # not apply to a sample, so only the first clause is kept
+        detail = str(exc).split(";")[0]
+        raise InvalidLayoutError(f"{where} = {describe(position_ids)} is not a packed row ({detail}); "
+                                 f"{_ACCEPTED_POSITIONS}") from exc
 
 
 def pack_for_trainer(dataset: Any, max_length: int, strategy: str = DEFAULT_STRATEGY, seed: int | None = None, *,
