@@ -150,36 +150,46 @@ def test_chunk_size_and_file_never_change_the_result(tmp_path):
 
 
 @pytest.mark.parametrize(("big_ids", "mask"), [(False, "binary"), (True, "segments")])
-def test_direct_and_page_cache_writers_write_the_same_bytes(tmp_path, monkeypatch, big_ids, mask):
-    """Three writers, one file: rows laid out in place inside hand-made IPC messages (O_DIRECT), pyarrow's messages
-    copied into the same staging buffers (O_DIRECT, should the message layout not be trusted), and pyarrow's own
-    stream writer (page cache). Every column type is there: int8/int32 masks, int32/int64 ids, int64 sequence ids."""
-    from padfree.data import hf
+def test_every_writer_writes_the_same_bytes(tmp_path, monkeypatch, big_ids, mask):
+    """Four writers, one file: rows laid out in place inside hand-made IPC messages (O_DIRECT), pyarrow's messages
+    copied into the same staging buffers (O_DIRECT, should the message layout not be trusted), pyarrow's own stream
+    writer with page-cache advice (buffered) and without anything (plain). Every column type is there: int8/int32
+    masks, int32/int64 ids, int64 sequence ids."""
+    from padfree.data import _arrow_ipc
 
     rng = np.random.default_rng(1)
     seqs = [rng.integers(0, 32_000, n).tolist() for n in rng.integers(1, 300, 3_000)]
     if big_ids:
         seqs[7][3] = 2**40
-    paths = {}
-    for writer in ("in place", "pyarrow, direct", "page cache"):
-        monkeypatch.setattr(hf, "_DIRECT_IO", writer != "page cache")
+    tables, paths = {}, {}
+    for writer in ("in place", "pyarrow, direct", "buffered", "plain"):
+        monkeypatch.setenv("PADFREE_ARROW_WRITER", "direct" if "direct" in writer or writer == "in place" else writer)
         if writer == "pyarrow, direct":
-            monkeypatch.setattr(hf._MessageLayout, "of", classmethod(lambda cls, *args: None))
+            monkeypatch.setattr(_arrow_ipc.MessageLayout, "of", classmethod(lambda cls, *args: None))
         paths[writer] = tmp_path / f"{writer}.arrow"
         ds = pack_dataset(seqs, 512, columns=ALL, attention_mask=mask, chunk_tokens=5_000,
                           cache_file_name=paths[writer])
         assert sorted(unpack(ds)) == list(range(len(seqs)))
         assert (str(ds.data.schema.field("input_ids").type) == "list<item: int64>") == big_ids
-    assert paths["in place"].read_bytes() == paths["page cache"].read_bytes()
-    assert paths["pyarrow, direct"].read_bytes() == paths["page cache"].read_bytes()
+        tables[writer] = ds.data.table
+    for writer in ("in place", "pyarrow, direct", "buffered"):
+        assert paths[writer].read_bytes() == paths["plain"].read_bytes(), writer
+        assert tables[writer].equals(tables["plain"])
+
+
+def test_an_unknown_writer_is_refused(tmp_path, monkeypatch):
+    monkeypatch.setenv("PADFREE_ARROW_WRITER", "fast")
+    with pytest.raises(PadfreeError, match="PADFREE_ARROW_WRITER='fast'; choose from 'direct', 'buffered', 'plain'"):
+        pack_dataset([[1, 2, 3]], 4, cache_file_name=tmp_path / "out.arrow")
+    assert os.listdir(tmp_path) == []
 
 
 def test_message_layout_reproduces_pyarrow_for_every_size():
-    from padfree.data import hf
+    from padfree.data._arrow_ipc import MessageLayout
 
     schema = pa.schema([("a", pa.list_(pa.int8())), ("b", pa.list_(pa.int32())), ("c", pa.list_(pa.int64()))])
     header = schema.serialize().to_pybytes()
-    layout = hf._MessageLayout.of(schema, header)
+    layout = MessageLayout.of(schema, header)
     assert layout is not None
     rng = np.random.default_rng(0)
     for rows in (1, 2, 7, 1_000):
@@ -201,13 +211,13 @@ def test_message_layout_reproduces_pyarrow_for_every_size():
         assert bytes(got) == want
 
 
-@pytest.mark.parametrize("direct", [True, False])
-def test_a_failed_write_leaves_no_file(tmp_path, monkeypatch, direct):
-    from padfree.data import hf
+@pytest.mark.parametrize("writer", ["direct", "buffered", "plain"])
+def test_a_failed_write_leaves_no_file(tmp_path, monkeypatch, writer):
+    from padfree.data import _arrow_writer
 
-    monkeypatch.setattr(hf, "_DIRECT_IO", direct)
+    monkeypatch.setenv("PADFREE_ARROW_WRITER", writer)
     calls = []
-    original = hf._Builder.fill
+    original = _arrow_writer._Builder.fill
 
     def failing(self, a, b, out):
         calls.append(a)
@@ -215,7 +225,7 @@ def test_a_failed_write_leaves_no_file(tmp_path, monkeypatch, direct):
             raise RuntimeError("disk on fire")
         return original(self, a, b, out)
 
-    monkeypatch.setattr(hf._Builder, "fill", failing)
+    monkeypatch.setattr(_arrow_writer._Builder, "fill", failing)
     with pytest.raises(RuntimeError, match="disk on fire"):
         pack_dataset([[1, 2, 3]] * 100, 8, chunk_tokens=16, cache_file_name=tmp_path / "out.arrow")
     assert os.listdir(tmp_path) == []
