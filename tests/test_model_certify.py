@@ -121,7 +121,7 @@ def test_a_transformers_version_outside_the_tested_range_certifies_and_warns(mon
     caplog.set_level(logging.INFO, logger="padfree")
     versions.warn_if_untested.cache_clear()
     monkeypatch.setattr(versions, "version_span", lambda package="transformers": ((99, 0), (99, 1)))
-    monkeypatch.setattr(registry, "_transformers_version", lambda: "99.0.0")
+    monkeypatch.setattr(versions, "installed", lambda package="transformers": "99.0.0")
     model = transformers.LlamaForCausalLM(shrink_config(transformers.LlamaConfig()))
     report = configure_packing(model)
     assert report.supported and "the support table was proven on transformers" in report.proof

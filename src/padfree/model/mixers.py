@@ -39,7 +39,7 @@ from typing import Any
 import torch
 
 from padfree.errors import PackingDisabledError, UnsupportedModelError
-from padfree.model import guards, kernels
+from padfree.model import guards, kernels, versions
 from padfree.model.kernels import kernel_status
 from padfree.model.packed import PackedLayout
 from padfree.model.scans import (
@@ -69,13 +69,13 @@ log = logging.getLogger("padfree")
 @dataclasses.dataclass
 class _Call:
     lay: PackedLayout
-    mixer: _Mixer
+    mixer: Mixer
 
 
 _CALL: ContextVar[_Call | None] = ContextVar("padfree_mixer_call", default=None)
 
 
-def _current(what: str) -> _Call:
+def current_call(what: str) -> _Call:
     call = _CALL.get()
     if call is None:  # only reachable if someone calls the rebound forward by hand
         raise PackingDisabledError(f"{what} ran for a packed batch outside a configured mixer's forward")
@@ -83,8 +83,8 @@ def _current(what: str) -> _Call:
 
 
 @torch.compiler.disable
-def _packed_conv1d(hidden_states, weight, bias=None, activation=None, **kwargs):
-    call = _current("causal_conv1d_fn")
+def packed_conv1d(hidden_states, weight, bias=None, activation=None, **kwargs):
+    call = current_call("causal_conv1d_fn")
     if call.mixer.use_conv_kernel:
         out = kernels.causal_conv1d_kernel(hidden_states, weight, bias, activation, call.lay)
         if out is not None:
@@ -96,7 +96,7 @@ def _packed_conv1d(hidden_states, weight, bias=None, activation=None, **kwargs):
 @torch.compiler.disable
 def _packed_gated_delta_rule(query, key, value, g, beta, chunk_size=64, initial_state=None, output_final_state=False,
                              use_qk_l2norm_in_kernel=False, **kwargs):
-    call = _current("chunk_gated_delta_rule")
+    call = current_call("chunk_gated_delta_rule")
     if initial_state is not None:
         raise PackingDisabledError("a packed batch reached a GatedDeltaNet with a recurrent state from a cache; "
                                    "packed training never uses a cache (pass use_cache=False)")
@@ -113,7 +113,7 @@ def _packed_gated_delta_rule(query, key, value, g, beta, chunk_size=64, initial_
 @torch.compiler.disable
 def _packed_ssd(hidden_states, dt, A, B, C, chunk_size, D=None, dt_bias=None, initial_states=None, dt_softplus=False,
                 dt_limit=(0.0, float("inf")), return_final_states=False, **kwargs):
-    call = _current("mamba2_chunk_scan")
+    call = current_call("mamba2_chunk_scan")
     if initial_states is not None or return_final_states:
         raise PackingDisabledError("a packed batch reached a Mamba-2 mixer with a cache; packed training never uses "
                                    "a cache (pass use_cache=False)")
@@ -129,7 +129,7 @@ def _packed_ssd(hidden_states, dt, A, B, C, chunk_size, D=None, dt_bias=None, in
 @torch.compiler.disable
 def _packed_selective_scan(hidden_states, dt, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False,
                            return_last_state=False, use_mambapy=False, use_associative_scan=False, **kwargs):
-    call = _current("mamba_selective_scan")
+    call = current_call("mamba_selective_scan")
     if return_last_state:
         raise PackingDisabledError("a packed batch reached a Mamba mixer with a cache; packed training never uses a "
                                    "cache (pass use_cache=False)")
@@ -143,7 +143,7 @@ def _no_fused_path(*args, **kwargs):
     return None
 
 
-def _no_decode(*args, **kwargs):
+def no_decode(*args, **kwargs):
     raise PackingDisabledError("a packed batch reached a one-token cached decode step; packed training never uses a "
                                "cache (pass use_cache=False)")
 
@@ -152,11 +152,11 @@ def _no_decode(*args, **kwargs):
 
 
 @dataclasses.dataclass(frozen=True)
-class _Family:
+class Family:
     """One kind of mixer: the packed replacement of each sequence primitive its forward may call (``replace``), the
     leading parameter names transformers' primitive must have for the replacement to be a drop-in (``signatures``),
     the primitives its forward must call (``required``), and the kernels that may serve its conv and its scan.
-    Any other global function the forward calls must be a per-token helper (``_PER_TOKEN_GLOBALS``) or a class."""
+    Any other global function the forward calls must be a per-token helper (``PER_TOKEN_GLOBALS``) or a class."""
 
     name: str
     replace: dict[str, Callable]
@@ -166,38 +166,38 @@ class _Family:
     scan_kernel: str | None
 
 
-_PER_TOKEN_GLOBALS = frozenset({
+PER_TOKEN_GLOBALS = frozenset({
     "apply_mask_to_padding_states", "torch", "F", "nn", "hasattr", "getattr", "isinstance", "len", "int", "float",
     "min", "max", "tuple", "list", "super", "ACT2FN", "logger", "math", "is_torchdynamo_compiling",
 })
 _CONV = ("hidden_states", "weight", "bias", "activation")
-_CONV_REPLACE = {"causal_conv1d_fn": _packed_conv1d, "causal_conv1d_update": _no_decode}
+_CONV_REPLACE = {"causal_conv1d_fn": packed_conv1d, "causal_conv1d_update": no_decode}
 
 FAMILIES = {
-    "gated-delta-net": _Family(
+    "gated-delta-net": Family(
         "GatedDeltaNet",
         {**_CONV_REPLACE, "torch_chunk_gated_delta_rule": _packed_gated_delta_rule,
-         "torch_recurrent_gated_delta_rule": _no_decode},
+         "torch_recurrent_gated_delta_rule": no_decode},
         {"causal_conv1d_fn": _CONV, "torch_chunk_gated_delta_rule": (
             "query", "key", "value", "g", "beta", "chunk_size", "initial_state", "output_final_state",
             "use_qk_l2norm_in_kernel")},
         ("causal_conv1d_fn", "torch_chunk_gated_delta_rule"), "causal_conv1d", "fla"),
-    "mamba2": _Family(
+    "mamba2": Family(
         "Mamba-2 (SSD)",
-        {**_CONV_REPLACE, "mamba2_chunk_scan": _packed_ssd, "mamba2_selective_state_update": _no_decode,
+        {**_CONV_REPLACE, "mamba2_chunk_scan": _packed_ssd, "mamba2_selective_state_update": no_decode,
          "mamba2_split_conv1d_scan_combined": _no_fused_path},
         {"causal_conv1d_fn": _CONV, "mamba2_chunk_scan": (
             "hidden_states", "dt", "A", "B", "C", "chunk_size", "D", "dt_bias", "initial_states", "dt_softplus",
             "dt_limit", "return_final_states")},
         ("causal_conv1d_fn", "mamba2_chunk_scan"), "causal_conv1d", "mamba_ssm"),
-    "mamba": _Family(
+    "mamba": Family(
         "Mamba-1 (selective scan)",
-        {**_CONV_REPLACE, "mamba_selective_scan": _packed_selective_scan, "mamba_selective_state_update": _no_decode,
+        {**_CONV_REPLACE, "mamba_selective_scan": _packed_selective_scan, "mamba_selective_state_update": no_decode,
          "mamba_inner_fn": _no_fused_path},
         {"causal_conv1d_fn": _CONV, "mamba_selective_scan": (
             "hidden_states", "dt", "A", "B", "C", "D", "z", "delta_bias", "delta_softplus", "return_last_state")},
         ("causal_conv1d_fn", "mamba_selective_scan"), "causal_conv1d", None),
-    "short-conv": _Family(
+    "short-conv": Family(
         "short convolution", dict(_CONV_REPLACE), {"causal_conv1d_fn": _CONV}, ("causal_conv1d_fn",),
         "causal_conv1d", None),
 }
@@ -230,11 +230,11 @@ def unwrap_function(fn: Callable) -> Callable:
     return fn
 
 
-def _globals_used(fn: Callable) -> set[str]:
+def globals_used(fn: Callable) -> set[str]:
     return {ins.argval for ins in dis.get_instructions(unwrap_function(fn)) if ins.opname == "LOAD_GLOBAL"}
 
 
-def _rebind(fn: Callable, scope: dict[str, Any]) -> Callable:
+def rebind(fn: Callable, scope: dict[str, Any]) -> Callable:
     """A copy of ``fn`` (and of the decorator wrappers around it) whose innermost function resolves globals in
     ``scope`` instead of its module: the same code, other primitives, nothing shared mutated."""
     inner = getattr(fn, "__wrapped__", None)
@@ -243,7 +243,7 @@ def _rebind(fn: Callable, scope: dict[str, Any]) -> Callable:
         new.__kwdefaults__ = fn.__kwdefaults__
         new.__qualname__, new.__doc__, new.__module__ = fn.__qualname__, fn.__doc__, fn.__module__
         return new
-    rebound = _rebind(inner, scope)
+    rebound = rebind(inner, scope)
     cells, swapped = [], False
     for cell in fn.__closure__ or ():
         try:
@@ -268,13 +268,13 @@ def _packed_forward(cls: type) -> Callable:
     family = FAMILIES[MIXER_CLASSES[cls.__name__]]
     forward = cls.forward
     module_globals = sys.modules[unwrap_function(forward).__module__].__dict__
-    used = _globals_used(forward)
+    used = globals_used(forward)
     missing = [name for name in family.required if name not in used]
-    unknown = sorted(used - set(family.replace) - _PER_TOKEN_GLOBALS - {k for k, v in module_globals.items()
+    unknown = sorted(used - set(family.replace) - PER_TOKEN_GLOBALS - {k for k, v in module_globals.items()
                                                                           if isinstance(v, type)})
     if missing or unknown:
         raise UnsupportedModelError(
-            f"{cls.__name__}.forward (transformers {_transformers_version()}) does not have the shape padfree proved "
+            f"{cls.__name__}.forward (transformers {versions.installed()}) does not have the shape padfree proved "
             f"exact: missing calls {missing}, unknown global functions {unknown}; it cannot be made packing-exact "
             f"until tests/test_model_mixers.py covers this version"
         )
@@ -287,29 +287,20 @@ def _packed_forward(cls: type) -> Callable:
             )
     scope = dict(module_globals)
     scope.update(family.replace)
-    return _rebind(forward, scope)
-
-
-def _transformers_version() -> str:
-    try:
-        import transformers
-
-        return transformers.__version__
-    except Exception:  # pragma: no cover
-        return "?"
+    return rebind(forward, scope)
 
 
 # ---- installation ------------------------------------------------------------------------------------------------
 
 
 @dataclasses.dataclass(eq=False)
-class _Mixer:
+class Mixer:
     """What a patched instance carries: the configured model's state, the packed forward and the choices made."""
 
     state: Any
     packed: Callable
     kind: str
-    family: _Family
+    family: Family
     use_conv_kernel: bool
     use_scan_kernel: bool
     formulation: str
@@ -321,7 +312,7 @@ _TRIVIAL_BOUNDARY_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "m
 
 
 @torch.compiler.disable
-def _layout_of(info: _Mixer, hidden: Any, who: str) -> tuple[bool, PackedLayout | None]:
+def _layout_of(info: Mixer, hidden: Any, who: str) -> tuple[bool, PackedLayout | None]:
     """``(hooks live, layout of the forward in flight or None)`` for one mixer call."""
     live = hooks_live(info.state)
     if live and isinstance(hidden, torch.Tensor) and hidden.dim() >= 2:
@@ -329,9 +320,9 @@ def _layout_of(info: _Mixer, hidden: Any, who: str) -> tuple[bool, PackedLayout 
     return live, None
 
 
-def _mixer_forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+def mixer_forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
     """Installed as ``module.forward``: transformers' forward for an ordinary batch, the packed one otherwise."""
-    info: _Mixer = self._padfree_mixer
+    info: Mixer = self._padfree_mixer
     hidden = args[0] if args else kwargs.get("hidden_states", kwargs.get("input_states"))
     live, lay = _layout_of(info, hidden, type(self).__name__)
     if lay is None:
@@ -379,7 +370,7 @@ def _choice(kernel: str | None, reference: str, on_cuda: bool) -> tuple[bool, st
     return True, _KERNEL_DOC[kernel]
 
 
-def _describe(key: str, formulation: str, on_cuda: bool) -> tuple[bool, bool, str]:
+def describe_mixer(key: str, formulation: str, on_cuda: bool) -> tuple[bool, bool, str]:
     """``(conv kernel on, scan kernel on, one-line description)`` of family ``key`` as it would be installed now."""
     family = FAMILIES[key]
     conv_on, conv_doc = _choice(family.conv_kernel, "exact torch conv, taps reset at segment starts", on_cuda)
@@ -405,15 +396,15 @@ def install(module: torch.nn.Module, state: Any, *, formulation: str = "auto") -
     key = MIXER_CLASSES[name]
     packed = _packed_forward(type(module))
     on_cuda = any(p.is_cuda for p in module.parameters())
-    conv_on, scan_on, description = _describe(key, formulation, on_cuda)
-    module._padfree_mixer = _Mixer(state=state, packed=packed, kind=key, family=FAMILIES[key], use_conv_kernel=conv_on,
+    conv_on, scan_on, description = describe_mixer(key, formulation, on_cuda)
+    module._padfree_mixer = Mixer(state=state, packed=packed, kind=key, family=FAMILIES[key], use_conv_kernel=conv_on,
                                    use_scan_kernel=scan_on, formulation=formulation, description=description,
                                    on_cuda=on_cuda)
-    module.forward = types.MethodType(_mixer_forward, module)
+    module.forward = types.MethodType(mixer_forward, module)
     return description
 
 
-def _fall_back(info: _Mixer, kernel: str) -> None:
+def _fall_back(info: Mixer, kernel: str) -> None:
     """Switch ``info`` off ``kernel`` (it raised; see :mod:`padfree.model.kernels`) and rewrite the configured model's
     report, so that ``packing_state(model).report`` says what runs now and why."""
     if kernels.broken_reason(kernel) is None:
@@ -421,7 +412,7 @@ def _fall_back(info: _Mixer, kernel: str) -> None:
     info.use_conv_kernel &= info.family.conv_kernel != kernel
     info.use_scan_kernel &= info.family.scan_kernel != kernel
     old = info.description
-    *_, info.description = _describe(info.kind, info.formulation, info.on_cuda)
+    *_, info.description = describe_mixer(info.kind, info.formulation, info.on_cuda)
     report = getattr(info.state, "report", None)
     if report is not None:
         for qual, description in report.mixers.items():

@@ -25,6 +25,8 @@ from collections.abc import Mapping
 from importlib import resources
 from typing import Any
 
+from padfree.model import versions
+
 __all__ = ["Verdict", "decide", "features", "load", "markdown_table", "module_classes", "supported_types"]
 
 log = logging.getLogger("padfree")
@@ -109,12 +111,6 @@ def _features(d: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _transformers_version() -> str:
-    import transformers
-
-    return str(transformers.__version__)
-
-
 def lookup(model: Any, backend: str) -> tuple[str, dict[str, Any] | None]:
     """``("covered" | "refused" | "uncovered: why", entry)``: what the table says of ``model`` on ``backend``."""
     from padfree.model.shrink import shrink_config
@@ -124,9 +120,9 @@ def lookup(model: Any, backend: str) -> tuple[str, dict[str, Any] | None]:
     entry = table["types"].get(model_type)
     if table["transformers"] is None:
         return "uncovered: padfree ships no support table", None
-    if table["transformers"] != _transformers_version():
+    if table["transformers"] != versions.installed():
         return (f"uncovered: the support table was proven on transformers {table['transformers']}, "
-                f"{_transformers_version()} is installed"), None
+                f"{versions.installed()} is installed"), None
     if entry is None:
         return f"uncovered: model type {model_type!r} is not in the support table", None
     if type(model).__name__ not in (entry["class"], entry.get("base_class")):
@@ -163,7 +159,7 @@ def _differences(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
 
 def decide(model: Any, report: Any) -> Verdict:
     """Accept ``model`` (configured with ``report.backend``) from the support table, or certify it on the spot."""
-    from padfree.model import certify, versions
+    from padfree.model import certify
 
     versions.warn_if_untested()
     status, entry = lookup(model, report.backend)

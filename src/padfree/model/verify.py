@@ -16,6 +16,13 @@ the mean over every next-token target of every sequence in both runs, so the gra
 >>> report.max_logit_diff < 1e-5, report.max_grad_diff < 1e-5
 (True, True)
 >>> report.raise_for_mismatch()  # silent when ok; raises PackingMismatchError with the table otherwise
+
+Token ids the model has no embedding for are refused before anything runs:
+
+>>> verify(model, [[5, 6, 7], [8, 64]])
+Traceback (most recent call last):
+...
+padfree.errors.InvalidTokensError: data[1][1] = 64 is not below the vocabulary size 64
 """
 
 from __future__ import annotations
@@ -33,6 +40,7 @@ from padfree.data.batch import PackedBatch, pack_result_to_tensors
 from padfree.errors import InvalidArgumentError, InvalidTokensError, PackingMismatchError, describe
 from padfree.packing.inputs import as_positive_int
 from padfree.packing.strategies import pack_sequences
+from padfree.samples import check_tokens, read_tokens
 
 __all__ = ["SequenceCheck", "VerifyReport", "verify"]
 
@@ -107,22 +115,38 @@ class VerifyReport:
         return "\n".join(lines)
 
 
-def _as_batch(data: Any, capacity: int | None) -> PackedBatch:
+def _as_batch(data: Any, capacity: int | None, vocab: int | None) -> PackedBatch:
     if isinstance(data, PackedBatch):
         if capacity is not None:
             raise InvalidArgumentError("capacity applies to a list of sequences; a PackedBatch is already packed")
+        ids = data.input_ids.detach().cpu().numpy()  # padding is embedded too: every slot of every row is checked
+        rows, width = ids.shape
+        check_tokens(ids.reshape(-1), np.arange(rows, dtype=np.int64) * width, np.full(rows, width, np.int64),
+                     lambda r: f"data.input_ids[{r}]", vocab_size=vocab)
         return data
     if isinstance(data, (str, bytes)) or not isinstance(data, Sequence) or not data:
         raise InvalidTokensError(
             f"data must be a PackedBatch or a non-empty list of token-id sequences, got {describe(data)}")
-    seqs = [np.asarray(s.cpu() if isinstance(s, torch.Tensor) else s) for s in data]
-    for i, s in enumerate(seqs):
-        if s.ndim != 1 or s.size < 2 or not np.issubdtype(s.dtype, np.integer):
-            raise InvalidTokensError(
-                f"data[{i}] must be a 1-D sequence of at least 2 integer token ids, got {describe(data[i])}")
-    lengths = np.array([s.size for s in seqs])
+    tokens = read_tokens(data, "data", vocab_size=vocab)
+    lengths = tokens.lengths
+    if lengths.min() < 2:
+        i = int(np.argmax(lengths < 2))
+        raise InvalidTokensError(f"data[{i}] has {lengths[i]} token(s), but every sequence needs at least 2 (a "
+                                 f"token and the next one to predict), got {describe(data[i])}")
     cap = int(lengths.sum()) if capacity is None else as_positive_int(capacity, "capacity")
-    return pack_result_to_tensors(pack_sequences(lengths, cap), seqs, pad_to="longest")
+    return pack_result_to_tensors(pack_sequences(lengths, cap), tokens, pad_to="longest")
+
+
+def _vocab_size(model: torch.nn.Module) -> int | None:
+    """How many token ids ``model`` can embed: its input embedding's rows, else its config's ``vocab_size``."""
+    try:
+        rows = getattr(model.get_input_embeddings(), "num_embeddings", None)
+    except (AttributeError, NotImplementedError):  # not a transformers model, or one without a token embedding
+        rows = None
+    if rows is None:
+        config = getattr(model, "config", None)
+        rows = getattr(config, "vocab_size", None) or getattr(getattr(config, "text_config", None), "vocab_size", None)
+    return int(rows) if isinstance(rows, int) and rows > 0 else None
 
 
 def _grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -149,13 +173,17 @@ def verify(
             are kept and restored).
         capacity: row length when ``data`` is a list.
 
+    Raises:
+        InvalidTokensError: ``data`` is not token-id sequences, or holds an id the model has no embedding for
+            (negative, or at least its vocabulary size); the message names the sample and the position.
+
     The model runs in eval mode (dropout would make the runs differ) and is put back in its mode afterwards. The
     packed run feeds ``PackedBatch.model_inputs()``; each sequence alone gets its own ids with positions ``0..n-1``
     and no mask. Cost: one packed and ``n`` single forwards (and backwards).
     """
     if not (isinstance(atol, (int, float)) and math.isfinite(atol) and atol >= 0):
         raise InvalidArgumentError(f"atol must be a finite number >= 0, got {describe(atol)}")
-    batch = _as_batch(data, capacity)
+    batch = _as_batch(data, capacity, _vocab_size(model))
     device = next(model.parameters()).device
     batch = batch.to(device) if hasattr(batch, "to") else batch
     was_training = model.training

@@ -16,9 +16,19 @@ import json
 import logging
 from importlib import resources
 
-__all__ = ["version_span", "warn_if_untested", "within_span"]
+__all__ = ["installed", "version_span", "warn_if_untested", "within_span"]
 
 log = logging.getLogger("padfree")
+
+
+def installed(package: str = "transformers") -> str:
+    """The installed version of ``package`` (``"?"`` when it cannot be read), for messages and the support table."""
+    try:
+        from importlib.metadata import version
+
+        return version(package)
+    except Exception:  # pragma: no cover - a package without metadata
+        return "?"
 
 
 def _key(version: str) -> tuple[int, ...]:

@@ -120,10 +120,10 @@ def _packed_forward(cls: type) -> Callable:
     family = mixers.FAMILIES[_REBOUND[cls.__name__]]
     forward = cls.forward
     module_globals = sys.modules[mixers.unwrap_function(forward).__module__].__dict__
-    used = mixers._globals_used(forward)
+    used = mixers.globals_used(forward)
     classes = {k for k, v in module_globals.items() if isinstance(v, type)}
     missing = [name for name in family.required if name not in used]
-    unknown = sorted(used - set(family.replace) - mixers._PER_TOKEN_GLOBALS - _BUILTINS - classes)
+    unknown = sorted(used - set(family.replace) - mixers.PER_TOKEN_GLOBALS - _BUILTINS - classes)
     if missing or unknown:
         raise UnsupportedModelError(
             f"{cls.__name__}.forward does not have the shape padfree proved exact: missing calls {missing}, unknown "
@@ -135,7 +135,7 @@ def _packed_forward(cls: type) -> Callable:
                                         f"boundary-exact replacement expects {params}; refusing rather than guessing")
     scope = dict(module_globals)
     scope.update({name: _REPLACE[name] for name in family.replace})
-    return mixers._rebind(forward, scope)
+    return mixers.rebind(forward, scope)
 
 
 def _with_seq_idx(module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:

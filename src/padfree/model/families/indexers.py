@@ -307,7 +307,7 @@ def _install_gdn(module: torch.nn.Module, state: Any) -> str:
 
     key = _GDN_CLASSES[type(module).__name__]
     on_cuda = any(p.is_cuda for p in module.parameters())
-    conv_on, scan_on, description = mixers._describe(key, "auto", on_cuda)
+    conv_on, scan_on, description = mixers.describe_mixer(key, "auto", on_cuda)
     return linear.install_mixer(module, state, kind=key, family=mixers.FAMILIES[key],
                                 packed=_gdn_forward(type(module)), description=description, conv_kernel=conv_on,
                                 scan_kernel=scan_on)

@@ -36,7 +36,7 @@ from typing import Any
 import torch
 
 from padfree.errors import PackingDisabledError, UnsupportedModelError
-from padfree.model import mixers, scans
+from padfree.model import mixers, scans, versions
 from padfree.model.families import linear
 from padfree.model.packed import PackedLayout
 
@@ -112,7 +112,7 @@ def segment_kimi_delta_attention(
 @torch.compiler.disable
 def _packed_chunk_rule(rule: Callable, query, key, value, g, beta, chunk_size=64, initial_state=None,
                        output_final_state=False, use_qk_l2norm_in_kernel=False, **kwargs):
-    call = mixers._current(_CHUNK_RULE)
+    call = mixers.current_call(_CHUNK_RULE)
     if initial_state is not None or output_final_state:
         raise PackingDisabledError("a packed batch reached a Kimi delta attention with a recurrent state from a "
                                    "cache; packed training never uses a cache (pass use_cache=False)")
@@ -127,15 +127,15 @@ def _packed(cls: type) -> tuple[Any, Callable]:
     module_globals = sys.modules[mixers.unwrap_function(cls.forward).__module__].__dict__
     if _CHUNK_RULE not in module_globals:
         raise UnsupportedModelError(f"{cls.__name__}: its module has no {_CHUNK_RULE} (transformers "
-                                    f"{linear._transformers_version()}); refusing rather than guessing")
+                                    f"{versions.installed()}); refusing rather than guessing")
     replace = {
-        "causal_conv1d_fn": mixers._packed_conv1d,
-        "causal_conv1d_update": mixers._no_decode,
+        "causal_conv1d_fn": mixers.packed_conv1d,
+        "causal_conv1d_update": mixers.no_decode,
         _CHUNK_RULE: functools.partial(_packed_chunk_rule, module_globals[_CHUNK_RULE]),
-        "recurrent_kimi_delta_attention": mixers._no_decode,
+        "recurrent_kimi_delta_attention": mixers.no_decode,
     }
     required = ("causal_conv1d_fn", _CHUNK_RULE)
-    family = mixers._Family("Kimi delta attention", replace, _SIGNATURES, required, None, None)
+    family = mixers.Family("Kimi delta attention", replace, _SIGNATURES, required, None, None)
     return family, linear.packed_forward(cls, replace, _SIGNATURES, required)
 
 

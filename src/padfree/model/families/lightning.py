@@ -38,7 +38,7 @@ import torch
 import torch.nn.functional as F
 
 from padfree.errors import PackingDisabledError, UnsupportedModelError
-from padfree.model import guards, mixers
+from padfree.model import guards, mixers, versions
 from padfree.model.packed import PackedLayout
 from padfree.model.state import current_layout, hooks_live
 
@@ -120,15 +120,9 @@ def _check_forward(cls: type) -> None:
     extra, missing = sorted(names - _PROVEN_NAMES), sorted(_PROVEN_NAMES - names)
     if extra or missing:
         raise UnsupportedModelError(
-            f"{cls.__name__}.forward (transformers {_transformers_version()}) is not the lightning attention padfree "
+            f"{cls.__name__}.forward (transformers {versions.installed()}) is not the lightning attention padfree "
             f"proved exact (it reads {extra} in addition, and no longer reads {missing}); it cannot be made "
             f"packing-exact until it is proven again")
-
-
-def _transformers_version() -> str:
-    import transformers
-
-    return transformers.__version__
 
 
 def _packed_forward(self: torch.nn.Module, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None,

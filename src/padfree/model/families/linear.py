@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from padfree.errors import UnsupportedModelError
-from padfree.model import mixers
+from padfree.model import mixers, versions
 
 __all__ = ["CLASSES", "install", "install_mixer", "packed_forward", "uninstall"]
 
@@ -40,12 +40,6 @@ _GDN_CLASSES = {"LaraMiniGatedDeltaNet": "gated-delta-net"}
 CLASSES: dict[str, str] = {
     "LaraMiniGatedDeltaNet": "GatedDeltaNet (Qwen3.5's): conv taps and delta-rule state reset at every segment start",
 }
-
-
-def _transformers_version() -> str:
-    import transformers
-
-    return transformers.__version__
 
 
 def packed_forward(cls: type, replace: Mapping[str, Callable], signatures: Mapping[str, tuple[str, ...]],
@@ -59,13 +53,13 @@ def packed_forward(cls: type, replace: Mapping[str, Callable], signatures: Mappi
     """
     forward = cls.forward
     module_globals = sys.modules[mixers.unwrap_function(forward).__module__].__dict__
-    used = mixers._globals_used(forward)
+    used = mixers.globals_used(forward)
     missing = [name for name in required if name not in used]
     classes = {k for k, v in module_globals.items() if isinstance(v, type)}
-    unknown = sorted(used - set(replace) - mixers._PER_TOKEN_GLOBALS - classes)
+    unknown = sorted(used - set(replace) - mixers.PER_TOKEN_GLOBALS - classes)
     if missing or unknown:
         raise UnsupportedModelError(
-            f"{cls.__name__}.forward (transformers {_transformers_version()}) does not have the shape padfree proved "
+            f"{cls.__name__}.forward (transformers {versions.installed()}) does not have the shape padfree proved "
             f"exact: missing calls {missing}, unknown global functions {unknown}; it cannot be made packing-exact "
             f"until it is proven again")
     for name, params in signatures.items():
@@ -76,7 +70,7 @@ def packed_forward(cls: type, replace: Mapping[str, Callable], signatures: Mappi
                 f"expects {params}; refusing rather than guessing")
     scope = dict(module_globals)
     scope.update(replace)
-    return mixers._rebind(forward, scope)
+    return mixers.rebind(forward, scope)
 
 
 def install_mixer(module: torch.nn.Module, state: Any, *, kind: str, family: Any, packed: Callable,
@@ -89,10 +83,10 @@ def install_mixer(module: torch.nn.Module, state: Any, *, kind: str, family: Any
     through that family); a family defined elsewhere runs its exact references. Returns ``description``.
     """
     on_cuda = any(p.is_cuda for p in module.parameters())
-    module._padfree_mixer = mixers._Mixer(
+    module._padfree_mixer = mixers.Mixer(
         state=state, packed=packed, kind=kind, family=family, use_conv_kernel=conv_kernel,
         use_scan_kernel=scan_kernel, formulation="auto", description=description, on_cuda=on_cuda)
-    module.forward = types.MethodType(mixers._mixer_forward, module)
+    module.forward = types.MethodType(mixers.mixer_forward, module)
     return description
 
 
@@ -111,7 +105,7 @@ def install(module: torch.nn.Module, state: Any) -> str:
     key = _GDN_CLASSES[name]
     packed = _gdn_forward(type(module))
     on_cuda = any(p.is_cuda for p in module.parameters())
-    conv_on, scan_on, description = mixers._describe(key, "auto", on_cuda)
+    conv_on, scan_on, description = mixers.describe_mixer(key, "auto", on_cuda)
     return install_mixer(module, state, kind=key, family=mixers.FAMILIES[key], packed=packed,
                          description=description, conv_kernel=conv_on, scan_kernel=scan_on)
 

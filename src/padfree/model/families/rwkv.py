@@ -126,9 +126,9 @@ def _packed_forward(cls: type) -> Any:
     """``cls.forward`` with ``rwkv_linear_attention`` resolved to :func:`_packed_wkv` (time mixing), or the class's
     own forward (channel mixing: its token shift is the instance's ``time_shift``)."""
     forward = cls.forward
-    used = mixers._globals_used(forward)
+    used = mixers.globals_used(forward)
     expected = {"rwkv_linear_attention", "tuple"} if cls.__name__ == "RwkvSelfAttention" else {"torch"}
-    if used != expected or mixers._globals_used(getattr(cls, "extract_key_value", forward)) != {"torch"}:
+    if used != expected or mixers.globals_used(getattr(cls, "extract_key_value", forward)) != {"torch"}:
         raise UnsupportedModelError(
             f"{cls.__name__}.forward calls {sorted(used)}, not the {sorted(expected)} padfree proved exact; it "
             f"cannot be made packing-exact until it is proven again")
@@ -136,7 +136,7 @@ def _packed_forward(cls: type) -> Any:
         return forward
     scope = dict(sys.modules[forward.__module__].__dict__)
     scope["rwkv_linear_attention"] = _packed_wkv
-    return mixers._rebind(forward, scope)
+    return mixers.rebind(forward, scope)
 
 
 @torch.compiler.disable

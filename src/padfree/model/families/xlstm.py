@@ -225,8 +225,8 @@ def install(module: torch.nn.Module, state: Any) -> str:
     docstring), or accept an ``xLSTMFeedForward`` as per-token; returns what runs for packed batches. Idempotent."""
     name = type(module).__name__
     if name == "xLSTMFeedForward":
-        if mixers._globals_used(type(module).forward) - {"torch"}:
-            raise UnsupportedModelError(f"{name}.forward calls {sorted(mixers._globals_used(type(module).forward))}; "
+        if mixers.globals_used(type(module).forward) - {"torch"}:
+            raise UnsupportedModelError(f"{name}.forward calls {sorted(mixers.globals_used(type(module).forward))}; "
                                         f"padfree proved it per-token only when it calls torch alone")
         return "per-token feed-forward (nothing crosses tokens)"
     if name != "xLSTMLayer":
