@@ -167,7 +167,7 @@ def parquet(tmp_path) -> Path:
         (["{tmp}/notes.txt"], "unsupported file type '.txt'"),
         (["{parquet}", "--lengths-column", "text"], "has type string, not numbers"),
         (["{tmp}/empty.json"], "empty.json' holds no records"),
-        (["{tmp}/numbers.json"], "record 0 is of type int, not an object"),
+        (["{tmp}/numbers.json"], "record 0 is a JSON number (1), not a record"),
         (["--lengths-column", "n_tokens"], "--lengths-column needs DATA"),
     ],
 )
@@ -522,8 +522,8 @@ def test_bad_data_found_while_packing_leaves_no_output(tmp_path, capsys, tokeniz
         (["--tokenizer", "{tmp}/no-tokenizer"], "no-tokenizer' does not exist"),
         (["--data", "{tmp}/missing.json"], "missing.json': no such file"),
         (["--data", "{tmp}/in.parquet", "--append-eos"], "--append-eos does not apply"),
-        (["--data", "{tmp}/in.parquet", "--input-ids-column", "text"], "not lists of integer token ids"),
-        (["--data", "{tmp}/in.parquet", "--labels-column", "text"], "'text' has type string"),
+        (["--data", "{tmp}/in.parquet", "--input-ids-column", "text"], "'text' holds one string per record, not a"),
+        (["--data", "{tmp}/in.parquet", "--labels-column", "text"], "--labels-column 'text' holds one string per"),
     ],
 )
 def test_pack_bad_arguments_are_one_error_line_and_no_output(tmp_path, capsys, args, culprit):

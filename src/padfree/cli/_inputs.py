@@ -1,25 +1,34 @@
-"""What the commands read: DATA files and directories as Arrow tables, and the columns of them a command uses.
+"""What the commands read: DATA — a file or a saved dataset directory — as an Arrow table with at least one record.
 
-``analyze``, ``pack``, ``demo --data`` and ``bench --data`` read their input through these helpers, so a file that
-``analyze`` measures is tokenized by ``pack`` into exactly the tokens that were counted. Every unreadable input
-becomes one :class:`~padfree.errors.DataLoadError` naming the path and what is accepted.
+``analyze``, ``pack``, ``demo --data`` and ``bench --data`` read their input here, so a file that ``analyze`` measures
+is tokenized by ``pack`` into exactly the tokens that were counted. Every input that cannot be read becomes one
+:class:`~padfree.errors.DataLoadError` that names the path, where in it the fault is (the line of a JSON Lines file,
+the record of a JSON list, the row of a CSV) and what is accepted; the columns a command then takes are
+:mod:`padfree.cli._columns`' business.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from padfree.cli._optional import require
-from padfree.errors import DataLoadError, InvalidArgumentError, InvalidLengthsError, PadfreeError
-from padfree.packing.inputs import as_lengths, as_positive_int
+from padfree.errors import DataLoadError, PadfreeError
+from padfree.packing.inputs import as_positive_int
 
 DATA_FORMATS = ".json (a list of records, or JSON Lines), .jsonl, .parquet, .csv, or a datasets.save_to_disk directory"
+
+#: what each file type must hold, for the errors
+_EXPECTED = {
+    ".json": 'a JSON list of records such as [{"text": ...}, ...], or JSON Lines (one record per line)',
+    ".jsonl": 'JSON Lines: one record such as {"text": ...} per line',
+    ".parquet": "a Parquet file (as written by pyarrow.parquet.write_table or Dataset.to_parquet)",
+    ".csv": "a CSV file whose first line names the columns",
+}
+_EXPECTED[".ndjson"] = _EXPECTED[".jsonl"]
 
 
 def optional_positive(value: int | None, flag: str) -> int | None:
@@ -28,33 +37,36 @@ def optional_positive(value: int | None, flag: str) -> int | None:
     return None if value is None else as_positive_int(value, flag)
 
 
-# ---- files and directories -----------------------------------------------------------------------
-
-
-def read_table(data: str) -> Any:
-    """``data`` as a ``pyarrow.Table``, or a :class:`DataLoadError` naming the path and the accepted formats."""
-    path = _data_path(data)
+def read_table(data: str, flag: str = "DATA") -> Any:
+    """``data`` as a ``pyarrow.Table`` of at least one record; ``flag`` names the argument in the errors."""
+    path = _data_path(data, flag)
     _require_readers(data, path)
-    with _reading(data):
+    with _reading(data, flag):
         if path.is_dir():
             # save_to_disk writes the selected rows themselves (no indices mapping): the backing table is the data
-            return _load_saved_dataset(path, data).data.table
-        return _read_file(path, data)
+            table = _load_saved_dataset(path, data, flag).data.table
+        else:
+            table = _read_file(path, f"{flag} {data!r}")
+    _refuse_empty(table, data, flag)
+    return table
 
 
-def read_dataset(data: str) -> Any:
-    """``data`` as a ``datasets.Dataset``: a saved dataset directory memory-mapped, a file read into memory."""
-    path = _data_path(data)
+def read_dataset(data: str, flag: str = "DATA") -> Any:
+    """``data`` as a ``datasets.Dataset`` of at least one record: a saved dataset directory memory-mapped, a file
+    read into memory."""
+    path = _data_path(data, flag)
     _require_readers(data, path)
     require(f"reading {data}", "datasets")
-    with _reading(data):
+    with _reading(data, flag):
         if path.is_dir():
-            return _load_saved_dataset(path, data)
-        table = _read_file(path, data)
-    import datasets
-    from datasets.table import InMemoryTable
+            dataset = _load_saved_dataset(path, data, flag)
+        else:
+            import datasets
+            from datasets.table import InMemoryTable
 
-    return datasets.Dataset(InMemoryTable(table))
+            dataset = datasets.Dataset(InMemoryTable(_read_file(path, f"{flag} {data!r}")))
+    _refuse_empty(dataset.data, data, flag)
+    return dataset
 
 
 def is_saved_dataset(path: Path) -> bool:
@@ -62,10 +74,10 @@ def is_saved_dataset(path: Path) -> bool:
     return (path / "dataset_info.json").is_file() or (path / "state.json").is_file()
 
 
-def _data_path(data: str) -> Path:
+def _data_path(data: str, flag: str) -> Path:
     path = Path(data).expanduser()
     if not path.exists():
-        raise DataLoadError(f"DATA {data!r}: no such file or directory")
+        raise DataLoadError(f"{flag} {data!r}: no such file or directory")
     return path
 
 
@@ -76,9 +88,19 @@ def _require_readers(data: str, path: Path) -> None:
         require(f"reading the saved dataset {data}", "datasets")
 
 
+def _refuse_empty(table: Any, data: str, flag: str) -> None:
+    if table.num_rows == 0:
+        columns = f" (its columns: {_describe(table.schema)})" if table.num_columns else ""
+        raise DataLoadError(f"{flag} {data!r} holds no records{columns}")
+
+
+def _describe(schema: Any) -> str:
+    return ", ".join(f"{name} ({field.type})" for name, field in zip(schema.names, schema, strict=True))
+
+
 @contextlib.contextmanager
-def _reading(data: str) -> Iterator[None]:
-    """Turn what pyarrow and datasets raise on an unreadable input into one :class:`DataLoadError`."""
+def _reading(data: str, flag: str) -> Iterator[None]:
+    """Turn what pyarrow and datasets raise on an input the checks below did not foresee into one line."""
     import pyarrow as pa
 
     try:
@@ -86,193 +108,223 @@ def _reading(data: str) -> Iterator[None]:
     except PadfreeError:
         raise
     except (OSError, ValueError, pa.ArrowException) as exc:
-        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-        raise DataLoadError(f"DATA {data!r} could not be read ({type(exc).__name__}: {first})") from exc
+        raise DataLoadError(f"{flag} {data!r} could not be read ({type(exc).__name__}: {_first_line(exc)})") from exc
 
 
-def _read_file(path: Path, data: str) -> Any:
+def _first_line(exc: BaseException) -> str:
+    # pyarrow may quote the undecodable bytes it met: never let the message itself fail to print
+    text = str(exc).encode("utf-8", "replace").decode("utf-8").strip()
+    return (text.splitlines() or [type(exc).__name__])[0]
+
+
+def _read_file(path: Path, what: str) -> Any:
     suffix = path.suffix.lower()
+    if suffix not in _EXPECTED:
+        raise DataLoadError(f"{what}: unsupported file type {path.suffix or '(none)'!r}; expected {DATA_FORMATS}")
+    if path.stat().st_size == 0:
+        raise DataLoadError(f"{what} is an empty file (0 bytes); expected {_EXPECTED[suffix]}")
     if suffix == ".json":
-        return _read_json(path)
+        return _read_json(path, what)
     if suffix in (".jsonl", ".ndjson"):
-        import pyarrow.json
-
-        return pyarrow.json.read_json(path)
+        return _read_json_lines(path, what, suffix)
     if suffix == ".parquet":
-        import pyarrow.parquet
-
-        return pyarrow.parquet.read_table(path)
-    if suffix == ".csv":
-        import pyarrow.csv
-
-        return pyarrow.csv.read_csv(path)
-    raise DataLoadError(f"DATA {data!r}: unsupported file type {path.suffix or '(none)'!r}; expected {DATA_FORMATS}")
+        return _read_parquet(path, what)
+    return _read_csv(path, what)
 
 
-def _read_json(path: Path) -> Any:
+# ---- JSON ------------------------------------------------------------------------------------------
+
+
+def _read_json(path: Path, what: str) -> Any:
+    with path.open("rb") as f:
+        head = f.read(4096).lstrip()
+    if not head:
+        raise DataLoadError(f"{what} holds only whitespace; expected {_EXPECTED['.json']}")
+    if head.startswith(b"{"):
+        return _read_json_lines(path, what, ".json")  # JSON Lines with a .json name
+    value = _parse_json(path.read_bytes(), what)
+    if not isinstance(value, list):
+        raise DataLoadError(f"{what} holds {_kind(value)}, not a list of records; expected {_EXPECTED['.json']}")
+    return _records_table(value, what, lambda i: f"record {i}")
+
+
+def _parse_json(raw: bytes, what: str) -> Any:
+    text = _decode(raw, what)
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise DataLoadError(f"{what} is not valid JSON: {exc.msg} at line {exc.lineno}, column {exc.colno}; "
+                            f"expected {_EXPECTED['.json']}") from exc
+
+
+def _decode(raw: bytes, what: str, first_line: int = 1) -> str:
+    """``raw`` as text, or the error naming the line and column of the first byte that is not UTF-8."""
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = first_line + raw.count(b"\n", 0, exc.start)
+        column = exc.start - (raw.rfind(b"\n", 0, exc.start) + 1) + 1
+        raise DataLoadError(f"{what} is not UTF-8 text: byte 0x{raw[exc.start]:02x} at line {line}, column {column} "
+                            "cannot be decoded; save the file as UTF-8") from exc
+
+
+def _read_json_lines(path: Path, what: str, suffix: str) -> Any:
+    import pyarrow as pa
+    import pyarrow.json
+
+    try:
+        table = pyarrow.json.read_json(path)
+        table.validate(full=True)  # pyarrow does not check that the strings it read are UTF-8
+    except (pa.ArrowException, ValueError) as exc:
+        # the fast reader says little about where (a row of its own blocks): find the first bad line ourselves
+        _diagnose_json_lines(path, what, suffix)
+        raise DataLoadError(f"{what} could not be read as JSON Lines ({_first_line(exc)}); "
+                            f"expected {_EXPECTED[suffix]}") from exc
+    if suffix == ".json" and table.num_rows == 1:  # {"a": 1, "b": 2} or {"text": [...]}: not a dataset of records
+        raise DataLoadError(f"{what} holds one JSON object (keys {', '.join(map(repr, table.column_names))}), not a "
+                            f"list of records; expected {_EXPECTED['.json']} (name a one-line JSON Lines file .jsonl)")
+    return table
+
+
+def _diagnose_json_lines(path: Path, what: str, suffix: str) -> None:
+    """Raise the error of the first line of ``path`` that is not UTF-8, not JSON or not a record; or return."""
+    if suffix == ".json":  # one object spread over several lines is one JSON document: say what the file is
+        try:
+            value = _parse_json(path.read_bytes(), what)
+        except DataLoadError:
+            value = []  # not one document: look at it line by line
+        if not isinstance(value, list):
+            raise DataLoadError(f"{what} holds {_kind(value)}, not a list of records; expected {_EXPECTED['.json']}")
+
+    def lines() -> Iterator[tuple[int, Any]]:
+        with path.open("rb") as f:
+            for number, raw in enumerate(f, 1):
+                if not raw.strip():
+                    continue
+                line = _decode(raw, what, first_line=number)
+                try:
+                    value = json.loads(line)
+                except json.JSONDecodeError as exc:
+                    raise DataLoadError(f"{what}, line {number} is not valid JSON ({exc.msg} at column "
+                                        f"{exc.colno}); expected {_EXPECTED[suffix]}") from exc
+                yield number, value
+
+    for _ in _check_records(lines(), what, lambda n: f"line {n}", _EXPECTED[suffix]):
+        pass
+
+
+def _records_table(records: list[Any], what: str, name: Any) -> Any:
     import pyarrow as pa
 
-    with path.open(encoding="utf-8") as f:
-        head = f.read(4096).lstrip()
-    if not head.startswith("["):
-        import pyarrow.json
-
-        return pyarrow.json.read_json(path)  # JSON Lines with a .json name
-    records = json.loads(path.read_text(encoding="utf-8"))
-    bad = next((i for i, r in enumerate(records) if not isinstance(r, dict)), None)
-    if bad is not None:
-        raise DataLoadError(
-            f"DATA {str(path)!r}: record {bad} is of type {type(records[bad]).__name__}, not an object; "
-            "expected a JSON list of records such as [{\"text\": ...}, ...]"
-        )
-    return pa.Table.from_pylist(records)
+    records = [r for _, r in _check_records(enumerate(records), what, name, _EXPECTED[".json"])]
+    try:
+        return pa.Table.from_pylist(records)
+    except (pa.ArrowException, ValueError, TypeError) as exc:
+        raise DataLoadError(f"{what}: its records could not be made into columns ({_first_line(exc)})") from exc
 
 
-def _load_saved_dataset(path: Path, data: str) -> Any:
+def _check_records(items: Iterable[tuple[int, Any]], what: str, name: Any, expected: str) -> Iterator[tuple[int, Any]]:
+    """Pass ``(index, record)`` through; refuse a record that is not an object, or a field whose JSON type differs
+    from the same field's in an earlier record (Arrow columns hold one type). ``name(index)`` words the location."""
+    seen: dict[str, tuple[str, int]] = {}  # field -> (its kind, where it was first seen)
+    for index, record in items:
+        if not isinstance(record, dict):
+            raise DataLoadError(f"{what}: {name(index)} is {_kind(record)}, not a record; expected {expected}")
+        for field, value in record.items():
+            kind = _kind(value, article=False)
+            if kind in ("null", "array"):  # a missing value, or a list with nothing to type: fits any column
+                continue
+            first = seen.setdefault(field, (kind, index))
+            if first[0] != kind:
+                raise DataLoadError(f"{what}: {name(index)} has {field!r} = {_short(value)} ({_a(kind)}), but "
+                                    f"{name(first[1])} has {_a(first[0])} there; every record needs the same type "
+                                    "in a field")
+        yield index, record
+
+
+def _kind(value: Any, *, article: bool = True) -> str:
+    """The JSON type of ``value`` in words; lists say what they hold (``"array of strings"``)."""
+    if isinstance(value, bool):
+        kind = "boolean"
+    elif isinstance(value, (int, float)):
+        kind = "number"
+    elif isinstance(value, str):
+        kind = "string"
+    elif isinstance(value, dict):
+        kind = "object"
+    elif isinstance(value, list):
+        inner = next((v for v in value if v is not None), None)
+        of = "" if inner is None else _kind(inner, article=False)
+        kind = ("array" if not of else f"array of {of.replace('array', 'arrays', 1)}" if of.startswith("array")
+                else f"array of {of}s")
+    else:
+        kind = "null"
+    if not article:
+        return kind
+    return f"a JSON {kind} ({_short(value)})" if kind != "object" else "one JSON object"
+
+
+def _a(kind: str) -> str:
+    return f"an {kind}" if kind[0] in "aeiou" else f"a {kind}"
+
+
+def _short(value: Any, limit: int = 40) -> str:
+    text = json.dumps(value, ensure_ascii=False)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+# ---- Parquet, CSV, saved datasets -------------------------------------------------------------------
+
+
+def _read_parquet(path: Path, what: str) -> Any:
+    import pyarrow.parquet
+
+    size = path.stat().st_size
+    with path.open("rb") as f:
+        start = f.read(4)
+        f.seek(max(size - 4, 0))
+        end = f.read(4)
+    if start != b"PAR1":
+        raise DataLoadError(f"{what} is not a Parquet file (it does not start with the Parquet magic bytes PAR1); "
+                            f"expected {_EXPECTED['.parquet']}")
+    if end != b"PAR1" or size < 12:
+        raise DataLoadError(f"{what} is a truncated Parquet file: it starts like one but its {size:,} bytes end "
+                            "without the Parquet footer; write it again")
+    try:
+        return pyarrow.parquet.read_table(path)
+    except (OSError, ValueError) as exc:
+        raise DataLoadError(f"{what} is a corrupt Parquet file ({_first_line(exc)}); write it again") from exc
+
+
+def _read_csv(path: Path, what: str) -> Any:
+    import pyarrow as pa
+    import pyarrow.csv
+
+    table = pyarrow.csv.read_csv(path)
+    for name, field in zip(table.column_names, table.schema, strict=True):
+        if pa.types.is_binary(field.type) or pa.types.is_large_binary(field.type):  # pyarrow's answer to bad UTF-8
+            for row, value in enumerate(table[name].to_pylist()):
+                if value is None:
+                    continue
+                try:
+                    value.decode("utf-8")
+                except UnicodeDecodeError as exc:
+                    raise DataLoadError(f"{what} is not UTF-8 text: column {name!r}, row {row} holds byte "
+                                        f"0x{value[exc.start]:02x} that cannot be decoded; save the file as "
+                                        "UTF-8") from exc
+    return table
+
+
+def _load_saved_dataset(path: Path, data: str, flag: str) -> Any:
     if (path / "dataset_dict.json").is_file():
         splits = sorted(p.name for p in path.iterdir() if p.is_dir())
         raise DataLoadError(
-            f"DATA {data!r} is a DatasetDict with splits {splits}; pass one split's directory, e.g. {data}/{splits[0]}"
-            if splits else f"DATA {data!r} is an empty DatasetDict"
+            f"{flag} {data!r} is a DatasetDict with splits {splits}; pass one split's directory, e.g. "
+            f"{data}/{splits[0]}" if splits else f"{flag} {data!r} is an empty DatasetDict"
         )
     if not is_saved_dataset(path):
-        raise DataLoadError(f"DATA {data!r} is a directory but not one written by datasets' save_to_disk; "
+        raise DataLoadError(f"{flag} {data!r} is a directory but not one written by datasets' save_to_disk; "
                             f"expected {DATA_FORMATS}")
     import datasets
 
     return datasets.load_from_disk(str(path))
-
-
-# ---- columns -------------------------------------------------------------------------------------
-
-
-def describe_columns(table: Any) -> str:
-    """``name (type), ...`` for every column of a ``pyarrow.Table`` (or schema)."""
-    schema = getattr(table, "schema", table)
-    return ", ".join(f"{name} ({field.type})" for name, field in zip(schema.names, schema, strict=True))
-
-
-def is_text(arrow_type: Any) -> bool:
-    import pyarrow as pa
-
-    return pa.types.is_string(arrow_type) or pa.types.is_large_string(arrow_type)
-
-
-def is_token_list(arrow_type: Any) -> bool:
-    import pyarrow as pa
-
-    return (pa.types.is_list(arrow_type) or pa.types.is_large_list(arrow_type)) and pa.types.is_integer(
-        arrow_type.value_type)
-
-
-def texts_from_columns(table: Any, fields: list[str] | None) -> tuple[list[str], str]:
-    """The texts to tokenize (one per row, chosen as :func:`text_columns` says) and the note saying which."""
-    columns, note = text_columns(table.schema, fields)
-    return join_text(table, columns).to_pylist(), note
-
-
-def text_columns(schema: Any, fields: list[str] | None, *, exclude: str | None = None,
-                 instead: str = "pass precomputed lengths with --lengths-column") -> tuple[list[str], str]:
-    """The text columns to tokenize, chosen as ``--field`` says, and a note saying which and why.
-
-    ``fields``: the ``--field`` names (each must be a string column), else ``text`` if it is one, else every string
-    column. ``exclude``: a column never chosen by default (``padfree pack --completion-field``); with it, finding no
-    other text column is no error. ``instead``: what the errors suggest when there is no text to tokenize.
-    """
-    names = list(schema.names)
-
-    if fields:
-        for name in fields:
-            if name not in names:
-                raise DataLoadError(f"--field {name!r}: no such column; available columns: {describe_columns(schema)}")
-            if not is_text(schema.field(name).type):
-                raise DataLoadError(
-                    f"--field {name!r} has type {schema.field(name).type}, not text; choose string columns "
-                    f"({describe_columns(schema)}) or {instead}"
-                )
-        columns = list(fields)
-        note = "column " + " + ".join(map(repr, columns))
-    elif "text" in names and is_text(schema.field("text").type) and exclude != "text":
-        columns = ["text"]
-        note = "column 'text'"
-    else:
-        columns = [name for name, field in zip(names, schema, strict=True) if is_text(field.type) and name != exclude]
-        if not columns and exclude is None:
-            raise DataLoadError(f"no text column to tokenize; available columns: {describe_columns(schema)}; "
-                                f"{instead}")
-        note = ("no 'text' column, so every string column: " + " + ".join(map(repr, columns))
-                + " (choose with --field)")
-    if len(columns) > 1:
-        note += ", joined with newlines"
-    return columns, note
-
-
-def join_text(table: Any, columns: Sequence[str]) -> Any:
-    """``(num_rows,)`` pyarrow strings: the ``columns`` of every row joined with newlines, a missing value as ``""``."""
-    import pyarrow.compute as pc
-
-    if len(columns) > 1:
-        return pc.binary_join_element_wise(*(table[c] for c in columns), "\n",
-                                           null_handling="replace", null_replacement="")
-    return pc.fill_null(table[columns[0]], "")
-
-
-def lengths_from_column(table: Any, column: str) -> tuple[np.ndarray, int]:
-    """``(lengths, skipped)``: the positive lengths of ``--lengths-column``, and how many rows were 0."""
-    import pyarrow as pa
-
-    if column not in table.column_names:
-        raise DataLoadError(f"--lengths-column {column!r}: no such column; available columns: "
-                            f"{describe_columns(table)}")
-    values = table[column]
-    if not (pa.types.is_integer(values.type) or pa.types.is_floating(values.type)):
-        raise DataLoadError(f"--lengths-column {column!r} has type {values.type}, not numbers")
-    if values.null_count:
-        raise DataLoadError(f"--lengths-column {column!r} has {values.null_count} missing values")
-    raw = values.to_numpy()
-    negative = raw < 0
-    if negative.any():
-        i = int(np.argmax(negative))
-        raise DataLoadError(f"--lengths-column {column!r}: row {i} is {raw[i]}, but a length cannot be negative")
-    keep = raw != 0
-    if not keep.any():
-        raise DataLoadError(f"--lengths-column {column!r}: every length is 0, nothing to analyze")
-    try:
-        lengths = as_lengths(raw[keep], name=f"column {column!r}")
-    except InvalidLengthsError as exc:
-        raise DataLoadError(f"--lengths-column: {exc}") from exc
-    return lengths, int((~keep).sum())
-
-
-def token_ids_from_column(ds: Any, ids_column: str, labels_column: str | None) -> tuple[Any, str]:
-    """``ds`` narrowed to what :func:`padfree.pack_dataset` reads — ``input_ids`` and ``labels`` (or TRL's mask
-    columns) — renamed from ``--input-ids-column`` / ``--labels-column``, and a note saying where they came from."""
-    from padfree.data.hf import LABEL_MASK_COLUMNS
-
-    schema = ds.data.schema
-    for flag, name in (("--input-ids-column", ids_column), ("--labels-column", labels_column)):
-        if name is None:
-            continue
-        if name not in schema.names:
-            raise DataLoadError(f"{flag} {name!r}: no such column; available columns: {describe_columns(schema)}")
-        if not is_token_list(schema.field(name).type):
-            raise DataLoadError(f"{flag} {name!r} has type {schema.field(name).type}, not lists of integer token ids")
-    if labels_column is None and "labels" in schema.names and ids_column != "labels":
-        if not is_token_list(schema.field("labels").type):
-            raise DataLoadError(f"column 'labels' has type {schema.field('labels').type}, not lists of integers; "
-                                "name the labels with --labels-column")
-        labels_column = "labels"
-    if labels_column == ids_column:
-        raise InvalidArgumentError(f"--input-ids-column and --labels-column name the same column {ids_column!r}")
-    keep = {ids_column: "input_ids"}
-    measure = f"token ids from column {ids_column!r}"
-    if labels_column is not None:
-        keep[labels_column] = "labels"
-        measure += f", labels from column {labels_column!r}"
-    else:
-        masks = [m for m in LABEL_MASK_COLUMNS if m in schema.names]
-        keep.update({m: m for m in masks})
-        if masks:
-            measure += ", targets where " + " and ".join(map(repr, masks)) + " are nonzero"
-    ds = ds.select_columns(list(keep)).rename_columns({k: v for k, v in keep.items() if k != v})
-    return ds, measure

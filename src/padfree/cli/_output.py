@@ -1,4 +1,5 @@
-"""What the commands show: numbers, aligned tables, progress on stderr, notes, and PNG files written atomically.
+"""What the commands show and write: numbers, aligned tables, progress on stderr, notes, PNG pictures and outputs
+written atomically.
 
 Shared by every command of :mod:`padfree.cli`; the library itself never prints.
 """

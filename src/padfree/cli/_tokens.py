@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from padfree.cli._inputs import join_text
+from padfree.cli._columns import join_text
 from padfree.cli._output import bar
 
 

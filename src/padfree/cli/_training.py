@@ -15,7 +15,8 @@ from typing import Any
 
 import numpy as np
 
-from padfree.cli._inputs import DATA_FORMATS, optional_positive, read_table, texts_from_columns
+from padfree.cli._columns import texts_from_columns
+from padfree.cli._inputs import DATA_FORMATS, optional_positive, read_table
 from padfree.cli._output import Progress, bar
 from padfree.cli._tokens import load_tokenizer, token_ids
 from padfree.errors import DataLoadError, InvalidArgumentError
@@ -106,7 +107,7 @@ class Prepared:
 
 def prepare(args: argparse.Namespace, opts: TrainingOptions, say: Progress) -> Prepared:
     """Read the texts (``--data`` or the embedded corpus), tokenize them, keep the non-empty ones."""
-    from padfree.rows import as_token_buffers
+    from padfree.samples import read_tokens
 
     texts, source = _texts(args, opts)  # a bad --data or --field fails here, before the tokenizer loads
     say("loading the tokenizer")
@@ -115,7 +116,7 @@ def prepare(args: argparse.Namespace, opts: TrainingOptions, say: Progress) -> P
     ids = [x for x in token_ids(texts, tokenizer) if x]
     if not ids:
         raise DataLoadError(f"every one of the {len(texts):,} texts is empty: nothing to train on")
-    buf = as_token_buffers(ids)
+    buf = read_tokens(ids)
     return Prepared(buf, buf.lengths, source, name, len(tokenizer), len(texts) - len(ids))
 
 
@@ -133,12 +134,10 @@ def _texts(args: argparse.Namespace, opts: TrainingOptions) -> tuple[list[str], 
             texts = texts[:opts.limit]
             source += f", first {len(texts)} documents"
         return texts, source
-    data = read_table(args.data)
-    if data.num_rows == 0:
-        raise DataLoadError(f"--data {args.data!r} holds no records")
+    data = read_table(args.data, "--data")
     if opts.limit is not None:
         data = data.slice(0, opts.limit)
-    texts, note = texts_from_columns(data, args.fields)
+    texts, note = texts_from_columns(data, args.fields, source=f"--data {args.data!r}")
     return texts, f"{args.data} ({data.num_rows:,} records; {note})"
 
 

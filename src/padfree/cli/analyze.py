@@ -12,13 +12,8 @@ from typing import Any
 
 import numpy as np
 
-from padfree.cli._inputs import (
-    DATA_FORMATS,
-    lengths_from_column,
-    optional_positive,
-    read_table,
-    texts_from_columns,
-)
+from padfree.cli._columns import lengths_from_column, texts_from_columns
+from padfree.cli._inputs import DATA_FORMATS, optional_positive, read_table
 from padfree.cli._optional import importable, require
 from padfree.cli._output import log_bins, new_figure, num, save_png, table
 from padfree.cli._tokens import load_tokenizer
@@ -152,15 +147,13 @@ def _measure(args: argparse.Namespace, limit: int | None) -> _Lengths:
         column_note = "every document"
     else:
         data = read_table(args.data)
-        if data.num_rows == 0:
-            raise DataLoadError(f"DATA {args.data!r} holds no records")
         if limit is not None:
             data = data.slice(0, limit)
         source = f"{args.data} ({data.num_rows:,} records" + (f", --limit {limit})" if limit is not None else ")")
         if args.lengths_column is not None:
             lengths, skipped = lengths_from_column(data, args.lengths_column)
             return _Lengths(lengths, source, f"precomputed lengths from column {args.lengths_column!r}", skipped)
-        texts, column_note = texts_from_columns(data, args.fields)
+        texts, column_note = texts_from_columns(data, args.fields, source=f"DATA {args.data!r}")
 
     tokenizer, name = load_tokenizer(args.tokenizer)
     raw = corpus.token_lengths(texts, tokenizer, progress=None if importable("tqdm") else False)

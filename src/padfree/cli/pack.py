@@ -17,16 +17,8 @@ from typing import Any
 
 import numpy as np
 
-from padfree.cli._inputs import (
-    DATA_FORMATS,
-    describe_columns,
-    is_saved_dataset,
-    is_text,
-    optional_positive,
-    read_dataset,
-    text_columns,
-    token_ids_from_column,
-)
+from padfree.cli._columns import describe_columns, is_text, text_columns, token_ids_from_column
+from padfree.cli._inputs import DATA_FORMATS, is_saved_dataset, optional_positive, read_dataset
 from padfree.cli._optional import require
 from padfree.cli._output import AtomicOutput, Progress, disk_size, num, progress_bars, size
 from padfree.cli._tokens import load_tokenizer, tokenize_dataset
@@ -319,10 +311,7 @@ def _pack_input(args: argparse.Namespace, opts: _PackOptions, cache: Path, say: 
     else:
         say(f"reading {args.data}")
         ds = read_dataset(args.data)
-        total = ds.num_rows
-        if total == 0:
-            raise DataLoadError(f"DATA {args.data!r} holds no records")
-        if limit is not None and limit < total:
+        if limit is not None and limit < ds.num_rows:
             ds = ds.select(range(limit))
         source = f"{args.data} ({ds.num_rows:,} records" + (f", --limit {limit})" if limit is not None else ")")
 
@@ -336,7 +325,8 @@ def _pack_input(args: argparse.Namespace, opts: _PackOptions, cache: Path, say: 
                 f"DATA has token ids in column 'input_ids', so nothing is tokenized and {_text_flags(args)[0]} does "
                 "not apply; pass --field to tokenize a text column instead"
             )
-        tokens, measure = token_ids_from_column(ds, ids_column, args.labels_column)
+        tokens, measure = token_ids_from_column(ds, ids_column, args.labels_column,
+                                                ids_named=args.input_ids_column is not None)
     else:
         if args.labels_column is not None:
             raise InvalidArgumentError("--labels-column needs token ids (--input-ids-column); labels of tokenized "
@@ -345,7 +335,20 @@ def _pack_input(args: argparse.Namespace, opts: _PackOptions, cache: Path, say: 
     tokens, kept = _drop_empty(tokens)
     if kept is not None and kept.shape[0] == 0:
         raise DataLoadError(f"every one of the {ds.num_rows:,} records has no tokens ({measure}): nothing to pack")
+    if ids_column is not None:
+        _check_token_ids(tokens, kept, f"DATA {args.data!r}: {ids_column}")
     return _PackInput(tokens, ds.num_rows, kept, source, measure)
+
+
+def _check_token_ids(tokens: Any, kept: np.ndarray | None, name: str) -> None:
+    """The library's check of every token id (pack_dataset makes it too), here to name a bad one by its record of
+    DATA: ``kept`` maps the rows left after :func:`_drop_empty` back to records."""
+    from padfree.samples import read_arrow_chunks
+
+    def row(i: int) -> str:
+        return f"{name}[{i if kept is None else int(kept[i])}]"
+
+    read_arrow_chunks(tokens.with_format("arrow")["input_ids"], name, rows=row)
 
 
 def _tokenize(ds: Any, args: argparse.Namespace, opts: _PackOptions, cache: Path, say: Progress) -> tuple[Any, str]:
@@ -359,12 +362,13 @@ def _tokenize(ds: Any, args: argparse.Namespace, opts: _PackOptions, cache: Path
             raise DataLoadError(f"--completion-field {completion!r} has type {schema.field(completion).type}, "
                                 "not text")
     instead = "or pass token ids with --input-ids-column"
+    source = "the embedded corpus" if args.data is None else f"DATA {args.data!r}"
     if args.fields and completion is not None:
         # --field names the prompt's columns; naming the completion among them too is natural and harmless
         fields = [f for f in args.fields if f != completion]
-        prompt = text_columns(schema, fields, instead=instead)[0] if fields else []
+        prompt = text_columns(schema, fields, instead=instead, source=source)[0] if fields else []
     else:
-        prompt, note = text_columns(schema, args.fields, exclude=completion, instead=instead)
+        prompt, note = text_columns(schema, args.fields, exclude=completion, instead=instead, source=source)
     if completion is not None:
         note = (f"prompt {' + '.join(map(repr, prompt))}, then completion {completion!r} (the only targets), "
                 "joined with newlines" if prompt else f"column {completion!r}, every token a target")

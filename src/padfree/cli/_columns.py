@@ -1,0 +1,184 @@
+"""The columns of DATA a command uses: text to tokenize, precomputed lengths, or token ids (and their labels).
+
+Each choice is checked against the table's schema before any work, and refused with the column, its type, the
+columns present and what is accepted.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from padfree.errors import DataLoadError, InvalidArgumentError, InvalidLengthsError
+from padfree.packing.inputs import as_lengths
+
+
+def describe_columns(table: Any) -> str:
+    """``name (type), ...`` for every column of a ``pyarrow.Table`` (or schema)."""
+    schema = getattr(table, "schema", table)
+    return ", ".join(f"{name} ({field.type})" for name, field in zip(schema.names, schema, strict=True))
+
+
+def is_text(arrow_type: Any) -> bool:
+    import pyarrow as pa
+
+    return pa.types.is_string(arrow_type) or pa.types.is_large_string(arrow_type)
+
+
+def texts_from_columns(table: Any, fields: list[str] | None, source: str = "DATA") -> tuple[list[str], str]:
+    """The texts to tokenize (one per row, chosen as :func:`text_columns` says) and the note saying which."""
+    columns, note = text_columns(table.schema, fields, source=source)
+    return join_text(table, columns).to_pylist(), note
+
+
+def text_columns(schema: Any, fields: list[str] | None, *, exclude: str | None = None,
+                 instead: str = "pass precomputed lengths with --lengths-column",
+                 source: str = "DATA") -> tuple[list[str], str]:
+    """The text columns to tokenize, chosen as ``--field`` says, and a note saying which and why.
+
+    ``fields``: the ``--field`` names (each must be a string column), else ``text`` if it is one, else every string
+    column. ``exclude``: a column never chosen by default (``padfree pack --completion-field``); with it, finding no
+    other text column is no error. ``instead``: what the errors suggest when there is no text to tokenize;
+    ``source``: the argument that named the data.
+    """
+    names = list(schema.names)
+
+    if fields:
+        for name in fields:
+            if name not in names:
+                raise DataLoadError(f"--field {name!r}: no such column; available columns: {describe_columns(schema)}")
+            if not is_text(schema.field(name).type):
+                raise DataLoadError(
+                    f"--field {name!r} has type {schema.field(name).type}, not text; choose string columns "
+                    f"({describe_columns(schema)}) or {instead}"
+                )
+        columns = list(fields)
+        note = "column " + " + ".join(map(repr, columns))
+    elif "text" in names and is_text(schema.field("text").type) and exclude != "text":
+        columns = ["text"]
+        note = "column 'text'"
+    else:
+        columns = [name for name, field in zip(names, schema, strict=True) if is_text(field.type) and name != exclude]
+        if not columns and exclude is None:
+            why = (f"its column 'text' has type {schema.field('text').type}, not string, and no other column is text"
+                   if "text" in names else "no column named 'text', and no column of strings")
+            raise DataLoadError(f"{source} has no text column to tokenize ({why}); available columns: "
+                                f"{describe_columns(schema)}; {instead}")
+        note = ("no 'text' column, so every string column: " + " + ".join(map(repr, columns))
+                + " (choose with --field)")
+    if len(columns) > 1:
+        note += ", joined with newlines"
+    return columns, note
+
+
+def join_text(table: Any, columns: Sequence[str]) -> Any:
+    """``(num_rows,)`` pyarrow strings: the ``columns`` of every row joined with newlines, a missing value as ``""``."""
+    import pyarrow.compute as pc
+
+    if len(columns) > 1:
+        return pc.binary_join_element_wise(*(table[c] for c in columns), "\n",
+                                           null_handling="replace", null_replacement="")
+    return pc.fill_null(table[columns[0]], "")
+
+
+def lengths_from_column(table: Any, column: str) -> tuple[np.ndarray, int]:
+    """``(lengths, skipped)``: the positive lengths of ``--lengths-column``, and how many rows were 0."""
+    import pyarrow as pa
+
+    if column not in table.column_names:
+        raise DataLoadError(f"--lengths-column {column!r}: no such column; available columns: "
+                            f"{describe_columns(table)}")
+    values = table[column]
+    if not (pa.types.is_integer(values.type) or pa.types.is_floating(values.type)):
+        raise DataLoadError(f"--lengths-column {column!r} has type {values.type}, not numbers")
+    if values.null_count:
+        raise DataLoadError(f"--lengths-column {column!r} has {values.null_count} missing values")
+    raw = values.to_numpy()
+    negative = raw < 0
+    if negative.any():
+        i = int(np.argmax(negative))
+        raise DataLoadError(f"--lengths-column {column!r}: row {i} is {raw[i]}, but a length cannot be negative")
+    keep = raw != 0
+    if not keep.any():
+        raise DataLoadError(f"--lengths-column {column!r}: every length is 0, nothing to analyze")
+    try:
+        lengths = as_lengths(raw[keep], name=f"column {column!r}")
+    except InvalidLengthsError as exc:
+        raise DataLoadError(f"--lengths-column: {exc}") from exc
+    return lengths, int((~keep).sum())
+
+
+def token_ids_from_column(ds: Any, ids_column: str, labels_column: str | None, *,
+                          ids_named: bool = True) -> tuple[Any, str]:
+    """``ds`` narrowed to what :func:`padfree.pack_dataset` reads — ``input_ids`` and ``labels`` (or TRL's mask
+    columns) — renamed from ``--input-ids-column`` / ``--labels-column``, and a note saying where they came from.
+
+    ``ids_named``: whether ``--input-ids-column`` named ``ids_column`` (else it is DATA's own ``input_ids``).
+    """
+    from padfree.data.hf import LABEL_MASK_COLUMNS
+
+    schema = ds.data.schema
+    ids_label = f"--input-ids-column {ids_column!r}" if ids_named else f"column {ids_column!r}"
+    for label, name in ((ids_label, ids_column), (f"--labels-column {labels_column!r}", labels_column)):
+        if name is None:
+            continue
+        if name not in schema.names:
+            raise DataLoadError(f"{label}: no such column; available columns: {describe_columns(schema)}")
+        _check_token_lists(ds, name, label)
+    if labels_column is None and "labels" in schema.names and ids_column != "labels":
+        if not _is_token_list(schema.field("labels").type):
+            raise DataLoadError(f"column 'labels' has type {schema.field('labels').type}, not lists of integers; "
+                                "name the labels with --labels-column")
+        labels_column = "labels"
+    if labels_column == ids_column:
+        raise InvalidArgumentError(f"--input-ids-column and --labels-column name the same column {ids_column!r}")
+    keep = {ids_column: "input_ids"}
+    measure = f"token ids from column {ids_column!r}"
+    if labels_column is not None:
+        keep[labels_column] = "labels"
+        measure += f", labels from column {labels_column!r}"
+    else:
+        masks = [m for m in LABEL_MASK_COLUMNS if m in schema.names]
+        keep.update({m: m for m in masks})
+        if masks:
+            measure += ", targets where " + " and ".join(map(repr, masks)) + " are nonzero"
+    ds = ds.select_columns(list(keep)).rename_columns({k: v for k, v in keep.items() if k != v})
+    return ds, measure
+
+
+def _is_list(arrow_type: Any) -> bool:
+    import pyarrow as pa
+
+    return pa.types.is_list(arrow_type) or pa.types.is_large_list(arrow_type)
+
+
+def _is_token_list(arrow_type: Any) -> bool:
+    import pyarrow as pa
+
+    return _is_list(arrow_type) and pa.types.is_integer(arrow_type.value_type)
+
+
+def _check_token_lists(ds: Any, name: str, label: str) -> None:
+    """Refuse a column that is not one list of integers per record, saying what it holds instead."""
+    import pyarrow as pa
+
+    kind = ds.data.schema.field(name).type
+    if _is_token_list(kind):
+        return
+    if not _is_list(kind):
+        holds = f"one {kind} per record, not a list"
+    elif _is_list(kind.value_type):
+        holds = "lists of lists, one level too deep,"
+    elif pa.types.is_floating(kind.value_type):
+        holds = "lists of floating-point numbers"
+    elif pa.types.is_string(kind.value_type) or pa.types.is_large_string(kind.value_type):
+        holds = "lists of strings"
+    else:
+        holds = f"lists of {kind.value_type} values"
+    sample = json.dumps(ds.data.column(name)[0].as_py(), default=str)
+    sample = sample if len(sample) <= 40 else sample[:37] + "..."
+    raise DataLoadError(f"{label} holds {holds} (Arrow type {kind}; record 0: {sample}); expected one list of "
+                        "integer token ids >= 0 per record, such as [1, 2, 3]")
