@@ -60,8 +60,8 @@ def test_overlong_error_names_the_first_offender_and_the_count():
     with pytest.raises(OverlongSequenceError) as info:
         pack_sequences([3, 40, 5, 99, 17], 16)
     message = str(info.value)
-    assert "lengths[1] = 40 exceeds capacity=16" in message
-    assert "3 of 5 sequences are longer than capacity, the longest is 99" in message
+    assert "lengths[1] has 40 tokens, more than capacity=16" in message
+    assert "3 of 5 sequences are longer, the longest has 99" in message
     assert "overlong='truncate', 'split' or 'drop'" in message
 
 

@@ -55,7 +55,7 @@ from padfree.errors import (
     describe,
 )
 from padfree.layout import IGNORE_INDEX
-from padfree.packing.inputs import as_capacity, as_choice, as_positive_int, as_seed
+from padfree.packing.inputs import as_capacity, as_choice, as_positive_int, as_seed, refuse_overlong
 from padfree.packing.result import PackResult
 from padfree.packing.strategies import DEFAULT_STRATEGY, STRATEGIES, Packer
 from padfree.rows import PackedRows, packed_rows
@@ -496,13 +496,8 @@ class PackedCollator:
         read = read_samples(samples)
         ids, labels = read.ids, read.labels
         lengths = ids.lengths
-        if self.packer.overlong == "error" and lengths.max() > self.capacity:
-            i = int(np.argmax(lengths > self.capacity))
-            raise OverlongSequenceError(
-                f"samples[{i}] has {lengths[i]} tokens, more than capacity={self.capacity} "
-                f"({int((lengths > self.capacity).sum())} of {lengths.shape[0]} samples are); raise capacity or pass "
-                f"overlong='truncate', 'split' or 'drop'"
-            )
+        if self.packer.overlong == "error":
+            refuse_overlong(lengths, self.capacity, names=lambda i: f"samples[{i}]")
         result = self.packer.pack(lengths, seed=self._next_seed())
         rows = packed_rows(result, ids, labels=labels, label_padding_value=self.label_padding_value)
         arrays = rows.padded(

@@ -79,12 +79,19 @@ from padfree.errors import (
     BackendUnavailableError,
     InvalidArgumentError,
     InvalidSampleError,
-    OverlongSequenceError,
     StateMismatchError,
     describe,
 )
 from padfree.layout import IGNORE_INDEX
-from padfree.packing.inputs import OVERLONG_POLICIES, as_capacity, as_choice, as_int, as_positive_int, as_seed
+from padfree.packing.inputs import (
+    OVERLONG_POLICIES,
+    as_capacity,
+    as_choice,
+    as_int,
+    as_positive_int,
+    as_seed,
+    refuse_overlong,
+)
 from padfree.packing.result import PackResult
 from padfree.packing.strategies import DEFAULT_STRATEGY, STRATEGIES, Packer
 from padfree.packing.streaming import StreamBin, StreamPacker
@@ -129,13 +136,8 @@ def _check_lengths(lengths: np.ndarray, names: Callable[[int], str], max_length:
     if lengths.size == 0:
         return
     refuse_empty(lengths, names)
-    if overlong == "error" and lengths.max() > max_length:
-        over = lengths > max_length
-        i = int(np.argmax(over))
-        raise OverlongSequenceError(
-            f"{names(i)} has {lengths[i]} tokens, more than max_length={max_length} ({int(over.sum())} of "
-            f"{lengths.size} samples are longer); raise max_length or pass overlong='truncate', 'split' or 'drop'"
-        )
+    if overlong == "error":
+        refuse_overlong(lengths, max_length, names=names, limit_name="max_length")
 
 
 # --------------------------------------------------------------------------------------------------

@@ -100,12 +100,11 @@ from padfree.errors import (
     DataLoadError,
     InvalidArgumentError,
     InvalidTokensError,
-    OverlongSequenceError,
     describe,
 )
 from padfree.layout import IGNORE_INDEX
 from padfree.packing import DEFAULT_STRATEGY, PackResult, pack_sequences
-from padfree.packing.inputs import OVERLONG_POLICIES, as_capacity, as_choice, as_positive_int
+from padfree.packing.inputs import OVERLONG_POLICIES, as_capacity, as_choice, as_positive_int, refuse_overlong
 from padfree.samples import as_fill_value, read_arrow_chunks, read_tokens, refuse_empty
 
 __all__ = [
@@ -520,14 +519,8 @@ def pack_dataset(
                     label_masks, chunk_tokens, keep_in_memory, cache_file_name, num_threads)
     source = _read(data, labels, opts.label_masks)
     lengths = _check(source)
-    if overlong == "error" and lengths.size and lengths.max() > capacity:
-        over = lengths > capacity
-        i = int(np.argmax(over))
-        raise OverlongSequenceError(
-            f"{source.ids.name}[{i}] has {lengths[i]} tokens, more than capacity={capacity} ({int(over.sum())} of "
-            f"{lengths.size} sequences are longer, the longest has {int(lengths.max())}); raise capacity or pass "
-            "overlong='truncate', 'split' or 'drop'"
-        )
+    if overlong == "error":
+        refuse_overlong(lengths, capacity, names=lambda i: f"{source.ids.name}[{i}]")
     result = pack_sequences(lengths, capacity, strategy, seed, overlong=overlong,
                             max_sequences_per_bin=max_sequences_per_bin)
     dataset = _write(result, source, opts)

@@ -6,6 +6,7 @@ Everything here runs once per call on whole arrays; a Python loop only ever runs
 from __future__ import annotations
 
 import operator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -223,6 +224,30 @@ class Pieces:
         return np.arange(self.length.shape[0], dtype=np.int64) if self.seq is None else self.seq
 
 
+def refuse_overlong(lengths: np.ndarray, limit: int, *, names: Callable[[int], str] = lambda i: f"lengths[{i}]",
+                    limit_name: str = "capacity") -> None:
+    """The one refusal of sequences longer than a row (``overlong="error"``): name the first, count them all.
+
+    Every entry point calls it with its own names for the sequences (``samples[3]``, ``dataset[7]['input_ids']``)
+    and for the limit (``capacity``, ``max_length``), so one fault reads the same wherever it is found.
+
+    >>> refuse_overlong(np.array([3, 9, 12]), 8)
+    Traceback (most recent call last):
+    ...
+    padfree.errors.OverlongSequenceError: lengths[1] has 9 tokens, more than capacity=8 (2 of 3 sequences are \
+longer, the longest has 12); raise capacity or pass overlong='truncate', 'split' or 'drop'
+    """
+    if lengths.size == 0 or lengths.max() <= limit:
+        return
+    over = lengths > limit
+    i = int(np.argmax(over))
+    raise OverlongSequenceError(
+        f"{names(i)} has {lengths[i]} tokens, more than {limit_name}={limit} ({int(over.sum())} of {lengths.size} "
+        f"sequences are longer, the longest has {int(lengths.max())}); raise {limit_name} or pass "
+        f"overlong='truncate', 'split' or 'drop'"
+    )
+
+
 def apply_overlong(lengths: np.ndarray, capacity: int, policy: str) -> Pieces:
     """Turn sequences into placeable pieces of at most ``capacity`` tokens according to ``policy``.
 
@@ -242,12 +267,7 @@ def apply_overlong(lengths: np.ndarray, capacity: int, policy: str) -> Pieces:
         return Pieces(None, None, lengths, empty, 0)
     over = lengths > capacity
     if policy == "error":
-        i = int(np.argmax(over))
-        raise OverlongSequenceError(
-            f"lengths[{i}] = {lengths[i]} exceeds capacity={capacity} ({int(over.sum())} of {n} sequences are "
-            f"longer than capacity, the longest is {int(lengths.max())}); raise capacity or pass "
-            f"overlong='truncate', 'split' or 'drop'"
-        )
+        refuse_overlong(lengths, capacity)
     if policy == "truncate":
         truncated = int((lengths[over] - capacity).sum())
         # every piece is a whole sequence starting at token 0: only the lengths change
