@@ -4,7 +4,8 @@ BLOOM, MPT and Falcon (ALiBi, and Falcon's RoPE), GPT-NeoX-Japanese (hand-writte
 layer that drops the layout), Llama-4 (chunked attention, NoPE query temperature) and Doge (dynamic mask attention,
 CDMoE router) are proven with :func:`padfree.model.proof.prove` — logits, loss and every gradient in fp32, bf16
 autocast and bf16 weights, under each attention implementation transformers has for them — next to negative
-controls that the same comparison catches, unit tests of the grouping, and the refusals.
+controls that the same comparison catches, and the refusals. The grouping of segments (``per_bucket``,
+``buckets``) is tested in tests/test_model_packed.py, the attention backends alone in tests/test_model_attention.py.
 """
 
 from __future__ import annotations
@@ -13,11 +14,9 @@ import pytest
 import torch
 import transformers
 
-from padfree.errors import InvalidArgumentError, PackingDisabledError, UnsupportedModelError
-from padfree.model.attention import PACKED_FORWARD, register_backends
+from padfree.errors import PackingDisabledError, UnsupportedModelError
 from padfree.model.configure import install_packing, unconfigure_packing
 from padfree.model.families import alibi, attention_variants
-from padfree.model.packed import PackedLayout, bucket_length, per_bucket
 from padfree.model.proof import FP32_TOL, prove, stock_packed_diff
 from padfree.model.state import PackingState
 
@@ -177,54 +176,6 @@ def test_doge_moe_router_logits_cover_every_token():
     assert torch.isfinite(out.aux_loss)
 
 
-# ---- the grouping -------------------------------------------------------------------------------------------------
-
-ROWS = [[1, 3, 9, 1], [2, 12, 0]]  # length-1 segments, shorter and longer than an 8-token chunk; 0: padding to the end
-
-
-def _layout() -> tuple[PackedLayout, list[tuple[int, int, int]]]:
-    width = max(sum(r) for r in ROWS) + 1
-    pos = torch.zeros(len(ROWS), width, dtype=torch.long)
-    segments = []
-    for b, row in enumerate(ROWS):
-        col = 0
-        for n in [n for n in row if n]:
-            pos[b, col:col + n] = torch.arange(n)
-            segments.append((b, col, n))
-            col += n
-        pos[b, col:] = torch.arange(width - col)  # the trailing padding run: a segment of its own
-        segments.append((b, col, width - col))
-    return PackedLayout.from_position_ids(pos), segments
-
-
-@pytest.mark.parametrize("by", ["bucket", "length", "sequence"])
-def test_per_bucket_runs_every_segment_alone(by):
-    lay, segments = _layout()
-    x = torch.randn(*lay.shape, 3, dtype=torch.float64, requires_grad=True)
-    got = per_bucket(lambda n, m, b: b.cumsum(1), lay, x, by=by)  # a running sum: sees every earlier token
-    for b, start, n in segments:
-        assert torch.equal(got[b, start:start + n], x[b, start:start + n].cumsum(0))
-    got.sum().backward()  # token j of a segment of n feeds the n - j sums from j on, and nothing outside it
-    want = torch.cat([torch.arange(n, 0, -1, dtype=x.dtype) for *_, n in segments]).view(lay.shape)
-    assert torch.equal(x.grad, want[..., None].expand_as(x))
-
-
-def test_bucket_plans():
-    lay, segments = _layout()
-    lengths = sorted(n for *_, n in segments)
-    bucket = lay.buckets()
-    assert max(bucket.lengths) <= lay.shape[1]  # never padded past the row
-    assert sorted(bucket.lengths) == sorted(set(min(int(bucket_length(n)), lay.shape[1]) for n in lengths))
-    exact = lay.buckets("length")
-    assert sum(exact.sizes) == lay.shape[0] * lay.shape[1]  # no repeated slot
-    assert sorted(exact.lengths) == sorted(set(lengths))
-    single = lay.buckets("sequence")
-    assert single.counts == (1,) * len(segments) and sorted(single.lengths) == lengths
-    assert lay.buckets("length") is exact  # built once per batch
-    with pytest.raises(InvalidArgumentError, match="by must be one of"):
-        lay.buckets("chunk")
-
-
 # ---- refusals -----------------------------------------------------------------------------------------------------
 
 
@@ -294,24 +245,6 @@ def test_length_dependent_rope_refuses_rows_longer_than_its_context():
         model(input_ids=ids, position_ids=pos, use_cache=False)
     short = model(input_ids=ids[:, :16], position_ids=pos[:, :16], use_cache=False)
     assert short.logits.shape == (1, 16, VOCAB)
-
-
-def test_backend_attention_without_the_layout_in_a_packed_forward_is_refused():
-    """A decoder layer that drops its keyword arguments would hand padfree's attention nothing to go by."""
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-
-    register_backends()
-    module = transformers.models.llama.modeling_llama.LlamaAttention(transformers.LlamaConfig(**_SIZES), 0)
-    q = torch.randn(1, 4, 5, 16)
-    for name in ("padfree_sdpa", "padfree_eager"):  # (flex compiles its kernel on first use: a minute here)
-        token = PACKED_FORWARD.set(True)
-        try:
-            with pytest.raises(PackingDisabledError, match="without padfree's layout"):
-                ALL_ATTENTION_FUNCTIONS[name](module, q, q, q, None, scaling=0.25)
-        finally:
-            PACKED_FORWARD.reset(token)
-        out = ALL_ATTENTION_FUNCTIONS[name](module, q, q, q, None, scaling=0.25)[0]  # unpacked: the base backend
-        assert out.shape == (1, 5, 4, 16)
 
 
 def test_compiled_packed_steps_stay_exact_without_recompiling_per_batch():

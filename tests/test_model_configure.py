@@ -354,45 +354,6 @@ def test_strict_must_be_a_bool():
         configure_packing(tiny_model("llama"), strict="yes")
 
 
-# ---- the flex BlockMask of a layout, built from per-block segment ranges -------------------------------------------
-
-
-def _random_segments(gen, rows, width, pad):
-    """``(rows, width)`` segment ids: runs 1, 2, ... of random lengths (1 included), a trailing 0 run in some rows."""
-    seg = torch.zeros(rows, width, dtype=torch.int64)
-    for r in range(rows):
-        end = width - (int(torch.randint(1, width // 2, (1,), generator=gen)) if pad and r % 2 else 0)
-        col, sid = 0, 1
-        while col < end:
-            n = min(end - col, int(torch.randint(1, 3 if sid % 3 == 0 else 40, (1,), generator=gen)))
-            seg[r, col:col + n] = sid
-            col, sid = col + n, sid + 1
-    return seg
-
-
-@pytest.mark.parametrize("block_size", [4, 16, 128])
-@pytest.mark.parametrize("window", [None, 1, 5, 17])
-def test_layout_block_mask_equals_the_one_evaluated_on_every_pair(block_size, window):
-    """PackedLayout.block_mask (block ranges, no T x T grid) lists exactly the blocks — partial and full, in the same
-    order — that create_block_mask finds by evaluating mask_mod on every pair (padfree.layout.block_mask)."""
-    from padfree import layout
-    from padfree.model.packed import PackedLayout
-
-    gen = torch.Generator().manual_seed(block_size * 1000 + (window or 0))
-    for width, pad in ((96, False), (101, True), (256, True)):
-        seg = _random_segments(gen, 3, width, pad)
-        got = PackedLayout.from_segment_ids(seg).block_mask(window, block_size)
-        want = layout.block_mask(seg, window, block_size=block_size)
-        for name in ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices", "q_num_blocks",
-                     "q_indices", "full_q_num_blocks", "full_q_indices"):
-            assert torch.equal(getattr(got, name), getattr(want, name)), (name, width)
-        assert got.shape == want.shape and tuple(got.BLOCK_SIZE) == tuple(want.BLOCK_SIZE)
-        from torch.nn.attention.flex_attention import create_mask
-
-        assert torch.equal(create_mask(got.mask_mod, 3, 1, width, width),
-                           create_mask(want.mask_mod, 3, 1, width, width))
-
-
 def test_a_multimodal_model_packs_text_only_and_refuses_images_in_a_packed_batch():
     """Gemma3ForConditionalGeneration builds its per-layer-type masks above the language model: a packed text batch
     runs exactly (the sweep proves it), and a packed batch carrying pixel_values is refused before any work."""
