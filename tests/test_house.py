@@ -14,6 +14,8 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+import pytest
+
 SRC = Path(__file__).resolve().parents[1] / "src"
 
 
@@ -212,3 +214,187 @@ def test_no_module_takes_another_modules_private_names():
                        for (importer, module), names in sorted(found.items()))
     assert not found, (f"private names taken from another module: {listed}; make them public, or give what the "
                        f"modules share a home of its own")
+
+
+# ---- no test asserts nothing -------------------------------------------------------------------------------------
+#
+# A test that asserts nothing passes whatever the code computes. Each ``test_*`` function of ``tests/test_*.py`` (and
+# ``test_*`` method of a ``Test*`` class) must, in its body or a helper it defines inside, assert, call one of
+# pytest's checks (raises, warns, approx, fail, deprecated_call) or a ``*.testing.assert_*`` function (torch, numpy),
+# or call a helper of its own file or of tests/zoo.py that is named as a check (``assert_*``, ``check_*``,
+# ``_assert*``, ``_check*``, ``expect*``) or that does one of these itself, one or two calls deep.
+
+TESTS = Path(__file__).resolve().parent
+_PYTEST_CHECKS = frozenset({"pytest.raises", "pytest.warns", "pytest.approx", "pytest.fail", "pytest.deprecated_call"})
+_CHECK_PREFIXES = ("assert_", "check_", "_assert", "_check", "expect")
+
+
+def _imported_names(nodes: list[ast.stmt]) -> dict[str, str]:
+    """Local name -> dotted name, for the absolute imports among ``nodes`` (and inside them)."""
+    names = {}
+    for stmt in nodes:
+        for node in ast.walk(stmt):
+            if isinstance(node, ast.Import):
+                for alias in node.names:
+                    top = alias.name.partition(".")[0]
+                    names[alias.asname or top] = alias.name if alias.asname else top
+            elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                names.update({alias.asname or alias.name: f"{node.module}.{alias.name}" for alias in node.names})
+    return names
+
+
+def _dotted(func: ast.expr, names: dict[str, str]) -> str | None:
+    """``np.testing.assert_equal`` -> ``numpy.testing.assert_equal``; None for a call of anything but a name."""
+    parts = []
+    while isinstance(func, ast.Attribute):
+        parts.append(func.attr)
+        func = func.value
+    if not isinstance(func, ast.Name):
+        return None
+    return ".".join([names.get(func.id, func.id), *reversed(parts)])
+
+
+class _TestFile:
+    """One test module read with :mod:`ast`: its imports, its module-level functions and its tests."""
+
+    def __init__(self, path: Path, zoo: _TestFile | None = None) -> None:
+        tree = ast.parse(path.read_text(), str(path))
+        defs = (ast.FunctionDef, ast.AsyncFunctionDef)
+        self.names = _imported_names([n for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom))])
+        self.functions = {n.name: n for n in tree.body if isinstance(n, defs)}
+        self.tests = {n.name: n for n in tree.body if isinstance(n, defs) and n.name.startswith("test")}
+        for cls in tree.body:
+            if isinstance(cls, ast.ClassDef) and cls.name.startswith("Test"):
+                self.tests.update({f"{cls.name}.{n.name}": n for n in cls.body
+                                   if isinstance(n, defs) and n.name.startswith("test")})
+        self.zoo = zoo
+
+    def _helper(self, dotted: str) -> tuple[_TestFile, ast.FunctionDef] | None:
+        if dotted in self.functions:
+            return self, self.functions[dotted]
+        if self.zoo is not None and dotted.startswith("zoo.") and dotted[4:] in self.zoo.functions:
+            return self.zoo, self.zoo.functions[dotted[4:]]
+        return None
+
+    def checks(self, fn: ast.FunctionDef, depth: int = 2) -> bool:
+        """Whether ``fn`` asserts something, itself or through a helper at most ``depth`` calls deeper."""
+        names = {**self.names, **_imported_names(fn.body)}  # a function-level ``from zoo import ...`` counts
+        for stmt in fn.body:
+            for node in ast.walk(stmt):
+                if isinstance(node, ast.Assert):
+                    return True
+                dotted = _dotted(node.func, names) if isinstance(node, ast.Call) else None
+                if dotted is None:
+                    continue
+                if dotted in _PYTEST_CHECKS or dotted.startswith("self.assert"):
+                    return True
+                if ".testing." in dotted and dotted.rpartition(".")[2].startswith("assert"):
+                    return True
+                helper = self._helper(dotted)
+                if helper is not None:
+                    module, function = helper
+                    if function.name.startswith(_CHECK_PREFIXES):
+                        return True
+                    if depth and function is not fn and module.checks(function, depth - 1):
+                        return True
+        return False
+
+    def silent_tests(self) -> list[str]:
+        return [name for name, fn in self.tests.items() if not self.checks(fn)]
+
+
+def test_the_assertion_check_finds_the_tests_that_assert_nothing(tmp_path):
+    (tmp_path / "zoo.py").write_text("def compare(a, b):\n    assert a == b\n\ndef build():\n    return 1\n")
+    (tmp_path / "test_x.py").write_text('''
+import numpy as np
+import pytest
+from padfree import check_packing_support
+from zoo import build
+
+def _one(a):
+    assert a
+
+def _two(a):
+    return _one(a)
+
+def _three(a):
+    return _two(a)
+
+def check_it(a):
+    return a
+
+def test_silent():
+    build()
+
+def test_assert():
+    assert build()
+
+def test_raises():
+    with pytest.raises(ValueError):
+        int("x")
+
+def test_numpy():
+    np.testing.assert_array_equal(1, 1)
+
+def test_one_deep():
+    _one(1)
+
+def test_two_deep():
+    _two(1)
+
+def test_three_deep():
+    _three(1)
+
+def test_named_helper():
+    check_it(1)
+
+def test_zoo_helper():
+    from zoo import compare
+    compare(1, 1)
+
+def test_zoo_builder_only():
+    import zoo
+    zoo.build()
+
+def test_a_library_check_is_no_assertion():
+    check_packing_support(None)
+
+def test_nested_helper():
+    def inner():
+        assert True
+    inner()
+
+class TestThings:
+    def test_method(self):
+        build()
+
+    def test_unittest_style(self):
+        self.assertEqual(1, 1)
+''')
+    zoo = _TestFile(tmp_path / "zoo.py")
+    assert _TestFile(tmp_path / "test_x.py", zoo).silent_tests() == [
+        "test_silent", "test_three_deep", "test_zoo_builder_only", "test_a_library_check_is_no_assertion",
+        "TestThings.test_method"]
+
+
+#: test files with tests that assert nothing, owned by other work in progress: the check is expected to fail there
+#: (strict: it fails once they are fixed, then delete the entry); every other file is checked live
+KNOWN_SILENT_TESTS = {
+    "test_layout.py": ["test_layout_does_not_import_torch"],  # the assert runs in a subprocess (check=True)
+    "test_model_configure.py": ["test_unconfigured_model_is_not_guarded"],
+}
+
+
+def _test_files() -> list:
+    params = []
+    for path in sorted(TESTS.glob("test_*.py")):
+        silent = KNOWN_SILENT_TESTS.get(path.name)
+        marks = [pytest.mark.xfail(strict=True, reason=f"offenders: {', '.join(silent)}")] if silent else []
+        params.append(pytest.param(path, marks=marks, id=path.name))
+    return params
+
+
+@pytest.mark.parametrize("path", _test_files())
+def test_every_test_asserts_something(path):
+    silent = _TestFile(path, _TestFile(TESTS / "zoo.py")).silent_tests()
+    assert not silent, f"{path.name}: these tests assert nothing (so pass whatever the code does): {silent}"
