@@ -15,11 +15,13 @@ from hypothesis import strategies as st
 
 from padfree import (
     InvalidArgumentError,
+    InvalidLayoutError,
     InvalidSampleError,
     InvalidTokensError,
     OverlongSequenceError,
     PadfreeError,
     layout,
+    pack_dataset,
     pack_sequences,
 )
 
@@ -490,8 +492,42 @@ def test_already_packed_rows_keep_every_boundary_inside_them():
     # re-packing packed rows packs their sequences, never a row as one sequence
     repacked = packed_collate_fn(64)(rows)
     assert sorted(repacked.seq_lens.tolist()) == sorted(inner.tolist())
-    with pytest.raises(InvalidTokensError, match=r"samples\[0\] has 'seq_lens' .* but samples\[1\] has none"):
-        PaddingFreeCollator()([rows[0], {"input_ids": [1, 2], "labels": [1, 2]}])
+    # a sample without boundaries next to packed rows is one sequence of its own
+    mixed = PaddingFreeCollator()([rows[0], {"input_ids": [1, 2], "labels": [1, 2]}])
+    assert mixed.seq_lens.tolist() == [*rows[0]["seq_lens"].tolist(), 2]
     bad = dict(rows[0], seq_lens=[1])
-    with pytest.raises(InvalidTokensError, match=r"samples\[0\]\['seq_lens'\] = \[1\] must be lengths >= 1 summing"):
+    with pytest.raises(InvalidLayoutError, match=r"samples\[0\]\['seq_lens'\] = \[1\] must be lengths >= 1 summing"):
         PaddingFreeCollator()([bad])
+
+
+@pytest.mark.parametrize("collate", [PaddingFreeCollator(), packed_collate_fn(16)], ids=["padding_free", "packed"])
+def test_rows_packed_elsewhere_keep_their_boundaries_whatever_the_spelling(collate):
+    """A row packed by TRL (``seq_lengths``), by padfree under TRL's column name, or carrying restarting
+    ``position_ids`` only, is cut into its sequences: positions restart, no first token is a target, and the same
+    check that reads the boundaries catches a collator that ignores them (one sequence per row)."""
+    ids = [11, 12, 13, 14, 21, 22, 31, 32, 33, 41]
+    want_pos, want_starts = [0, 1, 2, 3, 0, 1, 0, 1, 2, 0], [0, 4, 6, 9]
+    trl_row = pack_dataset([ids[:4], ids[4:6], ids[6:9], ids[9:]], 16, padding=None,
+                           columns={"input_ids": "input_ids", "seq_lens": "seq_lengths"})[0]
+    spellings = [
+        {"input_ids": ids, "seq_lengths": [4, 2, 3, 1]},
+        {"input_ids": ids, "position_ids": want_pos},
+        {"input_ids": ids, "seq_lens": [4, 2, 3, 1], "position_ids": want_pos},
+    ]
+    assert sorted(trl_row["seq_lengths"]) == [1, 2, 3, 4]
+    for sample in [*spellings, trl_row]:
+        batch = collate([sample])
+        starts = batch.cu_seqlens[:-1].tolist()
+        assert sorted(batch.seq_lens.tolist()) == [1, 2, 3, 4], sample
+        assert (batch.position_ids.flatten()[starts] == 0).all() and (batch.labels.flatten()[starts] == -100).all()
+        if sample is not trl_row and collate.__class__ is PaddingFreeCollator:
+            assert batch.position_ids[0].tolist() == want_pos and starts == want_starts
+    # negative control: the same row without its boundaries is one sequence, which the checks above reject
+    glued = collate([{"input_ids": ids}])
+    assert glued.seq_lens.tolist() == [10] and glued.position_ids.flatten()[:10].tolist() != want_pos
+    for bad, match in [({"position_ids": [0, 1, 5, 0, 1, 0, 1, 2, 0, 1]}, r"\['position_ids'\] = .* follows 1"),
+                       ({"position_ids": want_pos, "seq_lens": [5, 1, 3, 1]}, "disagree on where the sequences"),
+                       ({"position_ids": want_pos[:9]}, "has 9 entries but the sample has 10 tokens"),
+                       ({"seq_lengths": [4, 4]}, r"\['seq_lengths'\] = \[4, 4\] must be lengths >= 1 summing")]:
+        with pytest.raises(InvalidLayoutError, match=match):
+            collate([{"input_ids": ids, **bad}])

@@ -31,15 +31,17 @@ too large). Both name the sample, the field and the token.
 from __future__ import annotations
 
 import array
+import itertools
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from padfree.errors import InvalidArgumentError, InvalidSampleError, InvalidTokensError, describe
+from padfree.errors import InvalidArgumentError, InvalidLayoutError, InvalidSampleError, InvalidTokensError, describe
 
 __all__ = [
+    "BOUNDARY_KEYS",
     "TokenBuffers",
     "as_fill_value",
     "check_tokens",
@@ -446,7 +448,8 @@ def read_samples(samples: Any, *, name: str = "samples", ids_key: str = "input_i
                  vocab_size: int | None = None) -> Samples:
     """A loader batch (token sequences, or dicts with ``ids_key`` / ``labels_key``) as checked flat buffers.
 
-    Already-packed rows (dicts with ``seq_lens``) are cut into their sequences, so no boundary inside a row is lost:
+    Already-packed rows (dicts carrying ``seq_lens``, TRL's ``seq_lengths`` or restarting ``position_ids``) are cut
+    into their sequences, so no boundary inside a row is lost (several spellings in one sample must agree):
 
     >>> s = read_samples([{"input_ids": [1, 2, 3, 4, 5], "seq_lens": [3, 2]}])
     >>> s.ids.offsets.tolist(), s.row_offsets.tolist()
@@ -485,9 +488,11 @@ def read_samples(samples: Any, *, name: str = "samples", ids_key: str = "input_i
             i = int(np.argmax(lab.lengths != lengths))
             raise InvalidSampleError(f"{name}[{i}][{labels_key!r}] has {lab.lengths[i]} entries but its {ids_key} "
                                      f"has {lengths[i]} tokens; labels are aligned with the ids, one per token")
-    if not (keyed and samples[0].get("seq_lens") is not None):
+    if not keyed:
         return Samples(buf, lab)
-    seq_lens, per_row = _seq_lens(samples, lengths, name)
+    seq_lens, per_row = _boundaries(samples, lengths, name)
+    if per_row.shape[0] == seq_lens.shape[0]:  # one sequence per sample: nothing to cut
+        return Samples(buf, lab)
     offsets = np.zeros(seq_lens.shape[0] + 1, np.int64)
     np.cumsum(seq_lens, out=offsets[1:])
     row_offsets = np.zeros(per_row.shape[0] + 1, np.int64)
@@ -496,17 +501,44 @@ def read_samples(samples: Any, *, name: str = "samples", ids_key: str = "input_i
                    row_offsets)
 
 
-def _seq_lens(samples: Sequence[Mapping[str, Any]], row_lengths: np.ndarray,
-              name: str) -> tuple[np.ndarray, np.ndarray]:
-    """The lengths of the sequences inside already-packed rows, read from each row's ``seq_lens``."""
+#: The spellings of the sequences inside an already-packed row that a sample may carry: padfree's and SeqPacker's
+#: ``seq_lens``, TRL's ``seq_lengths``, and ``position_ids`` restarting at 0 at every sequence.
+BOUNDARY_KEYS = ("seq_lens", "seq_lengths", "position_ids")
+
+
+def _boundaries(samples: Sequence[Mapping[str, Any]], row_lengths: np.ndarray,
+                name: str) -> tuple[np.ndarray, np.ndarray]:
+    """``(lengths of every sequence, sequences per sample)``: each sample's boundaries read from whichever of
+    :data:`BOUNDARY_KEYS` it carries (all of them must agree); a sample with none is one sequence."""
+    from padfree import layout
+
     parts = []
-    for i, sample in enumerate(samples):
-        if sample.get("seq_lens") is None:
-            raise InvalidSampleError(f"{name}[0] has 'seq_lens' (an already packed row) but {name}[{i}] has none; "
-                                     f"give packed rows or plain samples, not both")
-        lens = _as_array(sample["seq_lens"], f"{name}[{i}]['seq_lens']")
-        if lens.shape[0] == 0 or lens.min() < 1 or int(lens.sum()) != int(row_lengths[i]):
-            raise InvalidSampleError(f"{name}[{i}]['seq_lens'] = {lens.tolist()} must be lengths >= 1 summing to "
-                                     f"the row's {int(row_lengths[i])} tokens")
-        parts.append(lens)
-    return np.concatenate(parts).astype(np.int64), np.array([p.shape[0] for p in parts], np.int64)
+    for i, sample in enumerate(samples):  # per sample, never per token
+        n = int(row_lengths[i])
+        found: list[tuple[str, np.ndarray]] = []
+        for key in BOUNDARY_KEYS:
+            value = sample.get(key)
+            if value is None:
+                continue
+            where = f"{name}[{i}][{key!r}]"
+            arr = _as_array(value, where)
+            if key == "position_ids":
+                if arr.shape[0] != n:
+                    raise InvalidLayoutError(f"{where} has {arr.shape[0]} entries but the sample has {n} tokens; "
+                                             f"positions are aligned with input_ids, one per token")
+                try:
+                    lens = np.asarray(layout.position_ids_to_lengths(arr[None]), np.int64)
+                except InvalidLayoutError as exc:
+                    raise InvalidLayoutError(f"{where} = {describe(arr.tolist())}: {exc}") from None
+            else:
+                lens = arr.astype(np.int64)
+                if lens.shape[0] == 0 or lens.min() < 1 or int(lens.sum()) != n:
+                    raise InvalidLayoutError(f"{where} = {lens.tolist()} must be lengths >= 1 summing to the "
+                                             f"sample's {n} tokens")
+            found.append((key, lens))
+        for (key, lens), (other, theirs) in itertools.pairwise(found):
+            if not np.array_equal(lens, theirs):
+                raise InvalidLayoutError(f"{name}[{i}][{key!r}] and {name}[{i}][{other!r}] disagree on where the "
+                                         f"sequences of the row start ({lens.tolist()} vs {theirs.tolist()})")
+        parts.append(found[0][1] if found else np.array([n], np.int64))
+    return np.concatenate(parts), np.array([p.shape[0] for p in parts], np.int64)
