@@ -289,7 +289,8 @@ def test_dense_masks_are_refused_whatever_carries_them(batch):
 
 def test_unconfigured_model_is_not_guarded(batch):
     model = tiny_model("llama")
-    model(input_ids=batch.input_ids, position_ids=batch.position_ids, use_cache=True)  # leaks, but padfree is off
+    out = model(input_ids=batch.input_ids, position_ids=batch.position_ids, use_cache=True)  # leaks: padfree is off
+    assert out.logits.shape[:2] == batch.input_ids.shape and padfree.model.configure.packing_state(model) is None
 
 
 # ---- bad input -------------------------------------------------------------------------------------------------------
