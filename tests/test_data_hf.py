@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 from padfree import (
     DataLoadError,
     InvalidArgumentError,
+    InvalidSampleError,
     InvalidTokensError,
     OverlongSequenceError,
     PadfreeError,
@@ -469,6 +470,19 @@ def test_token_ids_must_be_integers():
         pack_dataset([np.array([1, 2**63 + 1], np.uint64)], 4)
     with pytest.raises(InvalidArgumentError, match=r"label_padding_value must be an integer that fits int32"):
         pack_dataset([[1, 2]], 4, label_padding_value=-100.5)
+
+
+def test_a_null_row_counts_only_where_it_is_selected():
+    """A null input_ids row that a select/filter left out of the dataset (it stays in the stored table) is not
+    read; a selected one is refused by its index in the dataset."""
+    table = pa.table({"input_ids": pa.array([[1, 2], None, [3, 4, 5]], pa.list_(pa.int64()))})
+    ds = datasets.Dataset(table)
+    kept = ds.select([0, 2])
+    assert pack_dataset(kept, 8, padding=None)[:]["input_ids"] == [[3, 4, 5, 1, 2]]
+    with pytest.raises(InvalidSampleError, match=r"input_ids\[1\] is null \(1 of 3 rows are\)"):
+        pack_dataset(ds, 8)
+    with pytest.raises(InvalidSampleError, match=r"input_ids\[0\] is null"):
+        pack_dataset(ds.select([1, 0]), 8)
 
 
 def test_overlong_sequences():

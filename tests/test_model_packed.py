@@ -372,11 +372,10 @@ def test_check_tokens_accepts_the_layouts_own_shape():
     assert lay.check_tokens(torch.zeros(1, 5, 4, 2), "Att") is None  # (B, T, ...) of the layout: no refusal
 
 
-# Bugs in padfree.model.packed: inputs that crash with a bare Python error or are silently misread instead of being
-# refused by name (``argument``: a regex the message must match). A fix may also accept an array-like spelling, if it
-# then gives the right layout (``lengths``).
+# Inputs that once crashed with a bare Python error or were silently misread: each is now refused by name
+# (``argument``: a regex the message must match), or, for an array-like spelling, read to the right layout (``lengths``).
 def _bug(call, argument, lengths, *, id, reason):
-    return pytest.param(call, argument, lengths, id=id, marks=pytest.mark.xfail(strict=True, reason=f"bug: {reason}"))
+    return pytest.param(call, argument, lengths, id=id)
 
 
 _NOT_A_TENSOR = "from_position_ids / from_segment_ids call .to() on their input: AttributeError, not read or refused"
@@ -402,7 +401,7 @@ BUGS = [
 
 
 @pytest.mark.parametrize(("call", "argument", "lengths"), BUGS)
-def test_bad_input_that_is_not_refused_by_name_yet(call, argument, lengths):
+def test_array_likes_are_read_and_bad_arguments_refused_by_name(call, argument, lengths):
     if lengths is not None:  # the array-like spellings: read right, or refused by name
         try:
             lay = call()

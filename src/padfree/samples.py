@@ -381,12 +381,15 @@ def _from_arrow(tokens: Any, name: str) -> TokenBuffers:
 
 
 def read_arrow_chunks(column: Any, name: str, *, kind: str = "ids", vocab_size: int | None = None,
-                      mask: bool = False, rows: Callable[[int], str] | None = None) -> list[TokenBuffers]:
+                      mask: bool = False, rows: Callable[[int], str] | None = None,
+                      nulls: list[np.ndarray] | None = None) -> list[TokenBuffers]:
     """A pyarrow list column (``ListArray``, ``LargeListArray``, ``FixedSizeListArray`` or a ``ChunkedArray`` of
     them) as one checked :class:`TokenBuffers` per chunk, zero-copy: a memory-mapped dataset stays mapped.
 
     ``mask=True`` reads a 0/1 loss-mask column (integers or booleans; booleans become ``uint8``) without value
     checks. ``rows(i)`` names row ``i`` (counted from the column's first row) in messages; default ``name[i]``.
+    A null row is refused, unless ``nulls`` is a list: then the indices of the null rows are appended to it (for a
+    table read through an indices mapping, whose selected rows alone must not be null) and they read as empty.
 
     >>> import pyarrow as pa
     >>> [c.values.tolist() for c in read_arrow_chunks(pa.chunked_array([[[1, 2]], [[3]]]), "input_ids")]
@@ -405,7 +408,9 @@ def read_arrow_chunks(column: Any, name: str, *, kind: str = "ids", vocab_size: 
             raise InvalidSampleError(f"{name} must hold one list of {accepted} per row, got Arrow type {kind_}")
         if not (pa.types.is_integer(kind_.value_type) or (mask and pa.types.is_boolean(kind_.value_type))):
             raise InvalidTokensError(f"{name} must hold {accepted}, got Arrow type {kind_}")
-        if chunk.null_count:
+        if chunk.null_count and nulls is not None:
+            nulls.append(base + np.flatnonzero(~chunk.is_valid().to_numpy(zero_copy_only=False)))
+        elif chunk.null_count:
             i = base + int(np.argmax(~chunk.is_valid().to_numpy(zero_copy_only=False)))
             raise InvalidSampleError(f"{rows(i)} is null ({column.null_count} rows of {name} are); every row needs a "
                                      f"list of tokens")

@@ -99,6 +99,7 @@ from padfree.errors import (
     BackendUnavailableError,
     DataLoadError,
     InvalidArgumentError,
+    InvalidSampleError,
     InvalidTokensError,
     describe,
 )
@@ -230,7 +231,8 @@ def _arrow_source(column: Any, name: str, *, kind: str = "ids", mask: bool = Fal
     A dataset on disk is a thousand chunks or more: each is read straight from its Arrow buffers (a few
     microseconds), and everything per row is then computed once over all chunks.
     """
-    chunks = read_arrow_chunks(column, name, kind=kind, mask=mask)
+    nulls: list[np.ndarray] = []  # refused by _check only where the rows are selected (an indices mapping)
+    chunks = read_arrow_chunks(column, name, kind=kind, mask=mask, nulls=nulls)
     if not chunks:
         empty = np.zeros(0, np.int64)
         return _Source(name, empty, empty, empty, ())
@@ -238,6 +240,8 @@ def _arrow_source(column: Any, name: str, *, kind: str = "ids", mask: bool = Fal
     view, first = _one_view(values)
     starts = np.concatenate([c.offsets[:-1] + base for c, base in zip(chunks, first.tolist(), strict=True)])
     lengths = np.concatenate([c.lengths for c in chunks])
+    if nulls:
+        lengths[np.concatenate(nulls)] = -1
     return _Source(name, view, starts, lengths, tuple(values))
 
 
@@ -337,6 +341,10 @@ def _check(data: _Data) -> np.ndarray:
     """Validate the input rows; return their lengths ``(rows,) int64`` in input order."""
     lengths = data.logical(data.ids.lengths)
     name = data.ids.name
+    if lengths.size and lengths.min() < 0:
+        i = int(np.argmax(lengths < 0))
+        raise InvalidSampleError(f"{name}[{i}] is null ({int((lengths < 0).sum())} of {lengths.size} rows are); every "
+                                 f"row needs a list of token ids")
     refuse_empty(lengths, lambda i: f"{name}[{i}]")
     for other in ((data.labels,) if data.labels is not None else ()) + data.masks:
         if other.lengths.shape[0] != data.ids.lengths.shape[0]:

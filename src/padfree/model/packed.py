@@ -28,6 +28,7 @@ import torch
 
 from padfree import layout
 from padfree.errors import InvalidArgumentError, InvalidLayoutError, describe
+from padfree.packing.inputs import as_int
 
 __all__ = ["Buckets", "PackedLayout", "bucket_length", "per_bucket"]
 
@@ -100,6 +101,7 @@ class PackedLayout:
     @classmethod
     def from_segment_ids(cls, segment_ids: torch.Tensor, *, source: str = "attention_mask") -> PackedLayout:
         """From LLaMA-Factory segment ids (``[[1, 1, 2, 2, 2, 0]]``: runs of 1, 2, ... then padding 0), validated."""
+        segment_ids = torch.as_tensor(_integers(segment_ids, "segment_ids", bool_ok=True))
         layout.segment_ids_to_lengths(segment_ids)  # validates: runs in order, padding only trailing
         seg = segment_ids.to(torch.int64)
         return cls._build(seg, layout.segment_ids_to_position_ids(seg, check=False).to(torch.int64), source)
@@ -107,6 +109,7 @@ class PackedLayout:
     @classmethod
     def from_position_ids(cls, position_ids: torch.Tensor) -> PackedLayout:
         """From ``(B, T)`` position ids restarting at 0 at every sequence; anything else is InvalidLayoutError."""
+        position_ids = torch.as_tensor(_integers(position_ids, "position_ids"))
         seg = layout.position_ids_to_segment_ids(position_ids)
         return cls._build(seg, position_ids.to(torch.int64), "position_ids")
 
@@ -114,7 +117,8 @@ class PackedLayout:
     def from_cu_seqlens(cls, cu_seqlens: torch.Tensor, batch: int, seq_len: int) -> PackedLayout:
         """From flash-style offsets over the flattened ``(B·T)`` stream (``cu_seq_lens_q``); they must cover it
         exactly and start a segment at every row."""
-        cu = torch.as_tensor(cu_seqlens).reshape(-1).to(torch.int64)
+        cu = torch.as_tensor(_integers(cu_seqlens, "cu_seq_lens_q")).reshape(-1).to(torch.int64)
+        batch, seq_len = as_int(batch, "batch", minimum=1), as_int(seq_len, "seq_len", minimum=1)
         total = batch * seq_len
         host = cu.cpu().numpy()
         if host.size < 1 or host[0] != 0 or host[-1] != total or (np.diff(host) <= 0).any():
@@ -124,7 +128,7 @@ class PackedLayout:
                 f"end at {total}"
             )
         missing = np.setdiff1d(np.arange(0, total, seq_len), host)
-        if seq_len and missing.size:
+        if missing.size:
             raise InvalidLayoutError(
                 f"cu_seq_lens_q lets a sequence cross from row {missing[0] // seq_len - 1} into row "
                 f"{missing[0] // seq_len} (no offset at flat index {missing[0]}); a packed sequence lives in one row"
@@ -249,6 +253,20 @@ class PackedLayout:
                 f"{who} got inputs of shape {tuple(hidden.shape[:2])} but the packed layout of this forward is "
                 f"{self.shape}; the boundaries belong to another batch"
             )
+
+
+def _integers(value: Any, name: str, *, bool_ok: bool = False) -> Any:
+    """``value`` as an integer tensor or array (lists and numpy arrays accepted), or one error naming ``name``:
+    a float offset or position would be truncated to a different boundary without a word."""
+    if not isinstance(value, torch.Tensor):
+        try:
+            value = torch.as_tensor(np.asarray(value))
+        except (TypeError, ValueError, RuntimeError):
+            raise InvalidLayoutError(f"{name} must be an integer tensor, got {describe(value)}") from None
+    if value.dtype.is_floating_point or value.dtype.is_complex or (value.dtype == torch.bool and not bool_ok):
+        accepted = "integers or booleans" if bool_ok else "integers"
+        raise InvalidLayoutError(f"{name} must hold {accepted}, got dtype {value.dtype} ({describe(value.tolist())})")
+    return value
 
 
 def per_bucket(run: Callable[..., torch.Tensor], lay: PackedLayout, *tokens: torch.Tensor, by: str = "bucket"
