@@ -66,6 +66,7 @@ from typing import Any
 
 import numpy as np
 
+from padfree.arrays import NumpyOps, TorchOps, backend_of, import_torch, torch_module
 from padfree.errors import BackendUnavailableError, InvalidArgumentError, InvalidLayoutError, describe
 from padfree.packing.inputs import as_positive_int
 
@@ -100,155 +101,6 @@ INT32_MAX = 2**31 - 1
 # sequence's first token and every pad carry it. The one definition in padfree.
 IGNORE_INDEX = -100
 
-# ---- backends: the few array operations numpy and torch spell differently -----------------------------------------
-
-
-class _Numpy:
-    """Array operations on numpy arrays; ``like`` arguments are ignored (there is one device)."""
-
-    int32, int64, bool_ = np.int32, np.int64, np.bool_
-
-    @staticmethod
-    def is_array(x: Any) -> bool:
-        return isinstance(x, np.ndarray)
-
-    @staticmethod
-    def asarray(x: Any, like: Any) -> np.ndarray:
-        if _torch_module(x) is not None:
-            x = x.detach().cpu().numpy()
-        return np.asarray(x)
-
-    @staticmethod
-    def kind(x: np.ndarray) -> str:
-        """'b' bool, 'i' integer, 'f' anything else."""
-        return {"b": "b", "i": "i", "u": "i"}.get(x.dtype.kind, "f")
-
-    @staticmethod
-    def cast(x: np.ndarray, dtype: Any) -> np.ndarray:
-        return x.astype(dtype, copy=False)
-
-    @staticmethod
-    def arange(n: int, like: Any) -> np.ndarray:
-        return np.arange(n, dtype=np.int64)
-
-    @staticmethod
-    def zeros(shape: tuple[int, ...], dtype: Any, like: Any) -> np.ndarray:
-        return np.zeros(shape, dtype)
-
-    @staticmethod
-    def cat(xs: list[np.ndarray]) -> np.ndarray:
-        return np.concatenate(xs)
-
-    @staticmethod
-    def flatnonzero(x: np.ndarray) -> np.ndarray:
-        return np.flatnonzero(x)
-
-    @staticmethod
-    def cummax(x: np.ndarray, axis: int) -> np.ndarray:
-        return np.maximum.accumulate(x, axis=axis)
-
-    @staticmethod
-    def repeat(x: np.ndarray, counts: np.ndarray, total: int) -> np.ndarray:
-        return np.repeat(x, counts)
-
-    @staticmethod
-    def where(cond: np.ndarray, a: Any, b: Any) -> np.ndarray:
-        return np.where(cond, a, b)
-
-    @staticmethod
-    def amax(x: np.ndarray, axis: int) -> np.ndarray:
-        return x.max(axis=axis, keepdims=True)
-
-    @staticmethod
-    def diagonal(x: np.ndarray, offset: int) -> np.ndarray:
-        return np.diagonal(x, offset=offset, axis1=-2, axis2=-1)
-
-    @staticmethod
-    def first_true(bad: np.ndarray) -> tuple[int, ...] | None:
-        hits = np.flatnonzero(bad)
-        return tuple(int(i) for i in np.unravel_index(hits[0], bad.shape)) if hits.size else None
-
-
-class _Torch:
-    """The same operations on torch tensors, on the device of ``like``."""
-
-    def __init__(self, torch: Any) -> None:
-        self.torch = torch
-        self.int32, self.int64, self.bool_ = torch.int32, torch.int64, torch.bool
-
-    def is_array(self, x: Any) -> bool:
-        return isinstance(x, self.torch.Tensor)
-
-    def asarray(self, x: Any, like: Any) -> Any:
-        if not isinstance(x, self.torch.Tensor):
-            x = self.torch.as_tensor(np.asarray(x))
-        return x.to(like.device) if like is not None else x
-
-    def kind(self, x: Any) -> str:
-        if x.dtype == self.torch.bool:
-            return "b"
-        return "f" if x.dtype.is_floating_point or x.dtype.is_complex else "i"
-
-    def cast(self, x: Any, dtype: Any) -> Any:
-        return x.to(dtype)
-
-    def arange(self, n: int, like: Any) -> Any:
-        return self.torch.arange(n, dtype=self.torch.int64, device=like.device)
-
-    def zeros(self, shape: tuple[int, ...], dtype: Any, like: Any) -> Any:
-        return self.torch.zeros(shape, dtype=dtype, device=like.device)
-
-    def cat(self, xs: list[Any]) -> Any:
-        return self.torch.cat(xs)
-
-    def flatnonzero(self, x: Any) -> Any:
-        return self.torch.nonzero(x.reshape(-1)).reshape(-1)
-
-    def cummax(self, x: Any, axis: int) -> Any:
-        return self.torch.cummax(x, dim=axis).values
-
-    def repeat(self, x: Any, counts: Any, total: int) -> Any:
-        # output_size spares repeat_interleave a second device-to-host sync to size its output
-        return self.torch.repeat_interleave(x, counts, output_size=total)
-
-    def where(self, cond: Any, a: Any, b: Any) -> Any:
-        return self.torch.where(cond, a, b)
-
-    def amax(self, x: Any, axis: int) -> Any:
-        return x.amax(dim=axis, keepdim=True)
-
-    def diagonal(self, x: Any, offset: int) -> Any:
-        return self.torch.diagonal(x, offset=offset, dim1=-2, dim2=-1)
-
-    def first_true(self, bad: Any) -> tuple[int, ...] | None:
-        if not bool(bad.any()):  # the one sync of a check
-            return None
-        return tuple(int(i) for i in self.torch.nonzero(bad)[0].tolist())
-
-
-_NUMPY = _Numpy()
-
-
-def _torch_module(x: Any) -> Any:
-    """The torch module if ``x`` is a tensor, else None — without importing torch (no tensor exists without it)."""
-    torch = sys.modules.get("torch")
-    return torch if torch is not None and isinstance(x, torch.Tensor) else None
-
-
-def _backend(x: Any) -> Any:
-    torch = _torch_module(x)
-    return _Torch(torch) if torch is not None else _NUMPY
-
-
-def _import_torch(what: str) -> Any:
-    try:
-        import torch
-    except ImportError as exc:
-        msg = f"{what} needs torch, which is not installed; pip install 'padfree[torch]'"
-        raise BackendUnavailableError(msg) from exc
-    return torch
-
-
 # ---- validation ------------------------------------------------------------------------------------------------------
 
 _SHAPES = {1: "(n,)", 2: "(batch, seq)", 4: "(batch, heads, seq, seq)"}
@@ -256,8 +108,8 @@ _SHAPES = {1: "(n,)", 2: "(batch, seq)", 4: "(batch, heads, seq, seq)"}
 
 def _ints(value: Any, name: str, ndim: int, *, like: Any = None, bool_ok: bool = False) -> tuple[Any, Any]:
     """``(backend, value as an int64 array of ndim dims)`` in the backend of ``like`` (else its own), or an error."""
-    xp = _backend(like if like is not None else value)
-    if not (xp.is_array(value) or _torch_module(value) is not None):
+    xp = backend_of(like if like is not None else value)
+    if not (xp.is_array(value) or torch_module(value) is not None):
         if isinstance(value, (str, bytes, dict)) or np.isscalar(value) or value is None:
             raise InvalidLayoutError(f"{name} must be a {ndim}-D integer array {_SHAPES[ndim]}, got {describe(value)}")
         try:
@@ -619,7 +471,7 @@ def position_ids_to_lengths(position_ids: Any, attention_mask: Any = None, *, ch
     [2, 3, 4]
     """
     seg = position_ids_to_segment_ids(position_ids, attention_mask, check=check)
-    return _lengths_from_segments(_backend(seg), seg, "position_ids", False)
+    return _lengths_from_segments(backend_of(seg), seg, "position_ids", False)
 
 
 def position_ids_to_cu_seqlens(position_ids: Any, attention_mask: Any = None, *, check: bool = True) -> Any:
@@ -631,7 +483,7 @@ def position_ids_to_cu_seqlens(position_ids: Any, attention_mask: Any = None, *,
     array([0, 2, 5, 9], dtype=int32)
     """
     seg = position_ids_to_segment_ids(position_ids, attention_mask, check=check)
-    xp = _backend(seg)
+    xp = backend_of(seg)
     return xp.cast(_cu_from_segments(xp, seg, "position_ids", False), xp.int32)
 
 
@@ -742,7 +594,7 @@ def _float_dtype(xp: Any, dtype: Any) -> Any:
     """None for a boolean mask, else the floating dtype of an additive mask (numpy or torch, like the input)."""
     if dtype is None or dtype is bool:
         return None
-    if isinstance(xp, _Torch):
+    if isinstance(xp, TorchOps):
         if dtype == xp.torch.bool:
             return None
         if isinstance(dtype, xp.torch.dtype) and dtype.is_floating_point:
@@ -799,7 +651,7 @@ def block_causal_mask(
     allowed = _may_attend(xp, seg, window)
     if float_dtype is None:
         return allowed
-    if isinstance(xp, _Torch):
+    if isinstance(xp, TorchOps):
         out = xp.torch.zeros(tuple(allowed.shape), dtype=float_dtype, device=seg.device)
         return out.masked_fill_(~allowed, xp.torch.finfo(float_dtype).min)
     return np.where(allowed, float_dtype.type(0), np.finfo(float_dtype).min).astype(float_dtype)
@@ -818,7 +670,7 @@ def block_causal_mask_to_segment_ids(mask: Any, sliding_window: int | None = Non
     >>> block_causal_mask_to_segment_ids(block_causal_mask(seg, sliding_window=2), sliding_window=2).tolist()
     [[1, 1, 2, 2, 2, 0]]
     """
-    xp = _backend(mask)
+    xp = backend_of(mask)
     if not xp.is_array(mask):
         mask = np.asarray(mask)
     if mask.ndim != 4 or mask.shape[-1] != mask.shape[-2]:
@@ -833,7 +685,7 @@ def block_causal_mask_to_segment_ids(mask: Any, sliding_window: int | None = Non
     allowed = mask if xp.kind(mask) == "b" else mask == 0
     head = allowed[:, 0]
     real = xp.diagonal(head, 0)
-    start = real.copy() if isinstance(xp, _Numpy) else real.clone()
+    start = real.copy() if isinstance(xp, NumpyOps) else real.clone()
     start[:, 1:] &= ~xp.diagonal(head, -1)
     seg = xp.where(real, xp.cast(start, xp.int64).cumsum(1), 0)
     if check:
@@ -858,7 +710,7 @@ def block_causal_mask_to_segment_ids(mask: Any, sliding_window: int | None = Non
 
 
 def _flex(what: str) -> Any:
-    torch = _import_torch(what)
+    torch = import_torch(what)
     try:
         flex_attention = importlib.import_module("torch.nn.attention.flex_attention")
     except ImportError as exc:
@@ -884,7 +736,7 @@ def block_mask(
     """
     flex = _flex("block_mask")
     torch = sys.modules["torch"]
-    if _torch_module(segment_ids) is None:
+    if torch_module(segment_ids) is None:
         segment_ids = torch.as_tensor(np.asarray(segment_ids))
     xp, seg = _ints(segment_ids, "segment_ids", 2, bool_ok=True)
     window = _window(sliding_window)
