@@ -63,13 +63,11 @@ Memory and disk
     written to an Arrow file that the returned dataset memory-maps: ``cache_file_name`` if given, else next to the
     input dataset's own cache files (as ``datasets.Dataset.map`` does; ``padfree-pack-<fingerprint>.arrow``), else
     in ``datasets``' temporary directory, which is deleted when the Python session ends (``save_to_disk`` the
-    result to keep it). The file is written while the next chunks are built, with ``O_DIRECT`` where the filesystem
-    allows it (the output is written once, read later, and has no business in the page cache; the rows are then
-    laid out right inside the Arrow messages in the disk's buffers, so no output byte is copied after the gather),
-    and atomically: a failed call leaves no file. Peak memory grows by the input pages the gather reads (1x the
-    token bytes at most) plus a working set that does not grow with the data — two staging buffers for the disk of
-    64 MB plus a chunk each, ~0.25 GB with the defaults (without ``O_DIRECT``: two chunks of rows more) — never by
-    the size of the output.
+    result to keep it). The file is written by pyarrow's stream writer while the next chunk is built, atomically
+    (a failed call leaves no file), and its pages leave the page cache behind the writer (the output is written
+    once and read later). Peak memory grows by the input pages the gather reads (1x the token bytes at most) plus a
+    working set that does not grow with the data — two chunks of rows, ~0.1 GB with the defaults — never by the
+    size of the output.
 
 The plan
     ``return_result=True`` returns ``(dataset, result)``: the :class:`~padfree.PackResult` whose bins are the
