@@ -2,7 +2,7 @@
 
 What it measures, for every data set, in one process so that the contenders share the same conditions:
 
-- every strategy in ``padfree.STRATEGIES`` through the public ``pack_sequences(lengths, capacity, strategy)``
+- every strategy in ``padfree.packing.STRATEGIES`` through the public ``pack_sequences(lengths, capacity, strategy)``
   (numpy ``int64`` lengths in, a ``PackResult`` out: validation, placement and the CSR plan all timed);
 - LightBinPack's ``obfd(lengths, capacity)`` (C++ via pybind11; it takes a Python list and returns a list of
   lists), timed from a ready Python list; what ``ndarray.tolist()`` costs on top is reported beside it;
@@ -393,7 +393,7 @@ class Result:
 def bench_dataset(data: DataSet, runs: int, trl_runs: int, extra_trl: bool) -> Result:
     lengths, c = data.lengths, data.capacity
     log(f"{data.name}: n={data.n:,}, tokens={int(lengths.sum()):,}")
-    rows = [bench_padfree(lengths, c, s, runs) for s in padfree.STRATEGIES]
+    rows = [bench_padfree(lengths, c, s, runs) for s in padfree.packing.STRATEGIES]
     lbp, tolist_ms = bench_lightbinpack(lengths, c, runs)
     rows.append(lbp)
     if extra_trl:

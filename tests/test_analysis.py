@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 
-from padfree import STRATEGIES, InvalidArgumentError, InvalidLengthsError, pack_sequences
+from padfree import InvalidArgumentError, InvalidLengthsError, pack_sequences
 from padfree.analysis import (
     MAX_OVERLONG_FRACTION,
     MIN_EFFICIENCY,
@@ -15,6 +15,7 @@ from padfree.analysis import (
     candidate_capacities,
     padded_batches,
 )
+from padfree.packing import STRATEGIES
 
 
 def hand_padded(lengths: list[int], capacity: int, batch_size: int, seed: int) -> tuple[int, int, float]:

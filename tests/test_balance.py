@@ -7,7 +7,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from padfree import InvalidArgumentError, balance_bins, pack_sequences
+from padfree import InvalidArgumentError, pack_sequences
+from padfree.packing import balance_bins
 from padfree.packing.balance import BalancedSteps, bin_loads
 
 

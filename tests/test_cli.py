@@ -14,9 +14,9 @@ import pyarrow.parquet as pq
 import pytest
 from matplotlib.image import imread
 
-from padfree import STRATEGIES
 from padfree.cli import main
 from padfree.corpus import load_tokenizer
+from padfree.packing import STRATEGIES
 
 # the repository is cloned with shared/ beside it: <root>/main/tests/test_cli.py -> <root>/shared/data
 DATA = Path(__file__).parents[2] / "shared" / "data"

@@ -395,3 +395,19 @@ def _test_files() -> list:
 def test_every_test_asserts_something(path):
     silent = _TestFile(path, _TestFile(TESTS / "zoo.py")).silent_tests()
     assert not silent, f"{path.name}: these tests assert nothing (so pass whatever the code does): {silent}"
+
+
+def test_the_public_surface_is_at_most_40_names_and_every_one_resolves():
+    """The top level is the seed-compatible names, the routes to packed rows, the model and trainer entry points and
+    the errors users catch; a name that moved to its module says where it lives now."""
+    import padfree
+
+    assert len(padfree.__all__) <= 40 and len(set(padfree.__all__)) == len(padfree.__all__)
+    assert sorted(dir(padfree)) == sorted(padfree.__all__)
+    for name in padfree.__all__:
+        assert getattr(padfree, name) is not None, name
+    with pytest.raises(AttributeError, match=r"padfree\.balance_bins is not a top-level name; use "
+                                             r"padfree\.packing\.balance_bins"):
+        padfree.balance_bins  # noqa: B018
+    with pytest.raises(AttributeError, match="has no attribute 'no_such_name'"):
+        padfree.no_such_name  # noqa: B018

@@ -90,7 +90,7 @@ def _worker(rank: int, world: int, tmp: str, port: int) -> None:
     try:
         trainer.train()
         out["mismatch"] = None
-    except padfree.RankMismatchError as exc:
+    except padfree.errors.RankMismatchError as exc:
         out["mismatch"] = (str(exc), trainer.state.global_step)
     samples = _samples().add_column("row", list(range(len(_samples()))))
     for balance in (True, False):  # padding-free batches: unpacked samples, one flattened row per micro-batch

@@ -113,7 +113,7 @@ def _worker(rank: int, world: int, tmp: str) -> None:
             try:
                 DistributedPackedBatchSampler(data, CAPACITY, seed=seed).check_ranks()
                 out["mismatch", name] = None
-            except padfree.RankMismatchError as exc:
+            except padfree.errors.RankMismatchError as exc:
                 out["mismatch", name] = str(exc)
         samples = _ddp_samples()
         runs = []

@@ -107,13 +107,13 @@ def test_attention_with_its_own_row_causal_mask_is_refused_naming_the_module():
     with pytest.raises(UnsupportedModelError, match=r"model\.layers\.0\.self_attn: a tiny twin of its class and "
                                                     r"config is not packing-exact: packed differs"):
         configure_packing(model)
-    assert padfree.packing_state(model) is None  # strict: nothing left installed
+    assert padfree.model.configure.packing_state(model) is None  # strict: nothing left installed
     with warnings.catch_warnings(record=True) as caught:  # strict=False keeps its meaning: warn, configure anyway
         warnings.simplefilter("always")
         report = configure_packing(model, strict=False)
     assert not report.supported and "model.layers.0.self_attn" in report.unsupported
     assert any("strict=False: configured anyway" in str(w.message) for w in caught)
-    assert padfree.packing_state(model) is not None
+    assert padfree.model.configure.packing_state(model) is not None
 
 
 def test_a_transformers_version_outside_the_tested_range_certifies_and_warns(monkeypatch, caplog):

@@ -72,7 +72,7 @@ def test_report_names_the_model_backend_modules_and_cache():
     assert not report.kernels["torch varlen_attn"] or torch.cuda.is_available()
     text = str(report)
     assert "qwen2 (supported)" in text and "padfree_sdpa" in text and "2 boundary-exact" in text
-    assert padfree.packing_state(model).report is report
+    assert padfree.model.configure.packing_state(model).report is report
 
 
 def test_softcap_and_sinks_models_get_the_eager_math_backend():
@@ -85,7 +85,7 @@ def test_calling_twice_is_harmless_and_can_switch_backend(seqs, batch):
     model = tiny_model("llama")
     configure_packing(model)
     configure_packing(model)
-    state = padfree.packing_state(model)
+    state = padfree.model.configure.packing_state(model)
     assert len(model.model._forward_pre_hooks) == 1 and len(state.handles) == 2
     assert configure_packing(model, backend="eager").backend == "padfree_eager"
     assert verify(model, seqs, capacity=CAPACITY).ok
@@ -96,7 +96,7 @@ def test_unconfigure_restores_the_model():
     configure_packing(model)
     assert unconfigure_packing(model) and not unconfigure_packing(model)
     assert model.config._attn_implementation == "sdpa" and model.config.use_cache is True
-    assert not model.model._forward_pre_hooks and padfree.packing_state(model) is None
+    assert not model.model._forward_pre_hooks and padfree.model.configure.packing_state(model) is None
 
 
 # ---- every spelling of the boundaries --------------------------------------------------------------------------------

@@ -59,5 +59,5 @@ def test_negative_control_unconfigured_model_with_cache_leaks():
         c = int(batch.seq_lens[0])
         alone = model(input_ids=torch.tensor([second])).logits[0]
     assert (packed[0, c:c + len(second)] - alone).abs().max() > 1e-2
-    with pytest.raises(padfree.PackingMismatchError):
+    with pytest.raises(padfree.errors.PackingMismatchError):
         verify(tiny_model("gpt_oss"), seqs, capacity=CAPACITY).raise_for_mismatch()  # builds masks without positions

@@ -373,7 +373,8 @@ def test_check_tokens_accepts_the_layouts_own_shape():
 
 
 # Inputs that once crashed with a bare Python error or were silently misread: each is now refused by name
-# (``argument``: a regex the message must match), or, for an array-like spelling, read to the right layout (``lengths``).
+# (``argument``: a regex the message must match), or, for an array-like spelling, read to the right layout
+# (``lengths``).
 def _bug(call, argument, lengths, *, id, reason):
     return pytest.param(call, argument, lengths, id=id)
 

@@ -11,7 +11,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from padfree import STRATEGIES, Packer, PackResult, pack_sequences
+from padfree import Packer, PackResult, pack_sequences
+from padfree.packing import STRATEGIES
 from padfree.packing.inputs import apply_overlong
 
 # ---------------------------------------------------------------------------------------------------
@@ -267,7 +268,7 @@ def test_registry_documents_every_strategy_with_its_cost():
 
 
 def test_take_bins_reorders_bins_and_carries_split_pieces():
-    from padfree import packed_rows
+    from padfree.rows import packed_rows
 
     plan = pack_sequences([9, 3, 5, 2, 12], capacity=6, overlong="split")
     assert plan.piece_starts is not None

@@ -19,10 +19,9 @@ from padfree import (
     PackResult,
     PadfreeError,
     StreamPacker,
-    balance_bins,
     pack_sequences,
 )
-from padfree.packing import as_pack_result, inputs
+from padfree.packing import as_pack_result, balance_bins, inputs
 from padfree.packing.inputs import MAX_PIECES, exact_sum
 
 try:

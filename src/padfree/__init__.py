@@ -1,12 +1,21 @@
 """padfree: exact padding-free (packed-sequence) training for causal language models.
 
-``import padfree`` stays free of torch and datasets: the names that need them are imported on first use.
+The top level holds the seed-compatible names (SeqPacker's packing API, LLaMA-Factory's helpers), the routes to
+packed rows, the model and trainer entry points, and the errors users catch — 40 names. Everything else is reachable
+from its module (``padfree.packing``, ``padfree.rows``, ``padfree.samples``, ``padfree.model.*``,
+``padfree.integrations.*``). ``import padfree`` stays free of torch and datasets: the names that need them are
+imported on first use.
+
+>>> import padfree
+>>> len(padfree.__all__)
+40
+>>> padfree.pack_sequences([3, 2, 2], capacity=4).bins
+[[0], [1, 2]]
 """
 
 from typing import Any
 
 from padfree import layout
-from padfree.analysis import LengthAnalysis, analyze_lengths
 from padfree.errors import (
     BackendUnavailableError,
     DataLoadError,
@@ -17,26 +26,12 @@ from padfree.errors import (
     InvalidTokensError,
     OverlongSequenceError,
     PackingDisabledError,
-    PackingMismatchError,
     PadfreeError,
-    RankMismatchError,
     StateMismatchError,
-    TokenizerLoadError,
     UnsupportedModelError,
 )
 from padfree.layout import get_seqlens_in_batch, get_unpad_data
-from padfree.packing import (
-    DEFAULT_STRATEGY,
-    STRATEGIES,
-    BalancedSteps,
-    Packer,
-    PackResult,
-    StreamBin,
-    StreamPacker,
-    balance_bins,
-    pack_sequences,
-)
-from padfree.rows import PackedRows, packed_rows
+from padfree.packing import Packer, PackResult, StreamPacker, pack_sequences
 
 __version__ = "0.1.0"
 
@@ -52,24 +47,40 @@ _LAZY = {
     "pack_dataset_from_result": "padfree.data.hf",
     "configure_packing": "padfree.model.configure",
     "unconfigure_packing": "padfree.model.configure",
-    "packing_state": "padfree.model.configure",
-    "PackingReport": "padfree.model.configure",
-    "SUPPORTED_MODEL_TYPES": "padfree.model.configure",
     "verify": "padfree.model.verify",
-    "VerifyReport": "padfree.model.verify",
-    "check_support": "padfree.model.support",
     "causal_lm_loss": "padfree.model.loss",
-    "linear_cross_entropy": "padfree.model.loss",
     "SFTTrainer": "padfree.integrations.trl",
     "SFTConfig": "padfree.integrations.trl",
     "Trainer": "padfree.integrations.trainer",
     "enable": "padfree.integrations.enable",
     "packing_status": "padfree.integrations.status",
-    "PackingStatus": "padfree.integrations.status",
     "PackingTelemetryCallback": "padfree.integrations.telemetry",
     "PackedRowsCollator": "padfree.integrations.trainer_data",
     "pack_for_trainer": "padfree.integrations.trainer_data",
     "DistributedPackedBatchSampler": "padfree.integrations.distributed",
+}
+
+# names that were top-level before the public surface shrank to 40: where they live now
+_MOVED = {
+    "BalancedSteps": "padfree.packing",
+    "DEFAULT_STRATEGY": "padfree.packing",
+    "LengthAnalysis": "padfree.analysis",
+    "PackedRows": "padfree.rows",
+    "PackingMismatchError": "padfree.errors",
+    "PackingReport": "padfree.model.configure",
+    "PackingStatus": "padfree.integrations.status",
+    "RankMismatchError": "padfree.errors",
+    "STRATEGIES": "padfree.packing",
+    "SUPPORTED_MODEL_TYPES": "padfree.model.configure",
+    "StreamBin": "padfree.packing",
+    "TokenizerLoadError": "padfree.errors",
+    "VerifyReport": "padfree.model.verify",
+    "analyze_lengths": "padfree.analysis",
+    "balance_bins": "padfree.packing",
+    "check_support": "padfree.model.support",
+    "linear_cross_entropy": "padfree.model.loss",
+    "packed_rows": "padfree.rows",
+    "packing_state": "padfree.model.configure",
 }
 
 
@@ -80,6 +91,9 @@ def __getattr__(name: str) -> Any:
         value = getattr(importlib.import_module(_LAZY[name]), name)
         globals()[name] = value
         return value
+    if name in _MOVED:
+        raise AttributeError(f"padfree.{name} is not a top-level name; use {_MOVED[name]}.{name} "
+                             f"(from {_MOVED[name]} import {name})")
     raise AttributeError(f"module 'padfree' has no attribute {name!r}")
 
 
@@ -88,11 +102,7 @@ def __dir__() -> list[str]:
 
 
 __all__ = [
-    "DEFAULT_STRATEGY",
-    "STRATEGIES",
-    "SUPPORTED_MODEL_TYPES",
     "BackendUnavailableError",
-    "BalancedSteps",
     "DataLoadError",
     "DistributedPackedBatchSampler",
     "InvalidArgumentError",
@@ -101,49 +111,34 @@ __all__ = [
     "InvalidSampleError",
     "InvalidTokensError",
     "IterablePackingDataset",
-    "LengthAnalysis",
     "OverlongSequenceError",
     "PackResult",
     "PackedBatch",
-    "PackedRows",
     "PackedRowsCollator",
     "Packer",
     "PackingDataset",
     "PackingDisabledError",
-    "PackingMismatchError",
-    "PackingReport",
-    "PackingStatus",
     "PackingTelemetryCallback",
     "PaddingFreeCollator",
     "PadfreeError",
-    "RankMismatchError",
     "SFTConfig",
     "SFTTrainer",
     "StateMismatchError",
-    "StreamBin",
     "StreamPacker",
-    "TokenizerLoadError",
     "Trainer",
     "UnsupportedModelError",
-    "VerifyReport",
-    "analyze_lengths",
-    "balance_bins",
     "causal_lm_loss",
-    "check_support",
     "configure_packing",
     "enable",
     "get_seqlens_in_batch",
     "get_unpad_data",
     "layout",
-    "linear_cross_entropy",
     "pack_dataset",
     "pack_dataset_from_result",
     "pack_for_trainer",
     "pack_result_to_tensors",
     "pack_sequences",
     "packed_collate_fn",
-    "packed_rows",
-    "packing_state",
     "packing_status",
     "unconfigure_packing",
     "verify",

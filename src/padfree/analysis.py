@@ -368,7 +368,7 @@ def analyze_lengths(
         lengths: ``(n,)`` positive integers, ``n >= 1`` — a list, numpy array, CPU tensor or pyarrow array.
         capacity: the packed row length to evaluate (also the padding/truncation limit of the naive batches).
         batch_size: sequences per naive padded batch.
-        strategies: names from ``padfree.STRATEGIES`` to time (default: all of them, in registry order).
+        strategies: names from ``padfree.packing.STRATEGIES`` to time (default: all of them, in registry order).
         capacities: the candidate capacities (default: :func:`candidate_capacities`); the requested
             ``capacity`` is always one of them.
         seed: seed of the random order of the padded batches and of randomized strategies (``ffs``).

@@ -1,6 +1,6 @@
 """The front door for samples: every accepted form of token sequences becomes flat buffers, checked once.
 
-Every entry point that takes samples — :func:`padfree.packed_rows`, :func:`padfree.pack_result_to_tensors`,
+Every entry point that takes samples — :func:`padfree.rows.packed_rows`, :func:`padfree.pack_result_to_tensors`,
 :func:`padfree.pack_dataset`, the collators, :class:`padfree.PackingDataset`, :class:`padfree.IterablePackingDataset`
 and the CLI — reads them here, so one input gives one answer and one error wherever it goes in:
 

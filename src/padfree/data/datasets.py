@@ -346,7 +346,8 @@ class PackingDataset(_PackingBase, _TorchDataset):
             arrays, CPU tensors) or of dicts with ``input_ids`` and optional ``labels`` (a dict without labels, or
             with ``labels=None``, is trained on all its tokens).
         max_length: tokens per packed row, ``>= 1``.
-        strategy: packing strategy (see :data:`padfree.STRATEGIES`); the default ``obfd`` is best fit decreasing.
+        strategy: packing strategy (see :data:`padfree.packing.STRATEGIES`); the default ``obfd`` is best fit
+            decreasing.
         seed: seeds the per-epoch shuffle of the rows and randomized strategies; ``None`` draws one at construction.
         shuffle: shuffle the order of the rows, a seeded permutation of ``(seed, epoch)``; ``False`` keeps the plan's
             order (bins with the longest sequences first for the sorted strategies).

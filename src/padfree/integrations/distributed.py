@@ -2,7 +2,7 @@
 
 :class:`DistributedPackedBatchSampler` packs the per-sample lengths (or takes a plan, or a
 :class:`~padfree.data.datasets.PackingDataset`'s plan), arranges the bins into steps with
-:func:`padfree.balance_bins` and yields, for its rank, one list of indices per micro-batch — a ``batch_sampler``
+:func:`padfree.packing.balance_bins` and yields, for its rank, one list of indices per micro-batch — a ``batch_sampler``
 for a plain ``torch.utils.data.DataLoader``. Why not ``DistributedSampler`` over packed rows: it shards rows by
 count, so one rank may get the rows full of long sequences (attention cost grows with Σ len²) and wait at every
 step for nothing; and a sampler whose ranks disagree on the number of batches hangs the last all-reduce of the
@@ -199,9 +199,9 @@ class DistributedPackedBatchSampler(Sampler[list[int]]):
     """A batch sampler that gives every data-parallel rank the same number of balanced packed micro-batches.
 
     Every rank builds the same sampler (same data, same arguments); each yields its own share: per step, one
-    micro-batch of ``micro_batch_size`` packed rows (bins), chosen by :func:`padfree.balance_bins` so that the ranks
-    of a step carry nearly equal tokens and Σ len² (attention cost). No communication is needed, and nothing is
-    left to chance: the schedule is a function of ``(data, seed, epoch)``.
+    micro-batch of ``micro_batch_size`` packed rows (bins), chosen by :func:`padfree.packing.balance_bins` so that
+    the ranks of a step carry nearly equal tokens and Σ len² (attention cost). No communication is needed, and
+    nothing is left to chance: the schedule is a function of ``(data, seed, epoch)``.
 
     Args:
         data: what to schedule, one of
@@ -369,7 +369,7 @@ class DistributedPackedBatchSampler(Sampler[list[int]]):
         sampler sharded by count hands one rank the long samples of a step while the others wait. Each step here
         takes the next ``num_replicas * micro_batch_size`` samples of a permutation drawn from ``(seed, epoch)`` —
         the samples a random sampler would put in one step — and only decides which rank computes which
-        (:func:`padfree.balance_bins` with ``group_by="random"``). The step's union is unchanged, so with a loss
+        (:func:`padfree.packing.balance_bins` with ``group_by="random"``). The step's union is unchanged, so with a loss
         normalised over the whole step (padfree's trainers) the update is too.
 
         Args:
@@ -565,7 +565,7 @@ class DistributedPackedBatchSampler(Sampler[list[int]]):
     @property
     def schedule(self) -> BalancedSteps:
         """The current epoch's steps: ``schedule.steps[s, r]`` are the bins of rank ``r`` in step ``s``, with the
-        imbalance metrics of :class:`~padfree.BalancedSteps`."""
+        imbalance metrics of :class:`~padfree.packing.BalancedSteps`."""
         return self._current().schedule
 
     @property

@@ -73,9 +73,9 @@ class PadfreeTrainerMixin:
     per_device_train_batch_size`` samples of a seeded random permutation, as the Trainer's sampler would, and
     only deals them to the ranks by load (``DistributedPackedBatchSampler.from_samples``; needs
     ``per_device_train_batch_size >= 2``). Off with ``padfree_balance=False``; skipped (reason in
-    :class:`~padfree.PackingStatus`) with tensor / context / sequence parallelism, a ``train_sampling_strategy`` other
-    than ``"random"``, or accelerate's ``split_batches`` / ``dispatch_batches``. One process: the Trainer's own
-    loader, unchanged.
+    :class:`~padfree.integrations.status.PackingStatus`) with tensor / context / sequence parallelism, a
+    ``train_sampling_strategy`` other than ``"random"``, or accelerate's ``split_batches`` / ``dispatch_batches``. One
+    process: the Trainer's own loader, unchanged.
     """
 
     padfree_loss: str | None = None
@@ -442,7 +442,7 @@ def as_flag(value: Any, name: str) -> bool:
 
 def configure_model(model: Any) -> Any:
     """``configure_packing`` on the transformers model inside ``model`` (kept if already configured): its
-    :class:`~padfree.PackingReport`, or :class:`~padfree.errors.UnsupportedModelError`."""
+    :class:`~padfree.model.configure.PackingReport`, or :class:`~padfree.errors.UnsupportedModelError`."""
     from padfree.model.configure import configure_packing, packing_state
 
     base = unwrap_model(model)
@@ -457,7 +457,7 @@ def _is_padfree_collator(collator: Any) -> bool:
 class TrainerMixin(PadfreeTrainerMixin):
     """What :class:`Trainer` adds to ``transformers.Trainer`` (and :func:`padfree.enable` to its subclasses): the
     padfree arguments, ``configure_packing`` when the collator is padfree's, and the recorded
-    :class:`~padfree.PackingStatus`."""
+    :class:`~padfree.integrations.status.PackingStatus`."""
 
     def __init__(self, *args: Any, padfree_loss: str = "token", padfree_telemetry: bool = True,
                  padfree_balance: bool = True, padfree_fused_loss: bool = False, **kwargs: Any) -> None:

@@ -23,7 +23,7 @@ class PackingState:
 
     Attributes:
         backend: the attention implementation in use (``padfree_sdpa``, ..., ``none``).
-        report: the :class:`~padfree.PackingReport` of the configuration.
+        report: the :class:`~padfree.model.configure.PackingReport` of the configuration.
         handles: the forward hooks installed on the model.
         layout: the :class:`~padfree.model.packed.PackedLayout` of the packed forward in flight (None otherwise).
         tokens: context tokens of the hook that marks a forward as packed.

@@ -42,7 +42,7 @@ class BackendCheck:
     Attributes:
         requested: the ``backend=`` passed to :func:`~padfree.configure_packing`.
         backend: the implementation it resolved to (``padfree_sdpa``, ...), or None when it refused.
-        report: the :class:`~padfree.VerifyReport` (None when the backend could not be configured).
+        report: the :class:`~padfree.model.verify.VerifyReport` (None when the backend could not be configured).
         error: why the backend could not be configured or run here (None when it ran).
         forward_only: gradients were not compared (no backward on this device).
     """

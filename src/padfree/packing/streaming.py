@@ -70,7 +70,7 @@ class StreamPacker:
         capacity: tokens per bin.
         buffer_size: pieces held before a round of packing; larger buffers pack better (10,000 gives > 99.5% on
             long-tailed lengths) and delay the first bin longer.
-        strategy: an offline strategy name (see :data:`padfree.STRATEGIES`) used inside each round.
+        strategy: an offline strategy name (see :data:`padfree.packing.STRATEGIES`) used inside each round.
         seed: seeds randomized strategies (one generator for the whole stream).
         overlong: ``"error" | "truncate" | "split" | "drop"``, as in :func:`padfree.pack_sequences`.
         max_sequences_per_bin: at most this many pieces per bin.
