@@ -16,3 +16,20 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="session")
+def shared_data():
+    """The real data directory, ``../shared/data`` beside the repository (:mod:`realdata`)."""
+    from realdata import DATA
+
+    assert DATA.is_dir(), f"{DATA} is missing: the tests expect the shared/ data directory beside the repository"
+    return DATA
+
+
+@pytest.fixture(scope="session")
+def gsm8k():
+    """Every GSM8K training record (instruction, input, output), read once per session."""
+    from realdata import gsm8k_records
+
+    return gsm8k_records()

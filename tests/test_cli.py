@@ -17,17 +17,14 @@ from matplotlib.image import imread
 from padfree.cli import main
 from padfree.corpus import load_tokenizer
 from padfree.packing import STRATEGIES
+from realdata import GSM8K
 
-# the repository is cloned with shared/ beside it: <root>/main/tests/test_cli.py -> <root>/shared/data
-DATA = Path(__file__).parents[2] / "shared" / "data"
-GSM8K = DATA / "gsm8k_train.json"
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
 @pytest.fixture(scope="module")
-def gsm8k_records() -> list[dict[str, str]]:
-    assert GSM8K.is_file(), f"{GSM8K} is missing: the tests expect the shared/ data directory beside the repository"
-    return json.loads(GSM8K.read_text(encoding="utf-8"))
+def gsm8k_records(gsm8k) -> list[dict[str, str]]:
+    return gsm8k
 
 
 @pytest.fixture(scope="module")

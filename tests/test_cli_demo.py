@@ -3,16 +3,15 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import transformers
 from matplotlib.image import imread
 
 from padfree.cli import DEMO_PNG, main
-
-DATA = Path(__file__).parents[2] / "shared" / "data"
-GSM8K = DATA / "gsm8k_train.json"
+from realdata import (
+    GSM8K,
+)
 
 
 def run(capsys, *argv: object) -> tuple[int, str, str]:

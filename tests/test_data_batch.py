@@ -4,9 +4,7 @@ HF's flattening collator matched, real-text DataLoader with workers, a tiny Llam
 from __future__ import annotations
 
 import itertools
-import json
 import pickle
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -37,8 +35,7 @@ from padfree.data.batch import (  # noqa: E402
     pack_result_to_tensors,
     packed_collate_fn,
 )
-
-DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
+from realdata import gsm8k_records  # noqa: E402
 
 token_lists = st.lists(st.lists(st.integers(0, 1000), min_size=1, max_size=30), min_size=1, max_size=16)
 
@@ -283,7 +280,7 @@ def test_padding_free_collator_matches_data_collator_with_flattening():
 def gsm8k_samples():
     from padfree.corpus import load_tokenizer
 
-    records = json.loads((DATA / "gsm8k_train.json").read_text())[:256]
+    records = gsm8k_records(256)
     tok = load_tokenizer()
     prompts = tok([r["instruction"] + "\n" for r in records], add_special_tokens=False)["input_ids"]
     answers = tok([r["output"] for r in records], add_special_tokens=False)["input_ids"]

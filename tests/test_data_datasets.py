@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 from collections import Counter
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -25,8 +24,8 @@ from padfree.errors import (  # noqa: E402
     OverlongSequenceError,
     StateMismatchError,
 )
+from realdata import gsm8k_records  # noqa: E402
 
-DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 KEYS = ("input_ids", "labels", "position_ids", "seq_lens")
 
 
@@ -40,7 +39,7 @@ def gsm8k():
     """300 GSM8K records tokenized as prompt + answer; labels mask the prompt (completion-only training)."""
     from padfree.corpus import load_tokenizer
 
-    records = json.loads((DATA / "gsm8k_train.json").read_text())[:300]
+    records = gsm8k_records(300)
     tokenizer = load_tokenizer()
     prompts = tokenizer([r["instruction"] for r in records], add_special_tokens=False)["input_ids"]
     answers = tokenizer([r["output"] for r in records], add_special_tokens=False)["input_ids"]

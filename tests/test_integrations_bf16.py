@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import copy
 import itertools
-import json
-from pathlib import Path
 
 import pytest
 
@@ -26,9 +24,9 @@ from padfree.integrations.status import packing_status  # noqa: E402
 from padfree.integrations.step_loss import token_losses  # noqa: E402
 from padfree.integrations.trainer import Trainer  # noqa: E402
 from padfree.integrations.trainer_data import PackedRowsCollator, pack_for_trainer  # noqa: E402
+from realdata import gsm8k_records  # noqa: E402
 from zoo import mistral_tokenizer  # noqa: E402
 
-DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k_train.json"
 datasets.disable_progress_bars()
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -40,7 +38,7 @@ def tok(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def records():
-    return json.loads(DATA.read_text())[:64]
+    return gsm8k_records(64)
 
 
 def build(model_type, vocab, seed=0):

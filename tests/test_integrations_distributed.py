@@ -5,11 +5,9 @@ PackingDataset rows, one clear error per bad argument."""
 from __future__ import annotations
 
 import datetime
-import json
 import logging
 import pickle
 from collections import Counter
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -28,16 +26,16 @@ from padfree import InvalidArgumentError, InvalidLengthsError, Packer, pack_sequ
 from padfree.data.batch import packed_collate_fn  # noqa: E402
 from padfree.data.datasets import PackingDataset  # noqa: E402
 from padfree.integrations.distributed import DistributedPackedBatchSampler  # noqa: E402
+from realdata import gsm8k_records  # noqa: E402
 from zoo import tiny_model  # noqa: E402
 
-DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 CAPACITY = 2048
 SEED = 7
 
 
 def _gsm8k_lengths() -> np.ndarray:
     """Characters of every GSM8K record (instruction + input + output): 7,473 real, long-tailed lengths."""
-    records = json.loads((DATA / "gsm8k_train.json").read_text())
+    records = gsm8k_records()
     return np.array([len(r["instruction"]) + len(r["input"]) + len(r["output"]) for r in records], np.int64)
 
 
@@ -58,7 +56,7 @@ def _idle(per_step_rank: np.ndarray) -> float:
 
 def _ddp_samples(n: int = 40) -> list[dict]:
     """Real text as byte-level token ids (the tiny model's vocabulary is 96): GSM8K records cut to <= 120 tokens."""
-    records = json.loads((DATA / "gsm8k_train.json").read_text())[:n]
+    records = gsm8k_records(n)
     out = []
     for r in records:
         raw = np.frombuffer((r["instruction"] + "\n" + r["output"]).encode(), np.uint8)
@@ -329,7 +327,7 @@ def test_shuffle_false_and_epochs():
 
 
 def test_packing_dataset_rows():
-    records = json.loads((DATA / "gsm8k_train.json").read_text())[:300]
+    records = gsm8k_records(300)
     samples = [list((r["instruction"] + "\n" + r["output"]).encode()) for r in records]
     ds = PackingDataset(samples, max_length=256, overlong="split", seed=4)
     ranks = [DistributedPackedBatchSampler(ds, num_replicas=3, rank=r, remainder="drop", seed=2) for r in range(3)]

@@ -10,9 +10,6 @@ which changes with packing and the eval batch size.
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -24,9 +21,9 @@ mistral_common = pytest.importorskip("mistral_common")
 import padfree.integrations.trl as ptrl  # noqa: E402
 from padfree.errors import InvalidArgumentError  # noqa: E402
 from padfree.integrations.step_loss import token_losses  # noqa: E402
+from realdata import gsm8k_records  # noqa: E402
 from zoo import mistral_tokenizer, tiny_model  # noqa: E402
 
-DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k_train.json"
 datasets.disable_progress_bars()
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -56,7 +53,7 @@ def prompt_completion(records):
 
 @pytest.fixture(scope="module")
 def data():
-    records = json.loads(DATA.read_text())[:1000]
+    records = gsm8k_records(1000)
     short = sorted(range(len(records)), key=lambda i: len(records[i]["instruction"] + records[i]["output"]))[:SHORT]
     keep = sorted({*short, *LONG})
     return prompt_completion(records[:8]), prompt_completion([records[i] for i in keep])

@@ -26,10 +26,8 @@ through ``accelerator.prepare`` / ``accelerator.backward`` instead.
 from __future__ import annotations
 
 import datetime
-import json
 import pickle
 import warnings
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -53,7 +51,8 @@ from zoo import tiny_model  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
+from realdata import gsm8k_records  # noqa: E402
+
 CAPACITY = 64
 MICRO_BATCH = 2
 SEED = 7
@@ -65,7 +64,7 @@ def _samples(n: int = 10) -> list[dict]:
     """Real text as byte-level token ids (the tiny model's vocabulary is 96): the first GSM8K records, one token per
     12 characters, 5..60 tokens. With capacity 64 and 2 rows per micro-batch they make 2 steps of 2 ranks; step 0
     has rows holding two sequences, and the ranks carry different target counts (121 and 109)."""
-    records = json.loads((DATA / "gsm8k_train.json").read_text())[:n]
+    records = gsm8k_records(n)
     out = []
     for r in records:
         raw = np.frombuffer((r["instruction"] + "\n" + r["output"]).encode(), np.uint8)

@@ -13,9 +13,7 @@ that the data tells that rule from the naive one (each rank's own mean, averaged
 from __future__ import annotations
 
 import itertools
-import json
 import pickle
-from pathlib import Path
 
 import pytest
 
@@ -30,9 +28,9 @@ import padfree  # noqa: E402
 from multiproc import as_launched_rank, free_port, run_ranks  # noqa: E402
 from padfree.integrations.step_loss import count_loss_items, token_losses  # noqa: E402
 from padfree.integrations.trl import SFTConfig, SFTTrainer  # noqa: E402
+from realdata import gsm8k_records  # noqa: E402
 from zoo import mistral_tokenizer  # noqa: E402
 
-DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k_train.json"
 datasets.disable_progress_bars()
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -46,7 +44,7 @@ DEADLINE = 120
 
 def _dataset() -> datasets.Dataset:
     records = [{"prompt": f"{r['instruction']}\n{r['input']}".rstrip() + "\n", "completion": r["output"]}
-               for r in json.loads(DATA.read_text())[:300]]
+               for r in gsm8k_records(300)]
     # the shortest records (about 70 to 110 tokens), in their original order: rows pack two or three of them
     keep = sorted(sorted(range(len(records)), key=lambda i: len(records[i]["prompt"] + records[i]["completion"]))
                   [:RECORDS])

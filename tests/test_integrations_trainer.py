@@ -6,9 +6,7 @@ offline with the Mistral 7B SentencePiece vocabulary, and a tiny random-weight l
 from __future__ import annotations
 
 import copy
-import json
 import logging
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -25,9 +23,9 @@ from padfree.integrations.step_loss import count_loss_items, sequence_ids, token
 from padfree.integrations.telemetry import PackingTelemetryCallback  # noqa: E402
 from padfree.integrations.trainer import Trainer  # noqa: E402
 from padfree.integrations.trainer_data import PackedRowsCollator, pack_for_trainer  # noqa: E402
+from realdata import gsm8k_records  # noqa: E402
 from zoo import mistral_tokenizer, with_unknown_mixer  # noqa: E402
 
-DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k_train.json"
 datasets.disable_progress_bars()
 
 
@@ -39,7 +37,7 @@ def samples(tmp_path_factory):
     """GSM8K records as prompt (masked) + answer, at most 96 tokens each."""
     tok = mistral_tokenizer(tmp_path_factory.mktemp("spm"))
     out = []
-    for r in json.loads(DATA.read_text())[:64]:
+    for r in gsm8k_records(64):
         prompt = tok(r["instruction"])["input_ids"][:60]
         answer = [*tok(r["output"], add_special_tokens=False)["input_ids"][: 96 - len(prompt) - 1], tok.eos_token_id]
         out.append({"input_ids": prompt + answer, "labels": [-100] * len(prompt) + answer})

@@ -10,9 +10,7 @@ from __future__ import annotations
 
 import copy
 import itertools
-import json
 import logging
-from pathlib import Path
 
 import pytest
 
@@ -29,9 +27,9 @@ from padfree.integrations.status import packing_status  # noqa: E402
 from padfree.integrations.step_loss import token_losses  # noqa: E402
 from padfree.integrations.telemetry import PackingTelemetryCallback  # noqa: E402
 from padfree.integrations.trainer_data import PackedRowsCollator  # noqa: E402
+from realdata import gsm8k_records  # noqa: E402
 from zoo import mistral_tokenizer, with_unknown_mixer  # noqa: E402
 
-DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k_train.json"
 datasets.disable_progress_bars()
 
 
@@ -51,7 +49,7 @@ def tok(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def records():
-    return json.loads(DATA.read_text())[:300]
+    return gsm8k_records(300)
 
 
 def prompt_completion(records, n):

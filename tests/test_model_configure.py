@@ -4,8 +4,6 @@ ordinary (unpacked) batches and unconfigured models are left exactly as transfor
 from __future__ import annotations
 
 import inspect
-import json
-from pathlib import Path
 
 import pytest
 import torch
@@ -22,9 +20,9 @@ from padfree import (
     unconfigure_packing,
     verify,
 )
+from realdata import gsm8k_records
 from zoo import CAPACITY, LENGTHS, VOCAB, sequences, tiny_model
 
-DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 ATOL = 1e-5
 
 
@@ -183,7 +181,7 @@ def test_real_text_through_the_collator_is_exact():
     """Real GSM8K questions, the offline Mistral tokenizer, padfree's collator, a configured qwen3."""
     from padfree.corpus import load_tokenizer
 
-    records = json.loads((DATA / "gsm8k_train.json").read_text())[:12]
+    records = gsm8k_records(12)
     tok = load_tokenizer()
     ids = [[i % VOCAB for i in tok(r["instruction"])["input_ids"]][:40] for r in records]
     collate = padfree.packed_collate_fn(capacity=96)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import itertools
-import json
 from pathlib import Path
 
 import numpy as np
@@ -15,8 +14,7 @@ from hypothesis import strategies as st
 from padfree import InvalidArgumentError, InvalidTokensError, layout, pack_sequences
 from padfree.rows import packed_rows
 from padfree.samples import read_tokens
-
-DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
+from realdata import gsm8k_records
 
 sequences = st.lists(st.lists(st.integers(0, 50_000), min_size=1, max_size=40), min_size=0, max_size=40)
 
@@ -157,7 +155,7 @@ def test_any_integer_dtype_and_strided_buffers_give_the_same_rows(dtype):
 
 def test_real_text_round_trip():
     pytest.importorskip("transformers")
-    records = json.loads((DATA / "gsm8k_train.json").read_text())[:300]
+    records = gsm8k_records(300)
     texts = [f"{r['instruction']}\n{r['input']}\n{r['output']}" for r in records]
     import mistral_common
 
