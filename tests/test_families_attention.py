@@ -106,11 +106,11 @@ def test_padfree_attention_without_the_stablelm_family_reads_the_owner_layout_or
     """StableLM's decoder layer drops its keyword arguments, so padfree's layout never reaches its attention that
     way: on padfree's SDPA backend alone the attention reads the layout from its model's state (exact), and an
     attention module cut off from that state refuses rather than attending causally over the whole row."""
-    from padfree.model import configure
+    from padfree.model import configure, install
     from padfree.model.attention import OWNER_ATTR
 
     families = configure.families()
-    monkeypatch.setattr(configure, "families",
+    monkeypatch.setattr(install, "families",
                         lambda: {k: v for k, v in families.items() if k != "StableLmAttention"})
     model = tiny("stablelm")
     ids, pos = torch.randint(3, VOCAB, (1, 6)), torch.tensor([[0, 1, 2, 0, 1, 2]])

@@ -18,7 +18,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from padfree.errors import PackingDisabledError, UnsupportedModelError  # noqa: E402
-from padfree.model import configure  # noqa: E402
+from padfree.model import configure, install  # noqa: E402
 from padfree.model.families import kda, lightning, linear  # noqa: E402
 from padfree.model.packed import PackedLayout  # noqa: E402
 from padfree.model.proof import prove  # noqa: E402
@@ -63,7 +63,7 @@ def _proof(model_type: str):
 
 def _kimi_attention_is_taken_for_a_mixer() -> bool:
     model = build_tiny("kimi_linear")
-    _, _, mixers = configure._scan(model)
+    _, _, mixers = install._scan(model)
     return any(type(m).__name__ == "KimiLinearAttention" for _, m in mixers)
 
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from padfree import PackingDisabledError, UnsupportedModelError
-from padfree.model import configure
+from padfree.model import configure, install
 from padfree.model.configure import install_packing, unconfigure_packing
 from padfree.model.proof import FP32_TOL, prove, stock_packed_diff
 from padfree.model.sweep import build_tiny
@@ -28,7 +28,7 @@ def test_the_same_comparison_sees_stock_transformers_leak():
 
 def test_without_the_family_the_projection_is_refused_by_name(monkeypatch):
     families = configure.families()
-    monkeypatch.setattr(configure, "families", lambda: {k: v for k, v in families.items() if k != "ZayaCCAProjection"})
+    monkeypatch.setattr(install, "families", lambda: {k: v for k, v in families.items() if k != "ZayaCCAProjection"})
     with pytest.raises(UnsupportedModelError, match="ZayaCCAProjection carries state"):
         install_packing(build_tiny("zaya"))
 

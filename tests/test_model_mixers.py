@@ -24,7 +24,7 @@ transformers = pytest.importorskip("transformers")
 
 from padfree import configure_packing  # noqa: E402
 from padfree.errors import PackingDisabledError, UnsupportedModelError  # noqa: E402
-from padfree.model import configure, kernels, mixers, scans  # noqa: E402
+from padfree.model import configure, install, kernels, mixers, scans  # noqa: E402
 from padfree.model.packed import PackedLayout  # noqa: E402
 from zoo import (  # noqa: E402
     MIXER_ROWS,
@@ -227,7 +227,7 @@ def test_scan_classifies_linear_attention_as_a_mixer_and_skips_norms_and_contain
                  "LlamaAttention", "ToyTextNGramEmbedding", "ToyTextIndexer", "Mamba2RMSNorm",
                  "FalconMambaWeightlessRMSNorm", "Qwen3NextRotaryEmbedding"):
         root.add_module(name, _named(name, config=True))
-    attention, handled, found = configure._scan(root)
+    attention, handled, found = install._scan(root)
     assert [n for n, _ in attention] == ["LlamaAttention"]
     assert [n for n, _ in handled] == ["layers.0.mixer"]  # MambaMixer: the mixers family claims it
     assert [n for n, _ in found] == [

@@ -2,6 +2,7 @@
 
 - :mod:`padfree.model.packed` — the boundaries of one packed forward (:class:`PackedLayout`);
 - :mod:`padfree.model.attention` — boundary-exact attention backends registered with transformers;
-- :mod:`padfree.model.configure` — ``configure_packing``: support registry, backend choice, fail-closed guards;
+- :mod:`padfree.model.install` — the machinery: scan, padfree attention backend, families, fail-closed hooks;
+- :mod:`padfree.model.configure` — ``configure_packing``: install, then accept from the support table or certify;
 - :mod:`padfree.model.verify` — ``verify``: packed vs per-sequence logits, loss and gradients.
 """

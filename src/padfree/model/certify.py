@@ -154,7 +154,7 @@ def _twin(model: Any, device: torch.device) -> Any:
 
 def _guards_hold(twin: Any, backend: str) -> str | None:
     """None when a packed batch with a cache, ``use_cache=True`` or a 0/1 mask is refused; else what got through."""
-    from padfree.model.configure import install_packing, unconfigure_packing
+    from padfree.model.install import install_packing, unconfigure_packing
 
     install_packing(twin, backend=backend if backend != "none" else "auto")
     device = next(twin.parameters()).device

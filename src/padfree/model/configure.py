@@ -36,33 +36,22 @@ True
 
 from __future__ import annotations
 
-import dataclasses
-import functools
-import importlib
-import importlib.util
-import inspect
 import logging
-import re
-import types
 import warnings
 from collections.abc import Mapping
 from typing import Any
 
-import torch
-
-from padfree.errors import (
-    BackendUnavailableError,
-    InvalidArgumentError,
-    InvalidLayoutError,
-    PackingDisabledError,
-    UnsupportedModelError,
-    describe,
+from padfree.errors import UnsupportedModelError
+from padfree.model import certify, registry, versions
+from padfree.model.install import (
+    BACKEND_CHOICES,
+    FAMILY_MODULES,
+    PackingReport,
+    families,
+    install_packing,
+    unconfigure_packing,
 )
-from padfree.layout import position_ids_to_segment_ids
-from padfree.model import guards
-from padfree.model.attention import BACKENDS, LAYOUT_KWARG, OWNER_ATTR, PACKED_FORWARD, register_backends
-from padfree.model.packed import PackedLayout
-from padfree.model.state import PackingState, current_layout, packing_state
+from padfree.model.state import packing_state
 
 __all__ = [
     "BACKEND_CHOICES",
@@ -70,7 +59,7 @@ __all__ = [
     "PackingReport",
     "check_packing_support",
     "configure_packing",
-    "current_layout",
+    "families",
     "install_packing",
     "packing_state",
     "unconfigure_packing",
@@ -78,66 +67,8 @@ __all__ = [
 
 log = logging.getLogger("padfree")
 
-_State = PackingState  # the name the rest of the package grew up with
-
-# Modules that make a kind of sequence mixer boundary-exact beyond the attention interface. Each defines
-# ``CLASSES`` (module class name -> what it makes exact), ``install(module, state) -> description`` and
-# ``uninstall(model)``; configure_packing imports them (they never import it) and routes every instance of a
-# listed class to its installer. A module of this list that is not present is skipped.
-FAMILY_MODULES = (
-    "padfree.model.mixers",  # GatedDeltaNet, Mamba-1 / Mamba-2 scans, short convolutions
-    "padfree.model.families.alibi",  # ALiBi attention biases
-    "padfree.model.families.attention_variants",  # attention that computes more than the interface sees
-    "padfree.model.families.positions",  # learned absolute positions, encoder-decoder decoders
-    "padfree.model.families.encoders",  # bidirectional-encoder families used as causal decoders
-    "padfree.model.families.indexers",  # top-k key indexers of sparse attention (DSA)
-    "padfree.model.families.lightning",  # lightning attention (MiniMax)
-    "padfree.model.families.linear",  # GatedDeltaNet variants on the mixers' primitives
-    "padfree.model.families.kda",  # Kimi delta attention
-    "padfree.model.families.rglru",  # RG-LRU (RecurrentGemma)
-    "padfree.model.families.rwkv",  # RWKV time and channel mixing
-    "padfree.model.families.xlstm",  # xLSTM
-    "padfree.model.families.convs",  # short convolutions of newer hybrids, Zamba's Mamba-1
-    "padfree.model.families.zaya",  # ZAYA's convolutional attention projection
-)
-
-# Class-name fragments of sequence mixers other than attention: recurrent state, a short causal convolution or a
-# token shift that runs across packed boundaries unless it is told where sequences start. Linear-attention classes
-# named *Attention (DeltaAttention, LightningAttention, RWKV's SelfAttention) are mixers, not softmax attention;
-# top-k key indexers of sparse attention score every key of the row, so they refuse too until a family claims them.
-_MIXER_PATTERN = re.compile(
-    r"Mamba|GatedDeltaNet|DeltaNet|DeltaAttention|LightningAttention|ShortConv|SSM|LinearAttention|(?i:rwkv)|"
-    r"Retention|Hyena|LSTM|Lstm|Recurrent|RgLru|Mixer$|Conv1d|NGram|CCAProjection|TokenShift|TimeMix|Indexer$"
-)
-# Classes the scan never takes for a mixer although their names match: per-token norms (MambaRMSNormGated) and
-# rotary tables. Models (PreTrainedModel) and decoder layers (GradientCheckpointingLayer) are containers: the scan
-# looks inside them instead (MambaForCausalLM, JambaMambaDecoderLayer) unless a family claims the class itself.
-_NOT_A_MIXER = re.compile(r"Norm(Gated)?$|RotaryEmbedding$")
-
-BACKEND_CHOICES = ("auto", "sdpa", "eager", "flex_attention", "varlen", "flash_attention_2", *BACKENDS)
-_ALIASES = {"sdpa": "padfree_sdpa", "eager": "padfree_eager", "flex_attention": "padfree_flex",
-            "varlen": "padfree_varlen"}
-
-
-@functools.cache
-def families() -> Mapping[str, types.ModuleType]:
-    """Module class name -> the family module that makes it boundary-exact (see :data:`FAMILY_MODULES`)."""
-    found: dict[str, types.ModuleType] = {}
-    for name in FAMILY_MODULES:
-        try:
-            module = importlib.import_module(name)
-        except ModuleNotFoundError as exc:
-            if exc.name is not None and name.startswith(exc.name):
-                continue
-            raise
-        for cls in module.CLASSES:
-            found[cls] = module
-    return types.MappingProxyType(found)
-
 
 def _supported_types() -> Mapping[str, str]:
-    from padfree.model import registry
-
     return registry.supported_types()
 
 
@@ -145,206 +76,6 @@ def __getattr__(name: str) -> Any:
     if name == "SUPPORTED_MODEL_TYPES":  # read from the support table on first use
         return _supported_types()
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-@dataclasses.dataclass
-class PackingReport:
-    """What :func:`configure_packing` found and did.
-
-    Attributes:
-        model_type: ``config.model_type``.
-        backend: the ``_attn_implementation`` now in use (``padfree_sdpa``, ..., or ``flash_attention_2``).
-        reason: why that backend (``auto``'s choice, or the request).
-        kernels: optional kernels importable here and whether they can run (name -> bool).
-        attention_modules: qualified names of the attention modules, now boundary-exact.
-        mixers: qualified name -> implementation, for every other boundary-aware module: for a scan and a
-            conv, the kernel selected or the exact torch reference, and why (a kernel that is not installed, cannot
-            run here, failed to import, or failed at its first call — the entry is rewritten then).
-        unsupported: qualified name -> what is missing, for every module padfree could not make exact.
-        supported: the model is proven packing-exact (see ``proof``) and nothing is unsupported.
-        cache_disabled: ``config.use_cache`` was switched off (packed training never uses a cache).
-        proof: what proved the model exact (the support table of a sweep, or an on-the-spot certification, and
-            where it is cached), or why nothing could.
-    """
-
-    model_type: str
-    backend: str
-    reason: str
-    kernels: dict[str, bool]
-    attention_modules: list[str]
-    mixers: dict[str, str]
-    unsupported: dict[str, str]
-    supported: bool
-    cache_disabled: bool
-    proof: str = ""
-
-    @property
-    def mixer_kinds(self) -> dict[str, list[str]]:
-        """Implementation -> the mixers running it (one entry per kind of mixer, however many layers)."""
-        kinds: dict[str, list[str]] = {}
-        for qual, impl in self.mixers.items():
-            kinds.setdefault(impl, []).append(qual)
-        return kinds
-
-    def __str__(self) -> str:
-        lines = [
-            f"model type      {self.model_type} ({'supported' if self.supported else 'NOT supported'})",
-            f"attention       {self.backend}: {self.reason}",
-            f"attention layers {len(self.attention_modules)} boundary-exact",
-            "kernels         " + ", ".join(f"{k} {'yes' if v else 'no'}" for k, v in self.kernels.items()),
-            f"cache           {'switched off for training' if self.cache_disabled else 'already off'}",
-        ]
-        for impl, quals in self.mixer_kinds.items():  # one line per kind of mixer, not per layer
-            where = quals[0] if len(quals) == 1 else f"{len(quals)} layers ({quals[0]}, ...)"
-            lines.append(f"mixers          {where}: {impl}")
-        if self.proof:
-            lines.append(f"proof           {self.proof}")
-        lines += [f"UNSUPPORTED     {name}: {why}" for name, why in self.unsupported.items()]
-        return "\n".join(lines)
-
-
-def _kernels() -> dict[str, bool]:
-    cuda = torch.cuda.is_available()
-    have = {name: importlib.util.find_spec(name) is not None
-            for name in ("flash_attn", "fla", "mamba_ssm", "causal_conv1d")}
-    varlen = importlib.util.find_spec("torch.nn.attention.varlen") is not None
-    return {
-        "flash_attn": have["flash_attn"] and cuda,
-        "torch varlen_attn": varlen and cuda,
-        "flex_attention": importlib.util.find_spec("torch.nn.attention.flex_attention") is not None,
-        "flash-linear-attention": have["fla"] and cuda,
-        "mamba_ssm": have["mamba_ssm"] and cuda,
-        "causal_conv1d": have["causal_conv1d"] and cuda,
-    }
-
-
-def _check_model(model: Any) -> tuple[Any, str]:
-    from transformers import PreTrainedModel
-
-    if not isinstance(model, PreTrainedModel):
-        raise UnsupportedModelError(
-            f"model must be a transformers PreTrainedModel (a causal LM such as LlamaForCausalLM), got "
-            f"{describe(model, 40)}"
-        )
-    from padfree.model import kinds
-
-    why = kinds.not_a_causal_lm(model)
-    if why is not None:
-        raise UnsupportedModelError(why)
-    return model.config, str(model.config.model_type)
-
-
-def _scan(model: torch.nn.Module) -> tuple[list[tuple[str, torch.nn.Module]], list[tuple[str, torch.nn.Module]],
-                                           list[tuple[str, torch.nn.Module]]]:
-    """``(attention modules, modules a family handles, other sequence mixers)`` by qualified name; the submodules
-    of a handled module or of a mixer are not listed."""
-    from transformers import PreTrainedModel
-    from transformers.modeling_layers import GradientCheckpointingLayer
-
-    handlers = families()
-    # the model's own name prefixes its module classes: "RecurrentGemmaAttention" is RecurrentGemma's attention,
-    # not a recurrent mixer, so the mixer pattern reads the class name without that prefix
-    prefix = re.match(r"(.*?)(For[A-Z]|LMHead|Model$|$)", type(model).__name__).group(1)
-    attention, handled, mixers = [], [], []
-    for name, module in model.named_modules():
-        cls = type(module).__name__
-        own = cls[len(prefix):] if prefix and cls.startswith(prefix) and len(cls) > len(prefix) else cls
-        if any(name.startswith(m + ".") for m, _ in (*handled, *mixers)):
-            continue
-        if _MODALITY.search(name):
-            continue  # a vision / audio tower: text-only packed batches never reach it (refused otherwise)
-        if cls in handlers:
-            handled.append((name, module))
-            continue
-        if isinstance(module, (PreTrainedModel, GradientCheckpointingLayer)) or _NOT_A_MIXER.search(cls):
-            continue
-        softmax = (cls.endswith("Attention") and hasattr(module, "config")) or _dispatches_attention(type(module))
-        if softmax and not _MIXER_PATTERN.search(own):
-            attention.append((name, module))
-        elif _MIXER_PATTERN.search(own) or isinstance(module, torch.nn.Conv1d):
-            mixers.append((name, module))
-    return attention, handled, mixers
-
-
-@functools.cache
-def _dispatches_attention(cls: type) -> bool:
-    """Whether ``cls.forward`` calls transformers' attention interface (an attention module whatever its name:
-    LongcatFlashMLA, ...)."""
-    try:
-        source = inspect.getsource(cls.forward)
-    except (OSError, TypeError):
-        return False
-    return "ALL_ATTENTION_FUNCTIONS" in source or "eager_attention_forward" in source
-
-
-def _route(decoder: torch.nn.Module, has_attention: bool) -> tuple[bool, bool]:
-    """``(hand the boundaries on, pass position_ids)`` for a hook on ``decoder``.
-
-    The boundaries (the layout for attention, and ``position_ids`` where the forward has that parameter) travel
-    down through the decoder's keyword arguments, as transformers passes attention kwargs to every layer; a decoder
-    whose forward takes neither ``position_ids`` nor ``**kwargs``, or a model without attention (mamba, mamba2,
-    falcon_mamba: its mixers read the layout from the state), is hooked at the top instead, where the caller's
-    boundary arguments are consumed."""
-    params = inspect.signature(type(decoder).forward).parameters
-    positions = "position_ids" in params
-    var_kwargs = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
-    return has_attention and (positions or var_kwargs), positions
-
-
-def _features(model: torch.nn.Module, attention: list[tuple[str, torch.nn.Module]], config: Any) -> dict[str, bool]:
-    softcap = getattr(config, "attn_logit_softcapping", None) is not None
-    sinks = any(getattr(m, "sinks", None) is not None for _, m in attention)
-    dropout = float(getattr(config, "attention_dropout", 0.0) or 0.0) > 0
-    # transformers' SDPA path refuses softcapping and has no sinks; such models run unpacked batches under eager
-    no_sdpa = softcap or sinks or not getattr(model, "_supports_sdpa", True)
-    return {"softcap": softcap, "sinks": sinks, "dropout": dropout, "no_sdpa": no_sdpa}
-
-
-def _choose_backend(requested: str, device: torch.device, feats: dict[str, bool], kernels: dict[str, bool]
-                    ) -> tuple[str, str]:
-    """``(backend name, reason)`` for ``requested`` on a model living on ``device``."""
-    needs = [k for k in ("softcap", "sinks", "dropout") if feats[k]]
-    if requested in ("auto", "sdpa", "padfree_sdpa") and feats["no_sdpa"]:
-        if device.type == "cuda" and requested == "auto" and kernels["flash_attn"] and not feats["sinks"]:
-            return "flash_attention_2", "auto: CUDA with flash-attn installed (varlen kernel, exact with cu_seqlens)"
-        what = ", ".join(k for k in ("softcap", "sinks") if feats[k]) or "its modeling code"
-        return "padfree_eager", (
-            f"{requested}: this model's attention ({what}) has no SDPA path in transformers, so per-segment eager "
-            f"math runs packed batches and transformers' eager runs unpacked ones")
-    if requested == "auto":
-        if device.type == "cuda" and kernels["flash_attn"] and not feats["sinks"]:
-            return "flash_attention_2", "auto: CUDA with flash-attn installed (varlen kernel, exact with cu_seqlens)"
-        if device.type == "cuda" and kernels["torch varlen_attn"] and not needs:
-            return "padfree_varlen", "auto: CUDA with torch varlen_attn (flash varlen kernel over cu_seqlens)"
-        why = f" ({', '.join(needs)} need the math path of some layers)" if needs else ""
-        return "padfree_sdpa", f"auto: per-segment SDPA on {device.type}{why}"
-    if requested == "flash_attention_2":
-        if not kernels["flash_attn"] or device.type != "cuda":
-            raise BackendUnavailableError(
-                "backend='flash_attention_2' needs the flash-attn package and a model on a CUDA device; "
-                f"flash-attn importable: {importlib.util.find_spec('flash_attn') is not None}, model on {device}; "
-                f"use backend='auto' or 'sdpa'"
-            )
-        if feats["sinks"]:
-            raise UnsupportedModelError("flash_attention_2 has no attention sinks; use backend='sdpa'")
-        return requested, "requested: flash-attn varlen with cu_seqlens from the layout"
-    name = _ALIASES.get(requested, requested)
-    backend = BACKENDS[name]
-    if backend.device is not None and device.type != backend.device:
-        raise BackendUnavailableError(
-            f"backend={requested!r} runs on {backend.device} only, but the model is on {device}; use 'sdpa' or 'auto'"
-        )
-    if name == "padfree_varlen" and not kernels["torch varlen_attn"]:
-        raise BackendUnavailableError("backend='varlen' needs torch.nn.attention.varlen (torch >= 2.10) and CUDA")
-    missing = [k for k in ("softcap", "sinks", "dropout") if feats[k] and not getattr(backend, k)]
-    if name == "padfree_flex" and feats["sinks"] and device.type == "cpu":
-        missing.append("sinks on the CPU")
-    if missing:
-        raise UnsupportedModelError(
-            f"backend={requested!r} cannot apply {', '.join(missing)}, which this model's attention uses; "
-            f"use backend='sdpa' or 'eager'"
-        )
-    return name, f"requested: {backend.doc}"
 
 
 def configure_packing(model: Any, *, backend: str = "auto", strict: bool = True) -> PackingReport:
@@ -372,9 +103,7 @@ def configure_packing(model: Any, *, backend: str = "auto", strict: bool = True)
     if report.unsupported:  # strict=False: some modules stay as they are; nothing to prove
         report.proof = "none: some modules could not be made exact"
         return report
-    from padfree.model import registry
-
-    verdict = registry.decide(model, report)
+    verdict = decide(model, report)
     report.proof = verdict.how
     if not verdict.ok:
         report.supported = False
@@ -393,8 +122,6 @@ def check_packing_support(model: Any, *, backend: str = "auto") -> Any:
     """Whether :func:`configure_packing` would accept ``model`` on ``backend``, without configuring it: a
     :class:`~padfree.model.registry.Verdict` (``ok``, ``how``, ``reason``, ``module``) from the scan, the support
     table, or an on-the-spot certification (cached). Trainers ask this before choosing a padding-free mode."""
-    from padfree.model import registry
-
     state = packing_state(model)
     if state is not None:  # already configured: its report says
         report = state.report
@@ -404,272 +131,24 @@ def check_packing_support(model: Any, *, backend: str = "auto") -> Any:
     except UnsupportedModelError as exc:
         return registry.Verdict(False, "configure_packing's scan", str(exc))
     try:
-        return registry.decide(model, report)
+        return decide(model, report)
     finally:
         unconfigure_packing(model)
 
 
-def install_packing(model: Any, *, backend: str = "auto", strict: bool = True) -> PackingReport:
-    """:func:`configure_packing`'s machinery without its support decision: backend, boundary-aware modules, cache
-    off, forward hooks. Refuses (``strict``) only what it cannot install: a sequence mixer no family handles.
-    This is what the support sweep and certification measure; users call :func:`configure_packing`."""
-    config, model_type = _check_model(model)
-    if not isinstance(backend, str) or backend not in BACKEND_CHOICES:
-        raise InvalidArgumentError(f"backend must be one of {', '.join(BACKEND_CHOICES)}; got {describe(backend)}")
-    if not isinstance(strict, bool):
-        raise InvalidArgumentError(f"strict must be True or False, got {describe(strict)}")
-    unconfigure_packing(model)
 
-    attention, handled, mixers = _scan(model)
-    kernels = _kernels()
-    device = next(model.parameters()).device
-    if attention:
-        name, reason = _choose_backend(backend, device, _features(model, attention, config), kernels)
-    else:  # no softmax attention through padfree's backends: the families' modules do all the token mixing
-        name, reason = "none", ("no attention layer runs through padfree's backends (the boundary-aware modules "
-                                "make every sequence mixer exact)")
-    state = PackingState(name, report=None)
-
-    unsupported: dict[str, str] = {}
-    if not attention and not handled and not mixers:
-        unsupported[type(model).__name__] = ("no sequence-mixing module found (expected classes named *Attention, "
-                                             "or a known state-space / linear-attention mixer)")
-    for qual, module in mixers:
-        unsupported[qual] = (
-            f"{type(module).__name__} carries state, a causal convolution or a token shift across tokens and "
-            f"padfree has no boundary-resetting implementation for it (needs a reset at every sequence start)"
-        )
-    impls: dict[str, str] = {}
-    if not unsupported or not strict:
-        handlers = families()
-        for qual, module in handled:
-            try:
-                impls[qual] = handlers[type(module).__name__].install(module, state)
-            except UnsupportedModelError as exc:  # e.g. a forward that is not the shape padfree proved
-                unsupported[qual] = str(exc)
-
-    report = PackingReport(
-        model_type=model_type, backend=name, reason=reason, kernels=kernels,
-        attention_modules=[qual for qual, _ in attention], mixers=impls, unsupported=unsupported,
-        supported=not unsupported, cache_disabled=bool(getattr(config, "use_cache", False)),
-    )
-    if unsupported:
-        what = "; ".join(f"{k}: {v}" for k, v in unsupported.items())
-        if strict:
-            _uninstall_families(model)
-            raise UnsupportedModelError(f"cannot make {type(model).__name__} packing-exact: {what}")
-        warnings.warn(f"padfree: {type(model).__name__} is only partly packing-exact: {what}", stacklevel=2)
-
-    register_backends()
-    for _, module in attention:  # the layout of the forward in flight, for layers that drop their kwargs
-        setattr(module, OWNER_ATTR, state)
-    state.report = report
-    state.previous = (config._attn_implementation if attention else None, getattr(config, "use_cache", None))
-    if attention:
-        model.set_attn_implementation(name)
-    config.use_cache = False
-    # The hook goes on the decoder, which receives position_ids from every registered *ForCausalLM and hands its
-    # keyword arguments down to the attention layers (see _route for the models hooked at the top instead).
-    decoder = model.get_decoder() if hasattr(model, "get_decoder") else model
-    forward, positions = _route(decoder, bool(attention))
-    target = decoder if forward else model
-    # Under torch.compile the hooks (like the packed attention and the mixers' segment primitives) run outside the
-    # graphs: they read the boundaries on the host, and traced, each new set of lengths would fail a guard and
-    # recompile — after eight, dynamo gives up on the model. Outside, the graphs see only (dynamic) tensor shapes.
-    before = torch.compiler.disable(lambda m, a, k: _before(state, config, m, a, k, forward=forward,
-                                                            positions=positions))
-    after = torch.compiler.disable(lambda m, a, k, o: _after(state))
-    state.handles = [
-        target.register_forward_pre_hook(before, with_kwargs=True),
-        target.register_forward_hook(after, with_kwargs=True, always_call=True),
-    ]
-    if target is not model and _multimodal(model):
-        # A multimodal model builds its masks (and merges image / audio features) above the language model: the
-        # packed forward must be marked before that, and a packed batch with non-text inputs refused there.
-        outer = torch.compiler.disable(lambda m, a, k: _before_multimodal(state, m, a, k))
-        state.handles += [
-            model.register_forward_pre_hook(outer, with_kwargs=True),
-            model.register_forward_hook(after, with_kwargs=True, always_call=True),
-        ]
-    model._padfree_state = state
-    return report
-
-
-def _uninstall_families(model: torch.nn.Module) -> None:
-    for module in {id(m): m for m in families().values()}.values():
-        module.uninstall(model)
-
-
-def unconfigure_packing(model: torch.nn.Module) -> bool:
-    """Undo :func:`configure_packing` (hooks, attention implementation, ``use_cache``); False if not configured."""
-    state = packing_state(model)
-    if state is None:
-        return False
-    for handle in state.handles:
-        handle.remove()
-    for module in model.modules():
-        module.__dict__.pop(OWNER_ATTR, None)
-    _uninstall_families(model)
-    attn, use_cache = state.previous
-    if attn is not None:
-        model.set_attn_implementation(attn)
-    if use_cache is not None:
-        model.config.use_cache = use_cache
-    del model._padfree_state
-    return True
-
-
-# ---- the forward hook ------------------------------------------------------------------------------------------------
-
-
-def _restarts(pos: torch.Tensor, real: torch.Tensor | None) -> bool:
-    """Whether consecutive real tokens of some row have positions that are not ``p, p + 1`` (a packed row)."""
-    jump = pos[:, 1:] != pos[:, :-1] + 1
-    if real is not None:
-        jump &= real[:, 1:] & real[:, :-1]
-    return bool(jump.any())
-
-
-def _fix(what: str) -> str:
-    return (f"{what} would let the packed sequences of a row attend to each other; pass the boundaries alone "
-            f"(position_ids restarting at 0, a segment-id attention_mask or cu_seq_lens_q) — "
-            f"PackedBatch.model_inputs() builds exactly that")
-
-
-def _layout(named: dict[str, Any]) -> PackedLayout | None:
-    ids = named.get("input_ids")
-    ref = ids if isinstance(ids, torch.Tensor) else named.get("inputs_embeds")
-    if not isinstance(ref, torch.Tensor) or ref.dim() < 2:
-        return None
-    batch, seq_len = ref.shape[:2]
-    mask, pos, cu = named.get("attention_mask"), named.get("position_ids"), named.get("cu_seq_lens_q")
-    if isinstance(mask, dict) and all(v is None for v in mask.values()):
-        mask = None  # a multimodal model's per-layer-type mapping, built empty for a packed forward
-    if pos is not None:
-        if pos.dim() == 1:
-            pos = pos.unsqueeze(0)
-        if pos.dim() != 2:  # e.g. Qwen-VL's 3-D rope positions: not a text packing this hook understands
-            return None
-        if pos.shape[0] == 1 and batch > 1:
-            pos = pos.expand(batch, -1)
-    segments = isinstance(mask, torch.Tensor) and mask.dim() == 2 and mask.numel() > 0 and bool(mask.max() > 1)
-    if segments:
-        lay = PackedLayout.from_segment_ids(mask)
-    elif cu is not None:
-        lay = PackedLayout.from_cu_seqlens(cu, batch, seq_len)
-    elif pos is not None and _restarts(pos, mask[:, -pos.shape[1]:].bool()  # decoding: the mask covers the cache
-                                          if isinstance(mask, torch.Tensor) and mask.dim() == 2 else None):
-        if mask is not None:
-            what = (guards.find_dense_mask({"attention_mask": mask}, (batch, seq_len))
-                    or (f"a {mask.dim()}-D {'0/1 ' if mask.dim() == 2 else ''}attention_mask"
-                        if isinstance(mask, torch.Tensor) else f"an attention_mask ({type(mask).__name__})"))
-            raise PackingDisabledError(_fix(f"{what} next to position_ids that restart inside a row"))
-        lay = PackedLayout.from_position_ids(pos)
-    else:
-        return None
-    if pos is not None and lay.source != "position_ids":
-        agree = position_ids_to_segment_ids(pos, attention_mask=mask if segments else None)
-        if not torch.equal(agree, lay.segment_ids.to(agree.dtype)):
-            raise InvalidLayoutError(f"position_ids and {lay.source} disagree on where the sequences start")
-    return lay
-
-
-_BOUNDARY_KWARGS = ("position_ids", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
-
-
-def _before(state: _State, config: Any, module: torch.nn.Module, args: tuple, kwargs: dict[str, Any], *,
-            forward: bool = True, positions: bool = True) -> tuple[tuple, dict[str, Any]]:
-    """The pre-hook: the layout of this call, guards, and the arguments the hooked module runs with. ``forward``:
-    hand the boundaries on (the layout for attention, and ``position_ids`` when ``positions``); False for a module
-    that takes none, whose mixers read the layout from the state — its boundary arguments are dropped rather than
-    left to ``**kwargs``. Either way the layout of the call is on the state for the modules that read it there.
-
-    Arguments are read by name after binding the call to the module's forward signature, so positional arguments count
-    too, and caches and dense masks are recognised by type and shape (:mod:`padfree.model.guards`) rather than by
-    the keyword a transformers release happens to use."""
-    forward_fn = type(module).forward
-    named = guards.bind(forward_fn, (module, *args), kwargs)
-    if named is not None:
-        named.pop(next(iter(guards.parameters(forward_fn))), None)  # self
-    lay = None if named is None else _layout(named)
-    if lay is None or (not lay.is_packed and lay.source != "attention_mask"):
-        state.layout = None
-        state.tokens.append(PACKED_FORWARD.set(False))
-        return args, kwargs
-    cache = guards.find_cache(named, forward_fn)
-    if cache is not None:
-        raise PackingDisabledError(_fix(f"{cache} (a cache)"))
-    dense = guards.find_dense_mask(named, lay.shape)
-    if dense is not None:
-        raise PackingDisabledError(_fix(dense))
-    if named.get("encoder_hidden_states") is not None:
-        raise PackingDisabledError(
-            "encoder_hidden_states with a packed batch: cross-attention would give every token of a row that row's "
-            "one encoder output, not one per packed sequence; pass these batches unpacked")
-    use_cache = named.get("use_cache")
-    if use_cache or (use_cache is None and getattr(config, "use_cache", False)):
-        raise PackingDisabledError(_fix("use_cache=True (transformers then builds plain causal masks over the row)")
-                                   + "; pass use_cache=False")
-    # everything by name from here on: a positional argument and a keyword for the same parameter would clash
-    kwargs = {name: value for name, value in named.items() if "[" not in name}
-    args = tuple(named[name] for name in named if "[" in name)
-    kwargs.update(attention_mask=None, use_cache=False)
-    if forward:
-        if positions:
-            kwargs["position_ids"] = lay.position_ids
-        else:
-            kwargs.pop("position_ids", None)
-        kwargs[LAYOUT_KWARG] = lay
-        if state.backend == "flash_attention_2":
-            kwargs.update(cu_seq_lens_q=lay.cu_seqlens, cu_seq_lens_k=lay.cu_seqlens,
-                          max_length_q=lay.max_seqlen, max_length_k=lay.max_seqlen)
-    else:
-        for key in _BOUNDARY_KWARGS:
-            kwargs.pop(key, None)
-    state.layout = lay
-    state.tokens.append(PACKED_FORWARD.set(True))
-    return args, kwargs
-
-
-# module names on the paths that only non-text inputs take (vision and audio towers, their projectors): a text-only
-# packed batch never reaches them, and a packed batch with such inputs is refused (see _before_multimodal)
-_MODALITY = re.compile(r"(^|\.)(vision|visual|audio|image|speech|video|multi_modal|mm_|embed_vision|embed_audio)")
-# arguments that carry non-text inputs
-_MODALITY_INPUT = re.compile(r"pixel|image|video|audio|input_features|speech|vision")
-
-
-def _multimodal(model: torch.nn.Module) -> bool:
-    config = model.config
-    return any(getattr(config, key, None) is not None for key in ("vision_config", "audio_config")) or \
-        type(model).__name__.endswith("ForConditionalGeneration")
-
-
-def _before_multimodal(state: _State, module: torch.nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
-    """The outer pre-hook of a multimodal model: for a packed batch, refuse non-text inputs and mark the forward
-    packed before the model builds its masks (padfree's mask functions then build none)."""
-    named = guards.bind(type(module).forward, (module, *args), kwargs) or {}
-    named.pop(next(iter(guards.parameters(type(module).forward)), "self"), None)
-    pos = named.get("position_ids")
-    mask = named.get("attention_mask")
-    packed = (isinstance(pos, torch.Tensor) and pos.dim() == 2 and _restarts(pos, None)) or (
-        isinstance(mask, torch.Tensor) and mask.dim() == 2 and mask.numel() > 0 and bool(mask.max() > 1))
-    if packed:
-        extra = [k for k, v in named.items() if v is not None and _MODALITY_INPUT.search(k)
-                 and not isinstance(v, bool)]
-        if extra:
-            raise PackingDisabledError(
-                f"a packed batch reached {type(module).__name__} with non-text inputs ({', '.join(extra)}): padfree "
-                f"packs text-only batches through a multimodal model (its image and audio paths are not "
-                f"boundary-aware); pass these batches unpacked")
-        # the model turns its attention_mask into per-layer-type masks, which a packed forward builds empty: the
-        # language model's own hook would never see a 0/1 or dense mask, so it is refused here, by the same rule
-        _layout(named)
-        cache = guards.find_cache(named, type(module).forward)
-        if cache is not None:
-            raise PackingDisabledError(_fix(f"{cache} (a cache)"))
-    state.tokens.append(PACKED_FORWARD.set(packed))
-
-
-def _after(state: _State) -> None:
-    if state.tokens:
-        PACKED_FORWARD.reset(state.tokens.pop())
+def decide(model: Any, report: PackingReport) -> registry.Verdict:
+    """Accept ``model`` (installed with ``report.backend``) from the support table, or certify it on the spot."""
+    versions.warn_if_untested()
+    status, entry = registry.lookup(model, report.backend)
+    table = registry.load()
+    if status == "covered":
+        runs = ", ".join(f"{b} ({'/'.join(p)})" for b, p in entry["backends"].items())
+        return registry.Verdict(True, f"support table: {entry['class']} proven exact by the sweep on transformers "
+                                      f"{table['transformers']}: {runs}")
+    if status == "refused":
+        return registry.Verdict(False, f"support table: refused by the sweep on transformers {table['transformers']}",
+                                entry.get("reason", ""), entry.get("module"))
+    log.info("padfree: %s is not covered by the support table (%s); certifying it on the spot",
+             type(model).__name__, status.removeprefix("uncovered: "))
+    return certify.certify(model, report.backend, why=status.removeprefix("uncovered: "))

@@ -332,10 +332,10 @@ def prove(
         configure: ``f(model, backend=...)`` that installs the packing machinery; default: configure_packing's
             machinery without its support decision (what is being decided here).
     """
-    from padfree.model import configure as _configure_module
+    from padfree.model import install as _install
 
     if configure is None:
-        configure = _configure_module.install_packing
+        configure = _install.install_packing
     per_backend = dict(precisions) if isinstance(precisions, Mapping) else {b: tuple(precisions) for b in backends}
     named = [p for ps in per_backend.values() for p in ps]
     unknown = [p for p in named if p not in PRECISIONS]
@@ -373,9 +373,9 @@ def prove(
                                          lambda m, b=backend: configure(m, backend=b)))
                 except _Unrunnable as exc:
                     unrunnable[f"{name}/{precision}"] = str(exc)
-            _configure_module.unconfigure_packing(model)
+            _install.unconfigure_packing(model)
     finally:
-        _configure_module.unconfigure_packing(model)
+        _install.unconfigure_packing(model)
         model.zero_grad(set_to_none=True)
         model.train(was_training)
     return Proof(checks, refused, unchanged, mixers, unrunnable)
@@ -494,9 +494,9 @@ def first_divergence(model: torch.nn.Module, backend: str = "auto", *, seed: int
     Tensors are compared on the real tokens of every sequence; a module called several times per forward is
     compared call by call. ``model`` (fp32) is left unconfigured.
     """
-    from padfree.model import configure as _configure_module
+    from padfree.model import install as _install
 
-    configure = configure or _configure_module.install_packing
+    configure = configure or _install.install_packing
     device = next(model.parameters()).device
     case = _Case.build(_vocab(model), device, seed)
     was_training = model.training
@@ -512,7 +512,7 @@ def first_divergence(model: torch.nn.Module, backend: str = "auto", *, seed: int
             with _recording(model, tuple(case.ids.shape)) as packed:
                 _logits(model, input_ids=case.ids, position_ids=case.positions)
     finally:
-        _configure_module.unconfigure_packing(model)
+        _install.unconfigure_packing(model)
         model.train(was_training)
 
     def differs(got: torch.Tensor | None, name: str, k: int, field: str) -> bool | None:

@@ -27,7 +27,7 @@ from typing import Any
 
 from padfree.model import versions
 
-__all__ = ["Verdict", "decide", "features", "load", "markdown_table", "module_classes", "supported_types"]
+__all__ = ["Verdict", "features", "load", "markdown_table", "module_classes", "supported_types"]
 
 log = logging.getLogger("padfree")
 
@@ -155,25 +155,6 @@ def lookup(model: Any, backend: str) -> tuple[str, dict[str, Any] | None]:
 
 def _differences(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
     return sorted(k for k in a.keys() | b.keys() if a.get(k) != b.get(k))
-
-
-def decide(model: Any, report: Any) -> Verdict:
-    """Accept ``model`` (configured with ``report.backend``) from the support table, or certify it on the spot."""
-    from padfree.model import certify
-
-    versions.warn_if_untested()
-    status, entry = lookup(model, report.backend)
-    table = load()
-    if status == "covered":
-        runs = ", ".join(f"{b} ({'/'.join(p)})" for b, p in entry["backends"].items())
-        return Verdict(True, f"support table: {entry['class']} proven exact by the sweep on transformers "
-                             f"{table['transformers']}: {runs}")
-    if status == "refused":
-        return Verdict(False, f"support table: refused by the sweep on transformers {table['transformers']}",
-                       entry.get("reason", ""), entry.get("module"))
-    log.info("padfree: %s is not covered by the support table (%s); certifying it on the spot",
-             type(model).__name__, status.removeprefix("uncovered: "))
-    return certify.certify(model, report.backend, why=status.removeprefix("uncovered: "))
 
 
 def _cell(entry: dict[str, Any], backend: str) -> str:

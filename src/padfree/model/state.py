@@ -1,6 +1,6 @@
 """What a configured model carries: its backend, hooks, the layout of the forward in flight, what to restore.
 
-Shared by :mod:`padfree.model.configure` (which creates it) and the boundary-aware modules it installs (which read
+Shared by :mod:`padfree.model.install` (which creates it) and the boundary-aware modules it installs (which read
 the layout of the call in flight from it), so that neither imports the other.
 """
 
@@ -23,7 +23,7 @@ class PackingState:
 
     Attributes:
         backend: the attention implementation in use (``padfree_sdpa``, ..., ``none``).
-        report: the :class:`~padfree.model.configure.PackingReport` of the configuration.
+        report: the :class:`~padfree.model.install.PackingReport` of the configuration.
         handles: the forward hooks installed on the model.
         layout: the :class:`~padfree.model.packed.PackedLayout` of the packed forward in flight (None otherwise).
         tokens: context tokens of the hook that marks a forward as packed.

@@ -143,7 +143,7 @@ def sweep_type(model_type: str, *, precisions: Mapping[str, Sequence[str]] | Non
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, MODEL_MAPPING_NAMES
 
     from padfree.model import shrink
-    from padfree.model.configure import install_packing, unconfigure_packing
+    from padfree.model.install import install_packing, unconfigure_packing
     from padfree.model.proof import first_divergence, prove
     from padfree.model.shrink import shrink_config
 

@@ -1,7 +1,7 @@
 """Boundary-aware implementations of the modules the attention interface does not cover, one family per module.
 
 :func:`padfree.configure_packing` imports every module listed in
-:data:`padfree.model.configure.FAMILY_MODULES` (they never import ``configure``) and routes each instance of a
+:data:`padfree.model.install.FAMILY_MODULES` (they never import ``install``) and routes each instance of a
 class a family names to that family. A family module defines:
 
 - ``CLASSES: dict[str, str]`` — transformers module class name -> one line on what the family makes exact;

@@ -15,7 +15,7 @@ group of one exact length, because its bias is counted from the last key. Falcon
 way, with the first ``L`` rows of its rotary table.
 
 >>> import torch, transformers
->>> from padfree.model.configure import install_packing, unconfigure_packing
+>>> from padfree.model.install import install_packing, unconfigure_packing
 >>> cfg = transformers.BloomConfig(vocab_size=64, hidden_size=32, n_layer=1, n_head=4)
 >>> model = transformers.BloomForCausalLM(cfg).eval()
 >>> print(install_packing(model).mixers["transformer.h.0.self_attention"])

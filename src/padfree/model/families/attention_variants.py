@@ -19,7 +19,7 @@ same code, dtypes and autocast behaviour as transformers' lone-sequence path, by
 runs transformers' own forward, untouched.
 
 >>> import torch, transformers
->>> from padfree.model.configure import install_packing, unconfigure_packing
+>>> from padfree.model.install import install_packing, unconfigure_packing
 >>> cfg = transformers.StableLmConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
 ...                                   num_attention_heads=4, num_key_value_heads=2)
 >>> model = transformers.StableLmForCausalLM(cfg).eval()

@@ -11,7 +11,7 @@ windows by a ``seq_idx`` argument; a packed batch hands it the layout's. Ordinar
 cache, run transformers' code untouched; a packed batch that brings a cache is refused.
 
 >>> import torch, transformers
->>> from padfree.model.configure import install_packing  # configure_packing's machinery, no support table
+>>> from padfree.model.install import install_packing  # configure_packing's machinery, no support table
 >>> cfg = transformers.Lfm3Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
 ...                               num_attention_heads=4, num_key_value_heads=2, layer_types=["conv", "full_attention"],
 ...                               pad_token_id=0, bos_token_id=1, eos_token_id=2)

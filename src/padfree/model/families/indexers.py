@@ -20,7 +20,7 @@ after every real key. A selection handed from layer to layer travels as a ``(B, 
 indices. An ordinary batch runs transformers' own forward, untouched.
 
 >>> import torch, transformers
->>> from padfree.model.configure import install_packing, unconfigure_packing
+>>> from padfree.model.install import install_packing, unconfigure_packing
 >>> cfg = transformers.DeepseekV32Config(
 ...     vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
 ...     num_key_value_heads=2, q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8,

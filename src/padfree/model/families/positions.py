@@ -17,7 +17,7 @@ instance of :data:`CLASSES` to :func:`install`, which patches that instance so t
 An ordinary batch (no packed layout in flight) runs transformers' own forward, untouched.
 
 >>> import torch, transformers
->>> from padfree.model.configure import install_packing, unconfigure_packing
+>>> from padfree.model.install import install_packing, unconfigure_packing
 >>> cfg = transformers.BartConfig(vocab_size=64, d_model=32, decoder_layers=1, decoder_attention_heads=2,
 ...                               decoder_ffn_dim=64, max_position_embeddings=64)
 >>> model = transformers.BartForCausalLM(cfg).eval()
