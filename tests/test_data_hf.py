@@ -28,8 +28,8 @@ from padfree import (
 )
 from padfree.data.hf import COLUMNS, DEFAULT_COLUMNS, pack_dataset, pack_dataset_from_result
 from padfree.rows import packed_rows
+from realdata import gsm8k_records
 
-DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 ALL = list(COLUMNS)
 
 datasets.disable_progress_bars()
@@ -301,7 +301,7 @@ def gsm8k() -> datasets.Dataset:
     from padfree.corpus import load_tokenizer
 
     tokenizer = load_tokenizer()
-    records = json.loads((DATA / "gsm8k_train.json").read_text(encoding="utf-8"))[:400]
+    records = gsm8k_records(400)
     prompts = [f"Question: {r['instruction']}\n{r['input']}\nAnswer: ".replace("\n\n", "\n") for r in records]
     p_ids = tokenizer(prompts, add_special_tokens=False)["input_ids"]
     c_ids = tokenizer([r["output"] for r in records], add_special_tokens=False)["input_ids"]
