@@ -358,16 +358,16 @@ def render(args, info, before, after, data, disk, results: list[Contender], elap
         "gather: one `memcpy` per piece (the kernel prefetches the pieces ahead), each starting with a cache and "
         "TLB miss on 4 kB page-cache pages (about 0.4 µs per piece on this VM), plus the kernel's page faults on "
         "the input, split over the cores. On disk, pyarrow copies each chunk into the page cache while the next "
-        "one is gathered, and the kernel writes the pages back behind it, so the time is about the larger of the "
-        "gather plus that copy and the disk floor (the time the disk alone needs for those bytes), plus the plan. "
-        "Compare each time with its CPU time "
+        "one is gathered, and the kernel writes the pages back behind it; the call returns once the last chunk is "
+        "in the page cache, before the disk has written all of it, so a time can be below its disk floor (itself "
+        "a snapshot of a shared disk's throughput). Compare each time with its CPU time "
         "(all threads) and its disk floor: when other processes hold the cores, the CPU sets the pace. Kept in "
         "memory, the output is slower here, not faster: every page of it is fresh memory, which this VM faults in "
         "slowly, while the file path reuses two sets of chunk buffers and the page-cache pages it drops. The peak "
         "RSS is the input pages the gather touches (1× the token bytes) plus a working set that does not grow "
         "with the data (two chunks of rows, ~55 MB each with the defaults); kept in memory, the output adds its "
-        "own size. `bench_arrow_writer` compares this file writer with pyarrow's bare one and with the `O_DIRECT` "
-        "writer it replaced.",
+        "own size. The section \"Arrow file writers of `pack_dataset`\" compares this file writer with pyarrow's "
+        "bare one and with the `O_DIRECT` writer it replaced.",
         "",
         END_MARK,
     ]
