@@ -103,8 +103,7 @@ class Plan:
     chunks: list[tuple[int, int]]
     max_slots: int
     schema: Any
-    bytes_estimate: int
-    max_batch_bytes: int  # an upper bound on one serialized chunk
+    bytes_estimate: int  # of the Arrow data: what keep_in_memory=None weighs
     columns: tuple[str, ...]  # what each column of the schema holds (COLUMNS names)
 
     def wants(self, what: str) -> bool:
@@ -171,15 +170,9 @@ def plan(result: PackResult, source: Source, opts: Options) -> Plan:
     per_slot = sum(types[w].itemsize for w, _ in opts.columns if w in _TOKEN_COLUMNS)
     per_piece = sum(types[w].itemsize for w, _ in opts.columns if w not in _TOKEN_COLUMNS)
     estimate = slots * per_slot + result.num_pieces * per_piece + 4 * len(opts.columns) * result.num_bins
-    first, last = np.array(chunks, np.int64).reshape(-1, 2).T
-    chunk_bytes = ((row_offsets[last] - row_offsets[first]) * per_slot
-                   + (result.bin_offsets[last] - result.bin_offsets[first]) * per_piece
-                   + (last - first + 1) * 4 * len(opts.columns))
-    # + 64 bytes of alignment padding per Arrow buffer (two per column) + the flatbuffer metadata
-    max_batch = int(chunk_bytes.max(initial=0)) + 128 * len(opts.columns) + (1 << 16)
     ramp = np.arange(int(widths.max()) if widths.size else 0, dtype=np.int32)
     return Plan(result, source, opts, ids_dtype, labels_dtype, mask_dtype, row_offsets, ramp, chunks, max_slots,
-                schema, estimate, max_batch, tuple(what for what, _ in opts.columns))
+                schema, estimate, tuple(what for what, _ in opts.columns))
 
 
 # --------------------------------------------------------------------------------------------------
