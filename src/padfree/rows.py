@@ -39,7 +39,7 @@ __all__ = ["PackedRows", "fill_rows", "mask_labels", "packed_rows"]
 
 # --------------------------------------------------------------------------------------------------
 # The layout kernel: the one implementation of every rule above, used by packed_rows, PackedRows.padded,
-# PackedRows.segment_ids and padfree.data.hf (which runs it in threads, straight into its disk buffers)
+# PackedRows.segment_ids and padfree.data._arrow_writer (which runs it in threads, straight into its chunk buffers)
 # --------------------------------------------------------------------------------------------------
 
 
