@@ -56,6 +56,7 @@ from typing import Any
 import numpy as np
 
 from padfree.errors import BackendUnavailableError, InvalidArgumentError
+from padfree.layout import IGNORE_INDEX
 from padfree.packing import pack_sequences
 from padfree.packing.inputs import as_capacity, as_choice, as_positive_int, as_seed
 from padfree.samples import TokenBuffers, read_tokens
@@ -203,7 +204,7 @@ def _padded_step(buf: TokenBuffers, idx: np.ndarray) -> Step:
     ids[rows, cols] = buf.values[np.repeat(buf.offsets[idx], lens) + cols]
     mask = np.zeros((b, w), np.int64)
     mask[rows, cols] = 1
-    labels = np.where(mask == 1, ids, -100)
+    labels = np.where(mask == 1, ids, IGNORE_INDEX)
     inputs = {"input_ids": torch.from_numpy(ids), "attention_mask": torch.from_numpy(mask),
               "labels": torch.from_numpy(labels), "use_cache": False}
     return Step(inputs, int(lens.sum()), b * w)

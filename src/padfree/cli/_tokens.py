@@ -15,6 +15,7 @@ import numpy as np
 
 from padfree.cli._columns import join_text
 from padfree.cli._output import bar
+from padfree.layout import IGNORE_INDEX
 
 
 def load_tokenizer(path: str | None) -> tuple[Any, str]:
@@ -95,5 +96,5 @@ def _tokenize_batch(batch: Any, *, tokenizer: Any, prompt: list[str], completion
     starts = pa.array(spans, pa.list_(pa.list_(pa.int64(), 2))).flatten().flatten().to_numpy()[::2]
     counts = pc.list_value_length(ids_array).to_numpy(zero_copy_only=False)
     targets = starts >= np.repeat(boundary, counts)
-    labels = np.where(targets, ids_array.values.to_numpy(), -100).astype(np.int32)
+    labels = np.where(targets, ids_array.values.to_numpy(), IGNORE_INDEX).astype(np.int32)
     return pa.table({"input_ids": ids_array, "labels": pa.ListArray.from_arrays(ids_array.offsets, labels)})

@@ -23,6 +23,7 @@ from padfree.cli._optional import require
 from padfree.cli._output import AtomicOutput, Progress, disk_size, num, progress_bars, size
 from padfree.cli._tokens import load_tokenizer, tokenize_dataset
 from padfree.errors import DataLoadError, InvalidArgumentError, TokenizerLoadError
+from padfree.layout import IGNORE_INDEX
 from padfree.packing import STRATEGIES
 from padfree.packing.inputs import as_positive_int, as_seed
 
@@ -102,7 +103,7 @@ def add_parser(subparsers: Any) -> None:
                         "row, 0 on padding) or none")
     g.add_argument("--padding-value", type=int, default=0, metavar="ID",
                    help="token id written on padding (default: 0)")
-    g.add_argument("--label-padding-value", type=int, default=-100, metavar="L",
+    g.add_argument("--label-padding-value", type=int, default=IGNORE_INDEX, metavar="L",
                    help="label on padding and on the first token of every sequence (default: -100)")
     g.add_argument("--overwrite", action="store_true",
                    help="replace an existing --output (once the new one is complete)")

@@ -38,6 +38,7 @@ import torch.nn.functional as F
 
 from padfree.data.batch import PackedBatch, pack_result_to_tensors
 from padfree.errors import InvalidArgumentError, InvalidTokensError, PackingMismatchError, describe
+from padfree.layout import IGNORE_INDEX
 from padfree.packing.inputs import as_positive_int
 from padfree.packing.strategies import pack_sequences
 from padfree.samples import check_tokens, read_tokens
@@ -154,7 +155,7 @@ def _grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def _ce_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(logits.float(), targets, ignore_index=-100, reduction="sum")
+    return F.cross_entropy(logits.float(), targets, ignore_index=IGNORE_INDEX, reduction="sum")
 
 
 def verify(
@@ -195,7 +196,7 @@ def verify(
                 p.grad = None
             logits = model(**batch.model_inputs(include_labels=False)).logits
             ids, labels = batch.input_ids, batch.labels
-            n_targets = int((labels[:, 1:] != -100).sum())
+            n_targets = int((labels[:, 1:] != IGNORE_INDEX).sum())
             loss = _ce_sum(logits[:, :-1].reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1)) / max(n_targets, 1)
             if check_grads:
                 loss.backward()
@@ -216,7 +217,7 @@ def verify(
                     (ce_alone / max(n_targets, 1)).backward()
                 packed_part = logits[r, c:c + n]
                 ce_packed = _ce_sum(packed_part[:-1], target)
-                count = max(int((target != -100).sum()), 1)
+                count = max(int((target != IGNORE_INDEX).sum()), 1)
                 checks.append(SequenceCheck(r, c, n, float((packed_part - alone).detach().abs().max()),
                                             float(ce_packed.detach()) / count, float(ce_alone.detach()) / count))
                 total += float(ce_alone.detach())
