@@ -26,6 +26,7 @@ from padfree import configure_packing  # noqa: E402
 from padfree.errors import PackingDisabledError, UnsupportedModelError  # noqa: E402
 from padfree.model import configure, install, kernels, mixers, scans  # noqa: E402
 from padfree.model.packed import PackedLayout  # noqa: E402
+from padfree.model.state import PackingState  # noqa: E402
 from zoo import (  # noqa: E402
     MIXER_ROWS,
     SSM_TYPES,
@@ -577,4 +578,4 @@ def test_an_unknown_forward_shape_is_refused(monkeypatch):
     module = cls.__new__(cls)
     torch.nn.Module.__init__(module)
     with pytest.raises(UnsupportedModelError, match="some_new_scan"):
-        mixers.install(module, configure._State("padfree_sdpa", report=None))
+        mixers.install(module, PackingState("padfree_sdpa", report=None))
