@@ -87,6 +87,7 @@ from padfree.packing.inputs import (
     OVERLONG_POLICIES,
     as_capacity,
     as_choice,
+    as_flag,
     as_int,
     as_positive_int,
     as_seed,
@@ -209,9 +210,7 @@ class _PackingBase:
         seed = as_seed(seed)
         # drawn once, here: every worker process gets a copy of the object, hence the same seed
         self.seed: int = seed if seed is not None else int(np.random.SeedSequence().generate_state(1, np.uint32)[0])
-        if not isinstance(shuffle, (bool, np.bool_)):
-            raise InvalidArgumentError(f"shuffle must be True or False, got {describe(shuffle)}")
-        self.shuffle = bool(shuffle)
+        self.shuffle = as_flag(shuffle, "shuffle")
         self.overlong: str = as_choice(overlong, "overlong", OVERLONG_POLICIES)
         self.max_sequences_per_bin = as_positive_int(max_sequences_per_bin, "max_sequences_per_bin", allow_none=True)
         self.label_padding_value = as_fill_value(label_padding_value, "label_padding_value")

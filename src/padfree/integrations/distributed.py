@@ -43,7 +43,15 @@ from padfree.errors import (
     describe,
 )
 from padfree.packing.balance import REMAINDER_POLICIES, BalancedSteps, balance_bins
-from padfree.packing.inputs import OVERLONG_POLICIES, as_choice, as_int, as_lengths, as_positive_int, as_seed
+from padfree.packing.inputs import (
+    OVERLONG_POLICIES,
+    as_choice,
+    as_flag,
+    as_int,
+    as_lengths,
+    as_positive_int,
+    as_seed,
+)
 from padfree.packing.result import PackResult
 from padfree.packing.strategies import DEFAULT_STRATEGY, STRATEGIES, Packer
 
@@ -302,12 +310,8 @@ class DistributedPackedBatchSampler(Sampler[list[int]]):
         max_sequences_per_bin: int | None = None,
         all_ranks: bool = False,
     ) -> None:
-        if not isinstance(all_ranks, (bool, np.bool_)):
-            raise InvalidArgumentError(f"all_ranks must be True or False, got {describe(all_ranks)}")
-        if not isinstance(shuffle, (bool, np.bool_)):
-            raise InvalidArgumentError(f"shuffle must be True or False, got {describe(shuffle)}")
-        self.all_ranks = bool(all_ranks)
-        self.shuffle = bool(shuffle)
+        self.all_ranks = as_flag(all_ranks, "all_ranks")
+        self.shuffle = as_flag(shuffle, "shuffle")
         self.num_replicas, self.rank = _process_group(num_replicas, rank, self.all_ranks)
         self.micro_batch_size: int = as_positive_int(micro_batch_size, "micro_batch_size")  # type: ignore[assignment]
         if seed is None:  # every rank must draw the same schedule: a fresh random seed per process would hang

@@ -19,10 +19,8 @@ import logging
 from collections.abc import Mapping
 from typing import Any
 
-import numpy as np
-
 from padfree.data.batch import PackedCollator, PaddingFreeCollator
-from padfree.errors import BackendUnavailableError, InvalidArgumentError, describe
+from padfree.errors import BackendUnavailableError
 from padfree.integrations.status import PACKING, PADDING_FREE, STANDARD, PackingStatus, model_facts
 from padfree.integrations.step_loss import (
     LOSS_MODES,
@@ -34,7 +32,7 @@ from padfree.integrations.step_loss import (
 )
 from padfree.integrations.telemetry import PackingTelemetryCallback, is_train_log
 from padfree.model.wrappers import unwrap_model
-from padfree.packing.inputs import as_choice
+from padfree.packing.inputs import as_choice, as_flag
 
 try:
     import torch
@@ -45,7 +43,7 @@ except ImportError as exc:  # pragma: no cover - transformers is installed where
         "padfree.integrations.trainer needs torch and transformers; pip install 'padfree[torch,hf]'"
     ) from exc
 
-__all__ = ["PadfreeTrainerMixin", "Trainer", "TrainerMixin", "as_flag", "configure_model"]
+__all__ = ["PadfreeTrainerMixin", "Trainer", "TrainerMixin", "configure_model"]
 
 logger = logging.getLogger("padfree")
 
@@ -430,14 +428,6 @@ def _pad_ids(trainer: Any) -> tuple[int, ...]:
 # --------------------------------------------------------------------------------------------------
 # The Trainer
 # --------------------------------------------------------------------------------------------------
-
-
-def as_flag(value: Any, name: str) -> bool:
-    """``value`` of the trainer option ``name`` as a bool; InvalidArgumentError for anything but True / False (a
-    string such as ``"yes"`` from a config file would otherwise read as True)."""
-    if not isinstance(value, (bool, np.bool_)):
-        raise InvalidArgumentError(f"{name} must be True or False, got {describe(value)}")
-    return bool(value)
 
 
 def configure_model(model: Any) -> Any:

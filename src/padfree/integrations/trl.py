@@ -82,10 +82,10 @@ from padfree.errors import (
 )
 from padfree.integrations.status import PACKING, PADDING_FREE, STANDARD, PackingStatus, model_facts
 from padfree.integrations.step_loss import LOSS_MODES, reduce_loss, refuse_with_own_nll, scored_labels, token_losses
-from padfree.integrations.trainer import PadfreeTrainerMixin, as_flag, configure_model
+from padfree.integrations.trainer import PadfreeTrainerMixin, configure_model
 from padfree.integrations.trainer_data import PackedRowsCollator, pack_for_trainer
 from padfree.model.wrappers import unwrap_model
-from padfree.packing.inputs import as_choice
+from padfree.packing.inputs import as_choice, as_flag
 from padfree.packing.strategies import DEFAULT_STRATEGY, STRATEGIES
 
 try:

@@ -49,6 +49,7 @@ from padfree.model import guards
 from padfree.model.attention import BACKENDS, LAYOUT_KWARG, OWNER_ATTR, PACKED_FORWARD, register_backends
 from padfree.model.packed import PackedLayout
 from padfree.model.state import PackingState, current_layout, packing_state
+from padfree.packing.inputs import as_flag
 
 __all__ = [
     "BACKEND_CHOICES",
@@ -326,8 +327,7 @@ def install_packing(model: Any, *, backend: str = "auto", strict: bool = True) -
     config, model_type = _check_model(model)
     if not isinstance(backend, str) or backend not in BACKEND_CHOICES:
         raise InvalidArgumentError(f"backend must be one of {', '.join(BACKEND_CHOICES)}; got {describe(backend)}")
-    if not isinstance(strict, bool):
-        raise InvalidArgumentError(f"strict must be True or False, got {describe(strict)}")
+    strict = as_flag(strict, "strict")
     unconfigure_packing(model)
 
     attention, handled, mixers = _scan(model)

@@ -195,6 +195,18 @@ def as_seed(seed: Any, name: str = "seed") -> int | None:
     return number
 
 
+def as_flag(value: Any, name: str) -> bool:
+    """``value`` as a bool — only ``True`` / ``False`` (numpy's too), else :class:`InvalidArgumentError`: a string such
+    as ``"yes"`` from a config file, or a 0/1, would otherwise be read by truthiness.
+
+    >>> as_flag(True, "shuffle")
+    True
+    """
+    if not isinstance(value, (bool, np.bool_)):
+        raise InvalidArgumentError(f"{name} must be True or False, got {describe(value)}")
+    return bool(value)
+
+
 def as_choice(value: Any, name: str, choices: tuple[str, ...]) -> str:
     """``value`` if it is one of ``choices``, else :class:`InvalidArgumentError` listing them."""
     if not isinstance(value, str) or value not in choices:
