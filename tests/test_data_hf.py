@@ -499,3 +499,20 @@ def test_peak_memory_stays_near_the_token_bytes(tmp_path):
     assert os.path.getsize(tmp_path / "out.arrow") > 3 * token_bytes  # the output is much larger than the input...
     assert report["growth"] <= token_bytes + 128 * 2**20, (report, token_bytes)  # ...yet never held in memory
     assert report["growth"] <= 2 * token_bytes
+
+
+def test_seqpackers_keyword_names_work_as_its_documents_write_them():
+    """``pack_dataset(token_ids=..., capacity=...)`` and ``pack_dataset_from_result(result=..., token_ids=...)``
+    give what the positional spelling gives; both or neither of data / token_ids is refused by name."""
+    ids = [[1, 2, 3], [4, 5], [6, 7, 8, 9]]
+    want = pack_dataset(ids, 5)[:]
+    assert pack_dataset(token_ids=ids, capacity=5)[:] == want
+    plan = pack_sequences([3, 2, 4], capacity=5)
+    assert pack_dataset_from_result(result=plan, token_ids=ids)[:] == pack_dataset_from_result(plan, ids)[:]
+    for kwargs, got in [({}, "neither"), ({"data": ids, "token_ids": ids}, "both")]:
+        with pytest.raises(InvalidArgumentError, match=rf"pass the sequences as data \(or token_ids=.*not {got}"):
+            pack_dataset(capacity=5, **kwargs)
+    with pytest.raises(InvalidArgumentError, match="capacity must be an integer >= 1, got None"):
+        pack_dataset(ids)
+    with pytest.raises(InvalidArgumentError, match="result must be a PackResult"):
+        pack_dataset_from_result(result=[[0, 1]], token_ids=ids)

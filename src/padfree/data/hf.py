@@ -104,6 +104,7 @@ from padfree.errors import (
 from padfree.layout import IGNORE_INDEX
 from padfree.packing import DEFAULT_STRATEGY, PackResult, pack_sequences
 from padfree.packing.inputs import OVERLONG_POLICIES, as_capacity, as_choice, as_positive_int, refuse_overlong
+from padfree.packing.result import as_pack_result
 from padfree.samples import as_fill_value, read_arrow_chunks, read_tokens, refuse_empty
 
 __all__ = [
@@ -450,8 +451,8 @@ def _options(padding_value: Any, label_padding_value: Any, padding: Any, pad_to_
 
 
 def pack_dataset(
-    data: Any,
-    capacity: int,
+    data: Any = None,
+    capacity: int | None = None,
     strategy: str = DEFAULT_STRATEGY,
     seed: int | None = None,
     padding_value: int = 0,
@@ -470,6 +471,7 @@ def pack_dataset(
     cache_file_name: str | os.PathLike[str] | None = None,
     num_threads: int | None = None,
     return_result: bool = False,
+    token_ids: Any = None,
 ) -> Any:
     """Pack every sequence of ``data`` into rows of ``capacity`` tokens; return a ``datasets.Dataset`` of the rows.
 
@@ -502,6 +504,8 @@ def pack_dataset(
         num_threads: threads that build rows (default: the CPU count, at most 8); one more writes the file.
         return_result: also return the plan: ``(dataset, PackResult)``. The plan's sequence ids are rows of
             ``data`` (after its indices mapping), bins are the rows of the dataset.
+        token_ids: SeqPacker's name for ``data`` (``pack_dataset(token_ids=..., capacity=...)`` as its documents
+            write it); give one of the two.
 
     Returns:
         A ``datasets.Dataset`` with one row per bin (see the module docstring for the columns), or
@@ -519,6 +523,7 @@ def pack_dataset(
     >>> plan.bins, ds[:]["labels"]
     ([[1, 2], [0]], [[-100, 4, 5, -100], [-100, 2]])
     """
+    data = _data_or_token_ids(data, token_ids)
     capacity = as_capacity(capacity)
     as_choice(overlong, "overlong", OVERLONG_POLICIES)
     opts = _options(padding_value, label_padding_value, padding, pad_to_multiple_of, attention_mask, columns,
@@ -535,7 +540,7 @@ def pack_dataset(
 
 def pack_dataset_from_result(
     result: PackResult,
-    data: Any,
+    data: Any = None,
     padding_value: int = 0,
     label_padding_value: int = IGNORE_INDEX,
     *,
@@ -549,12 +554,15 @@ def pack_dataset_from_result(
     keep_in_memory: bool | None = None,
     cache_file_name: str | os.PathLike[str] | None = None,
     num_threads: int | None = None,
+    token_ids: Any = None,
 ) -> Any:
     """Lay ``data`` out in the rows planned by ``result`` (a plan made over the lengths of ``data``).
 
-    The arguments after ``data`` are those of :func:`pack_dataset`; ``padding="capacity"`` pads to the plan's
-    capacity. Raises :class:`~padfree.errors.InvalidTokensError` when ``data`` does not have the plan's number of
-    sequences or a sequence has another number of tokens than the plan says.
+    The arguments after ``data`` are those of :func:`pack_dataset` (``token_ids=`` is SeqPacker's name for
+    ``data``, so ``pack_dataset_from_result(result=plan, token_ids=ids)`` works as its documents write it);
+    ``padding="capacity"`` pads to the plan's capacity. Raises :class:`~padfree.errors.InvalidTokensError` when
+    ``data`` does not have the plan's number of sequences or a sequence has another number of tokens than the plan
+    says.
 
     >>> from padfree import pack_sequences
     >>> token_ids = [[1, 2, 3], [4, 5], [6, 7, 8, 9]]
@@ -562,8 +570,8 @@ def pack_dataset_from_result(
     >>> pack_dataset_from_result(plan, token_ids, padding=None)[:]["input_ids"]
     [[1, 2, 3, 4, 5], [6, 7, 8, 9]]
     """
-    if not isinstance(result, PackResult):
-        raise InvalidArgumentError(f"result must be a PackResult (from pack_sequences), got {describe(result)}")
+    result = as_pack_result(result)
+    data = _data_or_token_ids(data, token_ids)
     opts = _options(padding_value, label_padding_value, padding, pad_to_multiple_of, attention_mask, columns,
                     label_masks, chunk_tokens, keep_in_memory, cache_file_name, num_threads)
     source = _read(data, labels, opts.label_masks)
@@ -578,6 +586,15 @@ def pack_dataset_from_result(
         raise InvalidTokensError(f"{name}[{i}] has {lengths[i]} tokens but the plan says lengths[{i}] = "
                                  f"{result.lengths[i]}; make the plan from these sequences' lengths")
     return _write(result, source, opts)
+
+
+def _data_or_token_ids(data: Any, token_ids: Any) -> Any:
+    """``data``, or SeqPacker's ``token_ids=`` for it; exactly one of the two."""
+    if (data is None) == (token_ids is None):
+        got = "both" if data is not None else "neither"
+        raise InvalidArgumentError(f"pass the sequences as data (or token_ids=, SeqPacker's name for it), not "
+                                   f"{got}")
+    return data if data is not None else token_ids
 
 
 # --------------------------------------------------------------------------------------------------
