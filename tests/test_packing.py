@@ -281,3 +281,59 @@ def test_take_bins_reorders_bins_and_carries_split_pieces():
     rows, again = packed_rows(plan, tokens).padded("capacity"), packed_rows(taken, tokens).padded("capacity")
     assert again["input_ids"].tolist() == rows["input_ids"][order].tolist()  # the same rows, pieces and all
     assert plan.take_bins(np.array([1])).num_bins == 1
+
+
+# SeqPacker's documented names for each algorithm (short names, enum names, display names, algorithm table)
+SEQPACKER_NAMES = {
+    "nf": ["NF", "NextFit", "next_fit"],
+    "ff": ["FF", "FirstFit"],
+    "bf": ["BF", "BestFit"],
+    "wf": ["WF", "WorstFit"],
+    "ffd": ["FFD", "Ffd", "FirstFitDecreasing", "first-fit-decreasing"],
+    "bfd": ["BFD", "BestFitDecreasing"],
+    "ffs": ["FFS", "FirstFitShuffle"],
+    "obfd": ["OBFD", "OptimizedBFD", "OptimizedBestFitDecreasing"],
+    "hk": ["HK", "Harmonic", "HARMONIC", "Harmonic-K"],
+}
+
+
+@pytest.mark.parametrize(("canonical", "alias"), [(c, a) for c, names in SEQPACKER_NAMES.items() for a in names])
+def test_strategy_names_are_case_insensitive_and_take_seqpackers_names(canonical, alias):
+    from padfree import StreamPacker
+
+    lengths = [5, 3, 4, 2, 6, 7, 1]
+    expected = pack_sequences(lengths, 8, canonical, seed=3)
+    result = pack_sequences(lengths, 8, alias, seed=3)
+    assert result.strategy == canonical and result.bins == expected.bins
+    assert Packer(8, alias).strategy == canonical
+    assert StreamPacker(8, strategy=alias).strategy == canonical
+
+
+@pytest.mark.parametrize("make", [lambda s: pack_sequences([3], 8, s), lambda s: Packer(8, s),
+                                  lambda s: __import__("padfree").StreamPacker(8, strategy=s)])
+def test_an_unknown_strategy_lists_the_names_and_says_aliases_are_accepted(make):
+    from padfree import InvalidArgumentError
+
+    with pytest.raises(InvalidArgumentError) as info:
+        make("FirstFitIncreasing")
+    message = str(info.value)
+    assert "'FirstFitIncreasing'" in message and "aliases" in message and "case-insensitive" in message
+    assert all(repr(name) in message for name in STRATEGIES)
+
+
+def test_packer_strategies_lists_short_and_full_names_that_are_both_accepted():
+    pairs = Packer.strategies()
+    assert [short for short, _ in pairs] == list(STRATEGIES)
+    assert len({full for _, full in pairs}) == len(pairs)
+    for short, full in pairs:
+        assert Packer(8, full).strategy == short and Packer(8, full.upper()).strategy == short
+
+
+@pytest.mark.parametrize("policy", ["error", "split"])
+@given(lengths=any_lengths.filter(bool), capacity=st.integers(1, 200))
+@settings(max_examples=60, deadline=None)
+def test_pack_flat_splits_into_the_bins_of_pack(policy, lengths, capacity):
+    packer = Packer(max(capacity, max(lengths)) if policy == "error" else capacity, overlong=policy)
+    items, split_offsets = packer.pack_flat(lengths)
+    assert items.dtype == np.int64 and split_offsets.dtype == np.int64
+    assert [b.tolist() for b in np.split(items, split_offsets)] == packer.pack(lengths).bins

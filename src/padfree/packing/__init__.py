@@ -2,7 +2,7 @@
 
 from padfree.packing.balance import BalancedSteps, balance_bins
 from padfree.packing.result import PackResult, as_pack_result
-from padfree.packing.strategies import DEFAULT_STRATEGY, STRATEGIES, Packer, Strategy, pack_sequences
+from padfree.packing.strategies import DEFAULT_STRATEGY, STRATEGIES, Packer, Strategy, as_strategy, pack_sequences
 from padfree.packing.streaming import StreamBin, StreamPacker
 
 __all__ = [
@@ -15,6 +15,7 @@ __all__ = [
     "StreamBin",
     "StreamPacker",
     "as_pack_result",
+    "as_strategy",
     "balance_bins",
     "pack_sequences",
 ]

@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 
+from padfree.errors import InvalidArgumentError, describe
 from padfree.packing import kernels
 from padfree.packing.inputs import (
     OVERLONG_POLICIES,
@@ -27,7 +28,7 @@ from padfree.packing.inputs import (
 )
 from padfree.packing.result import PackResult
 
-__all__ = ["DEFAULT_STRATEGY", "STRATEGIES", "Packer", "Strategy", "pack_sequences", "place"]
+__all__ = ["DEFAULT_STRATEGY", "STRATEGIES", "Packer", "Strategy", "as_strategy", "pack_sequences", "place"]
 
 DEFAULT_STRATEGY = "obfd"
 
@@ -35,6 +36,11 @@ HARMONIC_CLASSES = 8  # k of harmonic-k: asymptotic ratio ~1.69 already at k = 8
 
 
 _NO_RUNS = np.zeros(0, np.int64)  # best_fit: one item per value, in the order given
+
+
+def _fold(name: str) -> str:
+    """``name`` as the registry compares it: lower case, without ``_``, ``-`` or spaces."""
+    return name.lower().replace("_", "").replace("-", "").replace(" ", "")
 
 
 def _identity(n: int) -> np.ndarray:
@@ -106,12 +112,17 @@ def _hk(lengths, capacity, max_items, rng):
 
 @dataclass(frozen=True)
 class Strategy:
-    """A packing strategy: its short name, its function and what it is good for."""
+    """A packing strategy: its short name, its full name, its function and what it is good for.
+
+    ``aliases`` are the other names it answers to (SeqPacker's names); see :func:`as_strategy`.
+    """
 
     name: str
     fn: Callable[..., tuple[np.ndarray, np.ndarray, int]]
     online: bool
     randomized: bool = False
+    full_name: str = ""
+    aliases: tuple[str, ...] = ()
 
     @property
     def doc(self) -> str:
@@ -119,21 +130,53 @@ class Strategy:
         return " ".join((self.fn.__doc__ or "").split())
 
 
-# read-only: the registry is the single list of valid names that every error message quotes
+# read-only: the registry is the single list of valid names that every error message quotes. Aliases: the names
+# SeqPacker documents for each algorithm (its enum names, its display names, its algorithm table's names).
 STRATEGIES: Mapping[str, Strategy] = MappingProxyType({
     s.name: s
     for s in (
-        Strategy("nf", _nf, online=True),
-        Strategy("ff", _ff, online=True),
-        Strategy("bf", _bf, online=True),
-        Strategy("wf", _wf, online=True),
-        Strategy("ffd", _ffd, online=False),
-        Strategy("bfd", _bfd, online=False),
-        Strategy("obfd", _obfd, online=False),
-        Strategy("ffs", _ffs, online=False, randomized=True),
-        Strategy("hk", _hk, online=True),
+        Strategy("nf", _nf, online=True, full_name="NextFit"),
+        Strategy("ff", _ff, online=True, full_name="FirstFit"),
+        Strategy("bf", _bf, online=True, full_name="BestFit"),
+        Strategy("wf", _wf, online=True, full_name="WorstFit"),
+        Strategy("ffd", _ffd, online=False, full_name="FirstFitDecreasing"),
+        Strategy("bfd", _bfd, online=False, full_name="BestFitDecreasing"),
+        Strategy("obfd", _obfd, online=False, full_name="OptimizedBestFitDecreasing",
+                 aliases=("OptimizedBFD", "OptimisedBestFitDecreasing", "OptimisedBFD")),
+        Strategy("ffs", _ffs, online=False, randomized=True, full_name="FirstFitShuffle"),
+        Strategy("hk", _hk, online=True, full_name="Harmonic", aliases=("Harmonic-K",)),
     )
 })
+
+# every accepted spelling, folded (see _fold), -> the canonical short name
+_NAMES: Mapping[str, str] = MappingProxyType({
+    folded: spec.name
+    for spec in STRATEGIES.values()
+    for folded in {_fold(n) for n in (spec.name, spec.full_name, *spec.aliases) if n}
+})
+
+
+def as_strategy(value: Any, name: str = "strategy") -> str:
+    """The canonical short name of strategy ``value``, else an :class:`~padfree.InvalidArgumentError`.
+
+    Names are case-insensitive and ignore ``_``, ``-`` and spaces; SeqPacker's names for its algorithms
+    (``"FirstFitDecreasing"``, ``"OBFD"``, ``"Harmonic-K"``, ...) are accepted as aliases of the same strategy.
+
+    >>> as_strategy("OBFD"), as_strategy("FirstFitDecreasing"), as_strategy("best_fit_decreasing")
+    ('obfd', 'ffd', 'bfd')
+    >>> as_strategy("best")
+    Traceback (most recent call last):
+    ...
+    padfree.errors.InvalidArgumentError: strategy must be one of 'nf', 'ff', 'bf', 'wf', 'ffd', 'bfd', 'obfd', ...
+    """
+    canonical = _NAMES.get(_fold(value)) if isinstance(value, str) else None
+    if canonical is None:
+        raise InvalidArgumentError(
+            f"{name} must be one of {', '.join(map(repr, STRATEGIES))} (case-insensitive; SeqPacker's names such "
+            f"as 'FirstFitDecreasing' or 'OBFD' are accepted as aliases, see Packer.strategies()); "
+            f"got {describe(value)}"
+        )
+    return canonical
 
 
 def place(
@@ -167,8 +210,9 @@ def pack_sequences(
     Args:
         lengths: ``(num_sequences,)`` positive integers — a list, numpy array, CPU tensor or pyarrow array.
         capacity: tokens per bin (the packed row length), ``>= 1``.
-        strategy: one of ``nf ff bf wf ffd bfd obfd ffs hk`` (see ``STRATEGIES[name].doc``). The default
-            ``obfd`` gives best-fit-decreasing bins in milliseconds for millions of sequences.
+        strategy: a short name of :data:`STRATEGIES` (see ``STRATEGIES[name].doc``), case-insensitive, or one of
+            SeqPacker's names for it (:meth:`Packer.strategies`). The default ``obfd`` gives best-fit-decreasing
+            bins in milliseconds for millions of sequences.
         seed: seeds the shuffle of randomized strategies (``ffs``); ``None`` draws fresh entropy. The other
             strategies are deterministic and ignore it.
         overlong: what to do with sequences longer than ``capacity``: ``"error"`` (raise, naming the first one),
@@ -216,7 +260,7 @@ class Packer:
         max_sequences_per_bin: int | None = None,
     ) -> None:
         self.capacity = as_capacity(capacity)
-        self.strategy: str = as_choice(strategy, "strategy", tuple(STRATEGIES))
+        self.strategy: str = as_strategy(strategy)
         self.seed = as_seed(seed)
         self.overlong = as_choice(overlong, "overlong", OVERLONG_POLICIES)
         self.max_sequences_per_bin = as_positive_int(max_sequences_per_bin, "max_sequences_per_bin", allow_none=True)
@@ -249,6 +293,33 @@ class Packer:
             strategy=self.strategy,
             seed=seed if spec.randomized else None,
         )
+
+    def pack_flat(self, lengths: Any, *, seed: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """Pack ``lengths`` into two flat arrays, SeqPacker's fast path: ``(items, split_offsets)``, both int64.
+
+        ``items: (num_pieces,)`` holds the sequence ids bin after bin (:attr:`PackResult.order`) and
+        ``split_offsets: (num_bins - 1,)`` the positions where a new bin starts, so that ``np.split(items,
+        split_offsets)`` gives the bins. With ``overlong="split"`` a sequence id appears once per piece; use
+        :meth:`pack` for the pieces' spans. An empty input gives ``np.split``'s one empty array.
+
+        >>> items, split_offsets = Packer(8).pack_flat([5, 3, 4, 2, 6])
+        >>> [b.tolist() for b in np.split(items, split_offsets)]
+        [[4, 3], [0, 1], [2]]
+        """
+        result = self.pack(lengths, seed=seed)
+        return result.order, result.bin_offsets[1:-1]
+
+    @staticmethod
+    def strategies() -> list[tuple[str, str]]:
+        """The available strategies as ``(short_name, full_name)`` pairs, in :data:`STRATEGIES` order.
+
+        Either name (in any case) may be passed as ``strategy``; SeqPacker's other names for an algorithm are
+        accepted too (:func:`as_strategy`).
+
+        >>> Packer.strategies()[:2]
+        [('nf', 'NextFit'), ('ff', 'FirstFit')]
+        """
+        return [(spec.name, spec.full_name) for spec in STRATEGIES.values()]
 
     def __repr__(self) -> str:
         return (

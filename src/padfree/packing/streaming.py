@@ -30,7 +30,7 @@ from padfree.packing.inputs import (
     as_positive_int,
     as_seed,
 )
-from padfree.packing.strategies import STRATEGIES, place
+from padfree.packing.strategies import STRATEGIES, as_strategy, place
 
 __all__ = ["StreamBin", "StreamPacker"]
 
@@ -70,7 +70,8 @@ class StreamPacker:
         capacity: tokens per bin.
         buffer_size: pieces held before a round of packing; larger buffers pack better (10,000 gives > 99.5% on
             long-tailed lengths) and delay the first bin longer.
-        strategy: an offline strategy name (see :data:`padfree.packing.STRATEGIES`) used inside each round.
+        strategy: an offline strategy name (see :data:`padfree.packing.STRATEGIES`; case-insensitive, SeqPacker's
+            names accepted as aliases) used inside each round.
         seed: seeds randomized strategies (one generator for the whole stream).
         overlong: ``"error" | "truncate" | "split" | "drop"``, as in :func:`padfree.pack_sequences`.
         max_sequences_per_bin: at most this many pieces per bin.
@@ -104,7 +105,7 @@ class StreamPacker:
                 f"buffer_size must be an integer >= 1 and <= {MAX_PIECES} (the pieces one round can place), "
                 f"got {self.buffer_size}"
             )
-        self.strategy = as_choice(strategy, "strategy", tuple(STRATEGIES))
+        self.strategy = as_strategy(strategy)
         self.seed = as_seed(seed)
         self.overlong = as_choice(overlong, "overlong", OVERLONG_POLICIES)
         self.max_sequences_per_bin = as_positive_int(max_sequences_per_bin, "max_sequences_per_bin", allow_none=True)
