@@ -337,3 +337,54 @@ def test_pack_flat_splits_into_the_bins_of_pack(policy, lengths, capacity):
     items, split_offsets = packer.pack_flat(lengths)
     assert items.dtype == np.int64 and split_offsets.dtype == np.int64
     assert [b.tolist() for b in np.split(items, split_offsets)] == packer.pack(lengths).bins
+
+
+def test_packs_show_each_bin_as_seqpacker_does():
+    result = pack_sequences([9, 3, 5, 2, 12], capacity=6, overlong="split")
+    packs = result.packs
+    assert len(packs) == result.num_bins
+    assert [p.sequence_ids for p in packs] == result.bins
+    assert [p.lengths for p in packs] == [result.placed_lengths[a:b].tolist()
+                                          for a, b in zip(result.bin_offsets[:-1], result.bin_offsets[1:], strict=True)]
+    assert [p.used for p in packs] == [sum(p.lengths) for p in packs] == result.bin_fill.tolist()
+    assert [len(p) for p in packs] == result.bin_sizes.tolist()
+    assert all(p.capacity == 6 and p.padding_tokens == 6 - p.used for p in packs)
+    assert pack_sequences([], 8).packs == []
+
+
+@given(lengths=any_lengths, capacity=capacities, name=st.sampled_from(sorted(STRATEGIES)))
+@settings(max_examples=80, deadline=None)
+def test_metrics_agree_with_the_plan(lengths, capacity, name):
+    result = pack_sequences(lengths, capacity, name, 0, overlong="truncate")
+    m = result.metrics
+    assert m.num_sequences == len(lengths) and m.num_packs == result.num_bins
+    assert m.total_tokens == result.total_tokens and m.padding_tokens == result.padding_tokens
+    assert m.efficiency == result.efficiency
+    if result.num_bins:
+        util = [used / capacity for used in result.bin_fill.tolist()]
+        assert m.padding_ratio == pytest.approx(1 - result.efficiency)
+        assert m.min_utilisation == min(util) and m.max_utilisation == max(util)
+        assert m.avg_utilisation == pytest.approx(sum(util) / len(util))
+        assert m.utilisation_std == pytest.approx(float(np.std(util)))
+        assert m.avg_sequences_per_pack == pytest.approx(result.num_pieces / result.num_bins)
+    else:
+        assert m.padding_ratio == m.avg_utilisation == m.max_utilisation == m.avg_sequences_per_pack == 0.0
+    assert m.packing_time_ms is not None and m.packing_time_ms >= 0 and result.time_ms == m.packing_time_ms
+
+
+def test_throughput_is_sequences_per_second_of_the_recorded_time():
+    made = PackResult(lengths=np.array([5, 3, 4]), capacity=8, order=np.array([0, 1, 2]),
+                      bin_offsets=np.array([0, 2, 3]), packing_time_ms=500.0)
+    assert made.metrics.throughput == pytest.approx(3 / 0.5)
+    assert made.take_bins(np.array([1])).packing_time_ms == 500.0
+    assert PackResult(**{**{f.name: getattr(made, f.name) for f in fields(PackResult)},
+                         "packing_time_ms": None}).metrics.throughput is None
+    assert PackResult(**{**{f.name: getattr(made, f.name) for f in fields(PackResult)},
+                         "packing_time_ms": 0}).metrics.throughput == float("inf")
+
+
+def test_packing_time_is_measured_per_call():
+    lengths = np.random.default_rng(1).integers(1, 2048, 20_000)
+    plan = Packer(2048).pack(lengths)
+    assert plan.packing_time_ms > 0
+    assert plan.metrics.throughput == pytest.approx(20_000 / (plan.packing_time_ms / 1000))

@@ -133,6 +133,8 @@ SPECS = [
     ("PackResult.strategy", _plan("strategy"), _but("str"), InvalidArgumentError, ("string",)),
     ("PackResult.seed", _plan("seed"), _but("None", "zero", "huge", "0d_array"), InvalidArgumentError,
      ("integer >= 0",)),
+    ("PackResult.packing_time_ms", _plan("packing_time_ms"), _but("None", "zero", "float", "huge"),
+     InvalidArgumentError, ("number of milliseconds >= 0",)),
 ]
 
 

@@ -10,6 +10,7 @@ import numpy as np
 
 from padfree.errors import InvalidArgumentError, InvalidLengthsError, PadfreeError, describe
 from padfree.packing.inputs import INT64_MAX, as_capacity, as_int, as_seed, exact_sum
+from padfree.packing.metrics import Pack, PackMetrics, build_metrics, build_packs
 
 __all__ = ["PackResult", "as_pack_result"]
 
@@ -33,6 +34,8 @@ class PackResult:
         dropped: ``(num_dropped,) int64`` — ids of sequences removed by ``overlong="drop"``.
         truncated_tokens: tokens cut off by ``overlong="truncate"``; ``num_truncated``: sequences that lost some.
         strategy: the strategy that made the plan; ``seed``: its seed, if it used one.
+        packing_time_ms: measured wall time of the pack call that made the plan, in milliseconds (None for a
+            plan made by hand); see :attr:`metrics`.
 
     A plan made by hand is checked when it is built, so that whatever reads it may index without checks; each
     rule broken raises an :class:`~padfree.InvalidArgumentError` (:class:`~padfree.InvalidLengthsError` for
@@ -48,7 +51,7 @@ class PackResult:
       without ``piece_lengths`` every piece is its whole sequence;
     - a sequence is placed once, or as pieces that do not overlap; no bin holds more than ``capacity`` tokens;
     - ``truncated_tokens``, ``num_truncated`` are integers ``>= 0``, and placed + truncated + dropped tokens do
-      not exceed the input's.
+      not exceed the input's; ``packing_time_ms`` is None or a finite number ``>= 0``.
 
     A plan need not place every sequence (:meth:`take_bins` keeps some bins). The arrays are not copied: do not
     write into them afterwards.
@@ -74,6 +77,7 @@ class PackResult:
     num_truncated: int = 0
     strategy: str = "obfd"
     seed: int | None = None
+    packing_time_ms: float | None = None
 
     def __post_init__(self) -> None:
         _check(self)
@@ -139,6 +143,17 @@ class PackResult:
         """The plan as a list of bins, each a list of sequence ids (built on first access, O(num_pieces))."""
         return [chunk.tolist() for chunk in np.split(self.order, self.bin_offsets[1:-1])] if self.num_bins else []
 
+    @cached_property
+    def packs(self) -> list[Pack]:
+        """SeqPacker's view of the bins: one :class:`~padfree.packing.metrics.Pack` per bin, with its
+        ``sequence_ids``, ``lengths`` and ``used`` tokens (built on first access, one small object per bin).
+
+        >>> from padfree import pack_sequences
+        >>> [(p.sequence_ids, p.lengths, p.used) for p in pack_sequences([5, 3, 4, 2, 6], capacity=8).packs]
+        [([4, 3], [6, 2], 8), ([0, 1], [5, 3], 8), ([2], [4], 4)]
+        """
+        return build_packs(self.order, self.placed_lengths, self.bin_offsets, self.bin_fill, self.capacity)
+
     def bin(self, b: int) -> np.ndarray:
         """``(pieces in bin b,) int64`` — the sequence ids in bin ``b``, without building the list view."""
         if not -self.num_bins <= b < self.num_bins:
@@ -171,7 +186,7 @@ class PackResult:
             piece_starts=None if self.piece_starts is None else self.piece_starts[src],
             piece_lengths=None if self.piece_lengths is None else self.piece_lengths[src],
             dropped=self.dropped, truncated_tokens=self.truncated_tokens, num_truncated=self.num_truncated,
-            strategy=self.strategy, seed=self.seed,
+            strategy=self.strategy, seed=self.seed, packing_time_ms=self.packing_time_ms,
         )
 
     # ---- totals and quality ------------------------------------------------------------------------
@@ -210,6 +225,26 @@ class PackResult:
     def efficiency(self) -> float:
         """Fraction of bin slots holding real tokens, ``total_tokens / (num_bins * capacity)`` (1.0 for no bins)."""
         return self.total_tokens / (self.num_bins * self.capacity) if self.num_bins else 1.0
+
+    @cached_property
+    def metrics(self) -> PackMetrics:
+        """SeqPacker's :class:`~padfree.packing.metrics.PackMetrics` of the plan: efficiency, padding ratio,
+        utilisation of the bins (mean, std, min, max), sequences per bin, the pack call's time and throughput.
+
+        >>> from padfree import pack_sequences
+        >>> m = pack_sequences([5, 3, 4, 2, 6], capacity=8).metrics
+        >>> m.num_packs, m.padding_tokens, round(m.padding_ratio, 4), round(m.min_utilisation, 2), m.max_utilisation
+        (3, 4, 0.1667, 0.5, 1.0)
+        >>> m.packing_time_ms > 0 and m.throughput > 0  # measured: sequences per second of the pack call
+        True
+        """
+        return build_metrics(self.num_sequences, self.bin_fill, self.num_pieces, self.capacity, self.efficiency,
+                             self.packing_time_ms)
+
+    @property
+    def time_ms(self) -> float | None:
+        """SeqPacker's shortcut for :attr:`packing_time_ms`."""
+        return self.packing_time_ms
 
     def summary(self) -> str:
         """A readable multi-line report of the plan.
@@ -297,6 +332,22 @@ def _ints(value: Any, name: str, error: type[PadfreeError] = InvalidArgumentErro
     return arr.astype(np.int64, copy=False)
 
 
+def _time(value: Any) -> float | None:
+    """``PackResult.packing_time_ms`` as None or a finite float >= 0."""
+    if value is None:
+        return None
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer, np.floating)):
+        raise InvalidArgumentError(
+            f"PackResult.packing_time_ms must be None or a number of milliseconds >= 0, got {describe(value)}"
+        )
+    number = float(value)
+    if not 0.0 <= number < float("inf"):  # nan fails both comparisons
+        raise InvalidArgumentError(
+            f"PackResult.packing_time_ms must be None or a number of milliseconds >= 0, got {describe(value)}"
+        )
+    return number
+
+
 def _first(bad: np.ndarray) -> int:
     return int(np.argmax(bad))
 
@@ -312,6 +363,7 @@ def _check(plan: PackResult) -> None:
             f"PackResult.strategy must be a string (the name of what made the plan), got {describe(plan.strategy)}"
         )
     store(plan, "seed", as_seed(plan.seed, "PackResult.seed"))
+    store(plan, "packing_time_ms", _time(plan.packing_time_ms))
 
     lengths = _ints(plan.lengths, "PackResult.lengths", InvalidLengthsError)
     n = lengths.shape[0]

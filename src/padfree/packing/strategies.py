@@ -8,6 +8,7 @@ input order for the online strategies, decreasing length (ties in input order) f
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
@@ -271,6 +272,7 @@ class Packer:
         An int64 array is kept by the plan as it is, not copied (a copy would cost ~15% of an ``obfd`` pack):
         do not write into it while the plan is in use.
         """
+        began = time.perf_counter()
         seed = self.seed if seed is None else as_seed(seed)
         lengths = as_lengths(lengths)
         pieces = apply_overlong(lengths, self.capacity, self.overlong)
@@ -292,6 +294,7 @@ class Packer:
             num_truncated=pieces.num_truncated,
             strategy=self.strategy,
             seed=seed if spec.randomized else None,
+            packing_time_ms=(time.perf_counter() - began) * 1000.0,
         )
 
     def pack_flat(self, lengths: Any, *, seed: int | None = None) -> tuple[np.ndarray, np.ndarray]:
