@@ -516,3 +516,48 @@ def test_seqpackers_keyword_names_work_as_its_documents_write_them():
         pack_dataset(ids)
     with pytest.raises(InvalidArgumentError, match="result must be a PackResult"):
         pack_dataset_from_result(result=[[0, 1]], token_ids=ids)
+
+
+def test_wrapped_rows_are_full_and_every_piece_is_a_sequence_of_its_own():
+    """``strategy="wrapped"`` cuts the same rows as TRL's (same tokens, input order, full rows), but each piece of a
+    cut sequence restarts its positions and is not a target at its first token, so a configured model computes on
+    every piece what the piece computes alone; TRL's rows, whose positions run on across the cut, differ (the
+    negative control of the same comparison). The input's format carries over."""
+    import torch
+    from trl.data_utils import pack_dataset as trl_pack_dataset
+
+    from padfree import configure_packing
+    from padfree.packing.wrapped import wrap_sequences
+    from zoo import tiny_model
+
+    rng = np.random.default_rng(3)
+    seqs = [rng.integers(3, 90, int(n)).tolist() for n in rng.integers(1, 30, 12)]
+    source = datasets.Dataset.from_dict({"input_ids": seqs})
+    ours = pack_dataset(source.with_format("torch"), 16, strategy="wrapped", padding=None)
+    theirs = trl_pack_dataset(source, 16, strategy="wrapped")
+    assert ours.format["type"] == "torch"
+    rows = ours.with_format(None)[:]
+    assert rows["input_ids"] == theirs[:]["input_ids"]  # the same cut of the same stream
+    assert all(len(r) == 16 for r in rows["input_ids"][:-1])
+    plan = wrap_sequences([len(s) for s in seqs], 16)
+    assert plan.placed_lengths.sum() == sum(map(len, seqs)) and plan.num_bins == len(rows["input_ids"])
+
+    model = tiny_model("llama")
+    configure_packing(model)
+    worst_ours, worst_trl = 0.0, 0.0
+    for ids, pos, lens, labels in zip(rows["input_ids"], rows["position_ids"], rows["seq_lens"], rows["labels"],
+                                      strict=True):
+        starts = np.cumsum([0, *lens[:-1]])
+        assert all(labels[k] == -100 and pos[k] == 0 for k in starts)  # every piece: positions restart, no target
+        ids_t = torch.tensor([ids])
+        with torch.no_grad():
+            packed = model(input_ids=ids_t, position_ids=torch.tensor([pos])).logits[0]
+            # TRL's positions: one run per row, continuing across every cut of a sequence
+            trl = model(input_ids=ids_t, position_ids=torch.arange(len(ids))[None]).logits[0]
+            start = 0
+            for n in lens:
+                alone = model(input_ids=ids_t[:, start:start + n]).logits[0]
+                worst_ours = max(worst_ours, float((packed[start:start + n] - alone).abs().max()))
+                worst_trl = max(worst_trl, float((trl[start:start + n] - alone).abs().max()))
+                start += n
+    assert worst_ours <= 1e-5 and worst_trl > 1e-2

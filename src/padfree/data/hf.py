@@ -88,7 +88,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -105,6 +105,7 @@ from padfree.layout import IGNORE_INDEX
 from padfree.packing import DEFAULT_STRATEGY, PackResult, pack_sequences
 from padfree.packing.inputs import OVERLONG_POLICIES, as_capacity, as_choice, as_positive_int, refuse_overlong
 from padfree.packing.result import as_pack_result
+from padfree.packing.wrapped import wrap_sequences
 from padfree.samples import as_fill_value, read_arrow_chunks, read_tokens, refuse_empty
 
 __all__ = [
@@ -274,6 +275,7 @@ class _Data:
     fingerprint: str | None
     cache_dir: str | None
     split: Any = None
+    format: dict[str, Any] | None = None  # a datasets.Dataset's format (type, kwargs), given to the packed rows
 
     @property
     def num_rows(self) -> int:
@@ -304,8 +306,9 @@ def _read(data: Any, labels: Any, label_masks: Sequence[str]) -> _Data:
         cache_dir = None
         if data.cache_files and datasets.is_caching_enabled():
             cache_dir = os.path.dirname(os.path.abspath(data.cache_files[0]["filename"]))
-        return _table_data(table, names, indices, labels, label_masks, "data",
-                           getattr(data, "_fingerprint", None), cache_dir, data.split)
+        source = _table_data(table, names, indices, labels, label_masks, "data",
+                             getattr(data, "_fingerprint", None), cache_dir, data.split)
+        return replace(source, format=dict(data.format))
     if isinstance(data, pa.Table):
         return _table_data(data, data.column_names, None, labels, label_masks, "data", None, None)
     if isinstance(data, Mapping):
@@ -483,6 +486,9 @@ def pack_dataset(
         strategy, seed, overlong, max_sequences_per_bin: the packing, as in :func:`padfree.pack_sequences`
             (default ``obfd``: best fit decreasing over the whole dataset). ``overlong="error"`` refuses a sequence
             longer than ``capacity``; ``"truncate"``, ``"split"`` and ``"drop"`` are counted in the plan.
+            ``strategy="wrapped"`` (TRL's name) keeps the input order and cuts the stream into full rows; each piece
+            of a cut sequence is a sequence of its own (:func:`padfree.packing.wrapped.wrap_sequences`), so nothing
+            is attended or predicted across a cut, and ``overlong`` does not apply.
         padding_value: token id written into padding.
         label_padding_value: the ignored-label value written on the first token of every piece and on padding
             (and on tokens a ``completion_mask``/``assistant_masks`` excludes).
@@ -530,10 +536,17 @@ def pack_dataset(
                     label_masks, chunk_tokens, keep_in_memory, cache_file_name, num_threads)
     source = _read(data, labels, opts.label_masks)
     lengths = _check(source)
-    if overlong == "error":
+    wrapped = isinstance(strategy, str) and strategy.lower() == "wrapped"
+    if overlong == "error" and not wrapped:  # wrapping cuts every sequence at the rows' edges anyway
         refuse_overlong(lengths, capacity, names=lambda i: f"{source.ids.name}[{i}]")
-    result = pack_sequences(lengths, capacity, strategy, seed, overlong=overlong,
-                            max_sequences_per_bin=max_sequences_per_bin)
+    if wrapped:
+        if max_sequences_per_bin is not None:
+            raise InvalidArgumentError("max_sequences_per_bin does not apply to strategy='wrapped' (rows are cut "
+                                       "from the stream, whatever it holds); pass None")
+        result = wrap_sequences(lengths, capacity)
+    else:
+        result = pack_sequences(lengths, capacity, strategy, seed, overlong=overlong,
+                                max_sequences_per_bin=max_sequences_per_bin)
     dataset = _write(result, source, opts)
     return (dataset, result) if return_result else dataset
 
@@ -641,4 +654,8 @@ def _write(result: PackResult, source: _Data, opts: _Options) -> Any:
         table = MemoryMappedTable(_arrow_writer.write_file(path, plan), path)
     logger.info("packed %d sequences into %d rows of %d (efficiency %.2f%%)%s", result.num_sequences,
                 result.num_bins, result.capacity, 100 * result.efficiency, "" if in_memory else f" in {path}")
-    return datasets.Dataset(table, info=datasets.DatasetInfo(), split=source.split, fingerprint=fingerprint)
+    dataset = datasets.Dataset(table, info=datasets.DatasetInfo(), split=source.split, fingerprint=fingerprint)
+    if source.format is not None and source.format.get("type") is not None:
+        # the input's format (torch, numpy, ...) carries over; its column selection does not: the columns are new
+        dataset.set_format(type=source.format["type"], **(source.format.get("format_kwargs") or {}))
+    return dataset
