@@ -150,15 +150,20 @@ def test_packed_collate_round_trip(seqs, capacity, policy, strategy, seed, with_
 
 
 @given(seqs=token_lists, seed=st.integers(0, 5), with_labels=st.booleans(), flags=st.booleans(),
-       mask=st.sampled_from([None, "binary", "segments"]))
+       mask=st.sampled_from([None, "binary", "segments"]), multiple=st.sampled_from([None, 1, 8, 64]))
 @settings(max_examples=80, deadline=None)
-def test_padding_free_round_trip(seqs, seed, with_labels, flags, mask):
+def test_padding_free_round_trip(seqs, seed, with_labels, flags, mask, multiple):
     samples = _samples(seqs, seed, with_labels, as_tensors=seed % 2 == 1)
-    batch = PaddingFreeCollator(attention_mask=mask, seq_idx=flags, shift_labels=flags)(samples)
-    assert batch.batch_size == 1 and batch.seq_len == sum(map(len, seqs)) and batch.num_padding == 0
+    batch = PaddingFreeCollator(attention_mask=mask, seq_idx=flags, shift_labels=flags, pad_to_multiple_of=multiple,
+                                padding_value=7)(samples)
+    total = sum(map(len, seqs))
+    width = total if multiple is None else -(-total // multiple) * multiple
+    assert batch.batch_size == 1 and batch.seq_len == width and batch.num_padding == width - total
     assert batch.sequence_ids.tolist() == list(range(len(seqs)))  # input order, one row
-    assert torch.equal(batch.cu_seqlens, batch.cu_seqlens_padded)  # no padding: both spellings agree
-    _check_structure(batch)
+    # the padding tail (if any) is one more segment of the padded stream, and no sequence of the real one
+    tail = [width] if width > total else []
+    assert batch.cu_seqlens_padded.tolist() == [*batch.cu_seqlens.tolist(), *tail]
+    _check_structure(batch, padding_value=7)
     _check_segments(batch, samples, None)
 
 
@@ -528,3 +533,99 @@ def test_rows_packed_elsewhere_keep_their_boundaries_whatever_the_spelling(colla
                        ({"seq_lengths": [4, 4]}, r"\['seq_lengths'\] = \[4, 4\] must be lengths >= 1 summing")]:
         with pytest.raises(InvalidLayoutError, match=match):
             collate([{"input_ids": ids, **bad}])
+
+
+# ---- every spelling of a row's boundaries, in every collator -------------------------------------------------------
+
+ROW = [11, 12, 13, 14, 21, 22, 31, 32, 33, 41]
+ROW_LABELS = [11, -100, 13, 14, 21, 22, -100, 32, 33, 41]
+ROW_POSITIONS = [0, 1, 2, 3, 0, 1, 0, 1, 2, 0]
+PIECES = [{"input_ids": ROW[a:b], "labels": ROW_LABELS[a:b]} for a, b in itertools.pairwise([0, 4, 6, 9, 10])]
+SPELLINGS = {
+    "seq_lens": {"seq_lens": [4, 2, 3, 1]},
+    "seq_lengths": {"seq_lengths": np.array([4, 2, 3, 1])},
+    "cu_seq_lens": {"cu_seq_lens": [0, 4, 6, 9, 10]},
+    "cu_seqlens": {"cu_seqlens": torch.tensor([0, 4, 6, 9, 10], dtype=torch.int32)},
+    "position_ids": {"position_ids": ROW_POSITIONS},
+    "segment_mask": {"attention_mask": [1, 1, 1, 1, 2, 2, 3, 3, 3, 4]},
+    "segment_mask_tensor": {"attention_mask": torch.tensor([1, 1, 1, 1, 2, 2, 3, 3, 3, 4])},
+}
+SPELLINGS["all_together"] = {k: v for spelling in SPELLINGS.values() for k, v in spelling.items()}
+# a plain sample beside the row: a 0/1 mask of ones marks no boundary, it is one sequence
+PLAIN = {"input_ids": [51, 52, 53], "labels": [51, 52, 53], "attention_mask": [1, 1, 1]}
+BOTH_COLLATORS = pytest.mark.parametrize("collate", [PaddingFreeCollator(), packed_collate_fn(6)],
+                                         ids=["padding_free", "packed"])
+
+
+@BOTH_COLLATORS
+@pytest.mark.parametrize("spelling", list(SPELLINGS))
+def test_every_boundary_spelling_cuts_the_row_into_its_sequences(collate, spelling):
+    batch = collate([PLAIN, {"input_ids": ROW, "labels": ROW_LABELS, **SPELLINGS[spelling]}])
+    _check_structure(batch)
+    # every sequence back token for token, positions restarting, its first token no target (sequence_ids count
+    # the sequences of the batch: the plain sample, then the four of the row)
+    _check_segments(batch, [PLAIN, *PIECES], 6)
+    if isinstance(collate, PaddingFreeCollator):
+        assert batch.position_ids[0].tolist() == [0, 1, 2, *ROW_POSITIONS]
+        assert batch.cu_seqlens.tolist() == [0, 3, 7, 9, 12, 13]
+        assert batch.labels[0].tolist() == [-100, 52, 53, -100, -100, 13, 14, -100, 22, -100, 32, 33, -100]
+
+
+@pytest.mark.parametrize("collate", [PaddingFreeCollator(), packed_collate_fn(16)], ids=["padding_free", "packed"])
+@pytest.mark.parametrize("bare", [{}, {"attention_mask": [1] * 10}, {"attention_mask": torch.ones(10, dtype=bool)}],
+                         ids=["nothing", "ones", "bool_ones"])
+def test_negative_control_a_row_without_boundaries_is_one_sequence_and_the_checks_catch_it(collate, bare):
+    batch = collate([{"input_ids": ROW, "labels": ROW_LABELS, **bare}])
+    assert batch.seq_lens.tolist() == [10] and batch.position_ids[0, :10].tolist() == list(range(10))
+    with pytest.raises(AssertionError):
+        _check_segments(batch, PIECES, 16)
+
+
+@BOTH_COLLATORS
+@pytest.mark.parametrize(("fields", "match"), [
+    ({"seq_lens": [4, 2, 3, 1], "cu_seqlens": [0, 4, 6, 8, 10]},
+     r"samples\[1\]\['seq_lens'\] and samples\[1\]\['cu_seqlens'\] disagree on where the sequences of the row start "
+     r"\(\[4, 2, 3, 1\] vs \[4, 2, 2, 2\]\)"),
+    ({"position_ids": ROW_POSITIONS, "attention_mask": [1, 1, 1, 1, 2, 2, 2, 3, 3, 4]},
+     r"samples\[1\]\['position_ids'\] and samples\[1\]\['attention_mask'\] disagree"),
+    ({"seq_lengths": [4, 2, 3, 1], "cu_seq_lens": [0, 10]}, r"\['seq_lengths'\] and samples\[1\]\['cu_seq_lens'\]"),
+    ({"cu_seq_lens": [0, 4, 6, 9]}, r"samples\[1\]\['cu_seq_lens'\] = \[0, 4, 6, 9\] .*must be offsets from 0 to the "
+                                    r"sample's 10 tokens, strictly increasing"),
+    ({"cu_seqlens": [1, 4, 6, 9, 10]}, r"\['cu_seqlens'\] = \[1, 4, 6, 9, 10\] .*must be offsets from 0"),
+    ({"cu_seqlens": [0, 4, 4, 9, 10]}, r"\['cu_seqlens'\] = \[0, 4, 4, 9, 10\] .*strictly increasing"),
+    ({"cu_seqlens": [0.0, 10.0]}, r"\['cu_seqlens'\] = .* must be a 1-D sequence of integers, got dtype float64"),
+    ({"attention_mask": [1, 1, 1, 1, 2, 2, 3, 3, 3, 0]},
+     r"samples\[1\]\['attention_mask'\]\[9\] = 0 marks padding, but a sample holds no padding"),
+    ({"attention_mask": [1] * 8 + [0, 0]}, r"\['attention_mask'\]\[8\] = 0 marks padding"),
+    ({"attention_mask": np.array([True] * 9 + [False])}, r"\['attention_mask'\]\[9\] = 0 marks padding"),
+    ({"attention_mask": [-1] + [1] * 9}, r"\['attention_mask'\]\[0\] = -1 is negative"),
+    ({"attention_mask": [1, 1, 2, 2, 1, 1, 3, 3, 3, 4]},
+     r"\['attention_mask'\] = .* is not a segment mask \(segment_ids\[0, 4\] = 1 follows 2\)"),
+    ({"attention_mask": [2] * 10}, r"is not a segment mask \(segment_ids\[0, 0\] = 2, but the first sequence"),
+    ({"attention_mask": [1] * 9}, r"\['attention_mask'\] = .* has 9 entries but the sample has 10 tokens"),
+    ({"seq_lens": "4231"}, r"\['seq_lens'\] = '4231' .* must be a 1-D sequence of integers, got type str"),
+])
+def test_boundary_spellings_that_are_wrong_or_disagree_are_refused_by_name(collate, fields, match):
+    with pytest.raises(InvalidLayoutError, match=match):
+        collate([PLAIN, {"input_ids": ROW, "labels": ROW_LABELS, **fields}])
+
+
+def test_padding_to_a_multiple_leaves_the_logits_of_the_real_tokens_unchanged():
+    """PaddingFreeCollator(pad_to_multiple_of=...) pads the one row with a tail that is a sequence of its own: a
+    configured tiny llama gives the real tokens the logits (and the loss) of the unpadded row."""
+    from padfree import configure_packing
+    from zoo import sequences, tiny_model
+
+    model = tiny_model("llama").eval()
+    configure_packing(model)
+    samples = [{"input_ids": s} for s in sequences([9, 8, 6, 1, 5])]
+    plain, padded = PaddingFreeCollator()(samples), PaddingFreeCollator(pad_to_multiple_of=16)(samples)
+    assert (plain.seq_len, padded.seq_len) == (29, 32)
+    assert padded.position_ids[0, 29:].tolist() == [0, 1, 2] and padded.labels[0, 29:].eq(-100).all()
+    with torch.no_grad():
+        want, got = model(**plain.model_inputs()), model(**padded.model_inputs())
+        torch.testing.assert_close(got.logits[0, :29], want.logits[0], rtol=0, atol=1e-5)
+        torch.testing.assert_close(got.loss, want.loss, rtol=0, atol=1e-6)
+        # negative control: the same comparison sees what boundaries change (the row run as one sequence)
+        glued = model(input_ids=plain.input_ids, use_cache=False).logits[0]
+    assert (glued - want.logits[0]).abs().max() > 1e-3

@@ -25,7 +25,9 @@ ids are >= 0 (and below ``vocab_size`` when it is known), labels are aligned wit
 The faults, one class each: :class:`~padfree.errors.InvalidSampleError` for a sample's shape (not a sequence, a
 missing key, no tokens, labels of another length, samples of mixed forms) and
 :class:`~padfree.errors.InvalidTokensError` for a token's value (not an integer, negative, out of the vocabulary,
-too large). Both name the sample, the field and the token.
+too large). Both name the sample, the field and the token. A dict sample that is already a packed row carries its
+boundaries in any spelling of :data:`BOUNDARY_KEYS` (:func:`row_boundaries`);
+:class:`~padfree.errors.InvalidLayoutError` names the sample and the field of a spelling that is wrong or disagrees.
 """
 
 from __future__ import annotations
@@ -52,6 +54,7 @@ __all__ = [
     "read_sequence",
     "read_tokens",
     "refuse_empty",
+    "row_boundaries",
     "split_sample",
 ]
 
@@ -453,8 +456,10 @@ def read_samples(samples: Any, *, name: str = "samples", ids_key: str = "input_i
                  vocab_size: int | None = None) -> Samples:
     """A loader batch (token sequences, or dicts with ``ids_key`` / ``labels_key``) as checked flat buffers.
 
-    Already-packed rows (dicts carrying ``seq_lens``, TRL's ``seq_lengths`` or restarting ``position_ids``) are cut
-    into their sequences, so no boundary inside a row is lost (several spellings in one sample must agree):
+    Already-packed rows (dicts carrying any of :data:`BOUNDARY_KEYS`: ``seq_lens``, TRL's ``seq_lengths``,
+    ``cu_seq_lens`` / ``cu_seqlens``, restarting ``position_ids``, a LLaMA-Factory segment ``attention_mask``) are cut
+    into their sequences, so no boundary inside a row is lost (several spellings in one sample must agree; see
+    :func:`row_boundaries`). A sample holds no padding: a 0 in its ``attention_mask`` is refused.
 
     >>> s = read_samples([{"input_ids": [1, 2, 3, 4, 5], "seq_lens": [3, 2]}])
     >>> s.ids.offsets.tolist(), s.row_offsets.tolist()
@@ -507,43 +512,137 @@ def read_samples(samples: Any, *, name: str = "samples", ids_key: str = "input_i
 
 
 #: The spellings of the sequences inside an already-packed row that a sample may carry: padfree's and SeqPacker's
-#: ``seq_lens``, TRL's ``seq_lengths``, and ``position_ids`` restarting at 0 at every sequence.
-BOUNDARY_KEYS = ("seq_lens", "seq_lengths", "position_ids")
+#: ``seq_lens``, TRL's ``seq_lengths``, flash-attn offsets ``cu_seq_lens`` / ``cu_seqlens`` (0 to the row's length),
+#: ``position_ids`` restarting at 0 at every sequence, and a LLaMA-Factory segment mask as ``attention_mask``.
+BOUNDARY_KEYS = ("seq_lens", "seq_lengths", "cu_seq_lens", "cu_seqlens", "position_ids", "attention_mask")
+
+_ACCEPTED = {
+    "lengths": "accepted: lengths >= 1 summing to the sample's tokens",
+    "offsets": "accepted: offsets from 0 to the sample's tokens, strictly increasing",
+    "positions": "accepted: one position per input_ids token, restarting at 0 at every sequence of the row and "
+                 "counting up by 1 within it",
+    "mask": "accepted: one entry per input_ids token, 1 on every token or LLaMA-Factory segment ids 1, 1, 2, 2, 2, "
+            "... (a sample holds no padding: the collators pad)",
+}
+_KIND_OF = {"seq_lens": "lengths", "seq_lengths": "lengths", "cu_seq_lens": "offsets", "cu_seqlens": "offsets",
+            "position_ids": "positions", "attention_mask": "mask"}
+
+
+def row_boundaries(sample: Mapping[str, Any], tokens: int, where: str = "sample") -> np.ndarray | None:
+    """``(n,) int64`` — the lengths of the sequences inside one already-packed row, read from every spelling of
+    :data:`BOUNDARY_KEYS` the row carries (all must agree); None when it carries none (the row is one sequence).
+
+    ``tokens`` is the row's length; ``where`` names the row in errors. An ``attention_mask`` of 1s marks no
+    boundary (every token real); values > 1 are LLaMA-Factory segment ids. A sample holds no padding — the
+    collators pad rows themselves — so a 0 in its mask is refused rather than trained as a token or dropped
+    uncounted. Every fault raises :class:`~padfree.errors.InvalidLayoutError` naming the row and the field.
+
+    >>> row_boundaries({"input_ids": [5, 6, 7, 8, 9], "attention_mask": [1, 1, 2, 2, 2]}, 5).tolist()
+    [2, 3]
+    >>> row_boundaries({"cu_seqlens": [0, 2, 5], "position_ids": [0, 1, 0, 1, 2]}, 5).tolist()
+    [2, 3]
+    >>> row_boundaries({"attention_mask": [1, 1, 1]}, 3) is None
+    True
+    >>> row_boundaries({"seq_lengths": [2, 3], "attention_mask": [1, 1, 1, 2, 2]}, 5, "samples[0]")
+    Traceback (most recent call last):
+    ...
+    padfree.errors.InvalidLayoutError: samples[0]['seq_lengths'] and samples[0]['attention_mask'] disagree on where \
+the sequences of the row start ([2, 3] vs [3, 2])
+    >>> row_boundaries({"attention_mask": [1, 1, 1, 0]}, 4, "samples[0]")
+    Traceback (most recent call last):
+    ...
+    padfree.errors.InvalidLayoutError: samples[0]['attention_mask'][3] = 0 marks padding, but a sample holds no \
+padding (the collators pad rows themselves); give the real tokens only
+    """
+    found: list[tuple[str, np.ndarray]] = []
+    for key in BOUNDARY_KEYS:
+        value = sample.get(key)
+        if value is None:
+            continue
+        lens = _read_boundary(_KIND_OF[key], value, tokens, f"{where}[{key!r}]")
+        if lens is not None:
+            found.append((key, lens))
+    for (key, lens), (other, theirs) in itertools.pairwise(found):
+        if not np.array_equal(lens, theirs):
+            raise InvalidLayoutError(f"{where}[{key!r}] and {where}[{other!r}] disagree on where the sequences of the "
+                                     f"row start ({lens.tolist()} vs {theirs.tolist()})")
+    return found[0][1] if found else None
+
+
+def _read_boundary(kind: str, value: Any, n: int, where: str) -> np.ndarray | None:
+    """One spelling of one row's boundaries as ``(n,) int64`` lengths (None: a 0/1 mask, which marks none)."""
+    from padfree import layout
+
+    arr = _boundary_values(value, where, _ACCEPTED[kind], bool_ok=kind == "mask")
+    if kind == "lengths":
+        if arr.shape[0] == 0 or arr.min() < 1 or int(arr.sum()) != n:
+            raise InvalidLayoutError(f"{where} = {arr.tolist()} must be lengths >= 1 summing to the sample's {n} "
+                                     f"tokens")
+        return arr
+    if kind == "offsets":
+        if arr.shape[0] < 2 or arr[0] != 0 or (np.diff(arr) < 1).any() or arr[-1] != n:
+            raise InvalidLayoutError(f"{where} = {describe(arr.tolist())} must be offsets from 0 to the sample's {n} "
+                                     f"tokens, strictly increasing")
+        return np.diff(arr)
+    if arr.shape[0] != n:
+        raise InvalidLayoutError(f"{where} = {describe(value)} has {arr.shape[0]} entries but the sample has {n} "
+                                 f"tokens; {_ACCEPTED[kind]}")
+    if kind == "mask":
+        if n and arr.min() < 1:
+            k = int(np.argmax(arr < 1))
+            if arr[k] == 0:
+                raise InvalidLayoutError(f"{where}[{k}] = 0 marks padding, but a sample holds no padding (the "
+                                         f"collators pad rows themselves); give the real tokens only")
+            raise InvalidLayoutError(f"{where}[{k}] = {arr[k]} is negative; {_ACCEPTED[kind]}")
+        if not n or arr.max() <= 1:
+            return None
+    convert = layout.segment_ids_to_lengths if kind == "mask" else layout.position_ids_to_lengths
+    try:
+        return np.asarray(convert(arr[None]), np.int64)
+    except InvalidLayoutError as exc:
+        # layout names the entry of the (1, n) row it was given; its hints about padding do not apply to a sample
+        what = "segment mask" if kind == "mask" else "packed row"
+        raise InvalidLayoutError(f"{where} = {describe(value)} is not a {what} ({str(exc).split(';')[0]}); "
+                                 f"{_ACCEPTED[kind]}") from None
+
+
+def _boundary_values(value: Any, where: str, accepted: str, *, bool_ok: bool = False) -> np.ndarray:
+    """A boundary field as a 1-D int64 array, or InvalidLayoutError naming ``where``, the value and ``accepted``."""
+    if type(value).__module__.startswith("torch"):
+        value = value.detach().cpu().numpy()
+    if isinstance(value, (list, tuple)) and not (value and isinstance(value[0], bool)):
+        try:  # the common case, one C loop (as _as_array); anything else is judged below
+            return np.frombuffer(array.array("q", value), np.int64)
+        except (TypeError, OverflowError):
+            pass
+    got = None
+    if isinstance(value, (str, bytes, Mapping)) or np.isscalar(value):
+        got = f"type {type(value).__name__}"
+        arr = None
+    else:
+        try:
+            arr = np.asarray(value)
+        except (TypeError, ValueError):
+            arr, got = None, "a ragged nesting"
+    if arr is not None and arr.ndim != 1:
+        got = f"shape {arr.shape}"
+    elif arr is not None and not (arr.dtype.kind in "iu" or (bool_ok and arr.dtype.kind == "b")):
+        got = "booleans" if arr.dtype.kind == "b" else f"dtype {arr.dtype}"
+    if got is not None:
+        raise InvalidLayoutError(f"{where} = {describe(value)} must be a 1-D sequence of integers, got {got}; "
+                                 f"{accepted}")
+    if arr.dtype == np.uint64 and arr.size and arr.max() > _INT64_MAX:
+        raise InvalidLayoutError(f"{where} = {describe(value)} holds a value that does not fit int64; {accepted}")
+    return arr.astype(np.int64)
 
 
 def _boundaries(samples: Sequence[Mapping[str, Any]], row_lengths: np.ndarray,
                 name: str) -> tuple[np.ndarray, np.ndarray]:
-    """``(lengths of every sequence, sequences per sample)``: each sample's boundaries read from whichever of
-    :data:`BOUNDARY_KEYS` it carries (all of them must agree); a sample with none is one sequence."""
-    from padfree import layout
-
+    """``(lengths of every sequence, sequences per sample)``: each sample's boundaries by :func:`row_boundaries`;
+    a sample with none is one sequence."""
     parts = []
     for i, sample in enumerate(samples):  # per sample, never per token
         n = int(row_lengths[i])
-        found: list[tuple[str, np.ndarray]] = []
-        for key in BOUNDARY_KEYS:
-            value = sample.get(key)
-            if value is None:
-                continue
-            where = f"{name}[{i}][{key!r}]"
-            arr = _as_array(value, where)
-            if key == "position_ids":
-                if arr.shape[0] != n:
-                    raise InvalidLayoutError(f"{where} has {arr.shape[0]} entries but the sample has {n} tokens; "
-                                             f"positions are aligned with input_ids, one per token")
-                try:
-                    lens = np.asarray(layout.position_ids_to_lengths(arr[None]), np.int64)
-                except InvalidLayoutError as exc:
-                    raise InvalidLayoutError(f"{where} = {describe(arr.tolist())}: {exc}") from None
-            else:
-                lens = arr.astype(np.int64)
-                if lens.shape[0] == 0 or lens.min() < 1 or int(lens.sum()) != n:
-                    raise InvalidLayoutError(f"{where} = {lens.tolist()} must be lengths >= 1 summing to the "
-                                             f"sample's {n} tokens")
-            found.append((key, lens))
-        for (key, lens), (other, theirs) in itertools.pairwise(found):
-            if not np.array_equal(lens, theirs):
-                raise InvalidLayoutError(f"{name}[{i}][{key!r}] and {name}[{i}][{other!r}] disagree on where the "
-                                         f"sequences of the row start ({lens.tolist()} vs {theirs.tolist()})")
-        parts.append(found[0][1] if found else np.array([n], np.int64))
+        lens = row_boundaries(sample, n, f"{name}[{i}]")
+        parts.append(lens if lens is not None else np.array([n], np.int64))
     return np.concatenate(parts), np.array([p.shape[0] for p in parts], np.int64)

@@ -613,16 +613,32 @@ class PaddingFreeCollator:
     at 0 (HF's ``position_ids_start`` serves RoBERTa-like models, which are not causal LMs), and ``position_ids`` are
     always returned — without them sdpa and eager attention would let the samples of the row attend each other.
 
+    Samples that are already packed rows keep every boundary they carry, in any spelling of
+    :data:`padfree.samples.BOUNDARY_KEYS` (``seq_lens``, TRL's ``seq_lengths``, ``cu_seq_lens``, restarting
+    ``position_ids``, a LLaMA-Factory segment ``attention_mask``); a sample holds no padding (a 0 in its
+    ``attention_mask`` is refused).
+
     Args:
-        label_padding_value: the ignored label put on the first token of every sample.
+        label_padding_value: the ignored label put on the first token of every sample (and on padding).
         attention_mask, seq_idx, shift_labels, return_dict: as in :func:`packed_collate_fn`.
         max_tokens: refuse a batch with more tokens than this (:class:`~padfree.errors.OverlongSequenceError`);
             None: no limit.
+        pad_to_multiple_of: pad the row with ``padding_value`` tokens up to a multiple of this (as TRL's
+            padding-free collator does, for tensor cores); None: no padding. The padding tail follows the
+            conventions of :func:`packed_collate_fn`: positions ``0, 1, ...`` as one more sequence, labels
+            ``label_padding_value``, left out of ``seq_lens`` / ``cu_seqlens`` and a segment of its own in
+            ``cu_seqlens_padded``.
+        padding_value: the token id of the padding.
 
     >>> collate = PaddingFreeCollator(seq_idx=True)
     >>> batch = collate([{"input_ids": [5, 6, 7]}, {"input_ids": [8, 9], "labels": None}])
     >>> batch.input_ids.tolist(), batch.labels.tolist(), batch.seq_idx.tolist()
     ([[5, 6, 7, 8, 9]], [[-100, 6, 7, -100, 9]], [[0, 0, 0, 1, 1]])
+    >>> batch = PaddingFreeCollator(pad_to_multiple_of=4)([[5, 6, 7], [8, 9]])
+    >>> batch.input_ids.tolist(), batch.position_ids.tolist()
+    ([[5, 6, 7, 8, 9, 0, 0, 0]], [[0, 1, 2, 0, 1, 0, 1, 2]])
+    >>> batch.labels.tolist(), batch.seq_lens.tolist(), batch.cu_seqlens_padded.tolist()
+    ([[-100, 6, 7, -100, 9, -100, -100, -100]], [3, 2], [0, 3, 5, 8])
     """
 
     def __init__(
@@ -634,8 +650,12 @@ class PaddingFreeCollator:
         shift_labels: bool = False,
         return_dict: bool = False,
         max_tokens: int | None = None,
+        pad_to_multiple_of: int | None = None,
+        padding_value: int = 0,
     ) -> None:
         self.label_padding_value = as_fill_value(label_padding_value, "label_padding_value")
+        self.pad_to_multiple_of = as_positive_int(pad_to_multiple_of, "pad_to_multiple_of", allow_none=True)
+        self.padding_value = as_fill_value(padding_value, "padding_value")
         self.mask_kind = _as_mask_kind(attention_mask)
         self.seq_idx = bool(seq_idx)
         self.shift_labels = bool(shift_labels)
@@ -665,6 +685,13 @@ class PaddingFreeCollator:
             capacity=total,
             label_padding_value=self.label_padding_value,
         )
+        multiple = self.pad_to_multiple_of
+        if multiple is not None and total % multiple:
+            # the padding tail laid out by the rows kernel, which holds the padding rules of every collator
+            arrays = rows.padded(total, pad_to_multiple_of=multiple, padding_value=self.padding_value,
+                                 attention_mask=self.mask_kind, shift_labels=self.shift_labels)
+            batch = _to_batch(arrays, rows, mask_kind=self.mask_kind, seq_idx=self.seq_idx, device=None)
+            return batch.model_inputs() if self.return_dict else batch
         # one row without padding: the flat buffers are the (1, T) arrays, no scatter needed
         arrays = {"input_ids": ids.values[None], "labels": out_labels[None], "position_ids": position_ids[None]}
         if self.mask_kind == "binary":
@@ -680,6 +707,7 @@ class PaddingFreeCollator:
         return (
             f"PaddingFreeCollator(label_padding_value={self.label_padding_value}, attention_mask={self.mask_kind!r}, "
             f"seq_idx={self.seq_idx}, shift_labels={self.shift_labels}, return_dict={self.return_dict}, "
-            f"max_tokens={self.max_tokens})"
+            f"max_tokens={self.max_tokens}, pad_to_multiple_of={self.pad_to_multiple_of}, "
+            f"padding_value={self.padding_value})"
         )
 
