@@ -561,3 +561,36 @@ def test_wrapped_rows_are_full_and_every_piece_is_a_sequence_of_its_own():
                 worst_trl = max(worst_trl, float((trl[start:start + n] - alone).abs().max()))
                 start += n
     assert worst_ours <= 1e-5 and worst_trl > 1e-2
+
+
+def test_a_streaming_dataset_is_packed_online_into_the_same_columns():
+    """A streaming ``datasets.IterableDataset`` comes back as an IterableDataset packed while it is read: with a
+    buffer that holds the whole stream, the rows are the offline plan's rows (labels and masks included), in every
+    padding and column option; what a stream cannot give is refused by name."""
+    rng = np.random.default_rng(5)
+    seqs = [rng.integers(3, 500, int(n)).tolist() for n in rng.integers(1, 40, 80)]
+    labels = [[t if t % 3 else -100 for t in s] for s in seqs]
+    source = datasets.Dataset.from_dict({"input_ids": seqs, "labels": labels})
+    for kwargs in [{}, {"padding": None, "attention_mask": None,
+                        "columns": {"input_ids": "input_ids", "seq_lens": "seq_lengths"}},
+                   {"attention_mask": "segments", "pad_to_multiple_of": 16}]:
+        offline = pack_dataset(source, 64, **kwargs)[:]
+        online = pack_dataset(source.to_iterable_dataset(), 64, buffer_size=1_000, **kwargs)
+        assert isinstance(online, datasets.IterableDataset)
+        rows = list(online)
+        assert set(rows[0]) == set(offline)
+        as_rows = [dict(zip(offline, values, strict=True)) for values in zip(*offline.values(), strict=True)]
+        key = lambda r: (r["input_ids"], r.get("labels"))  # noqa: E731
+        assert sorted(rows, key=key) == sorted(as_rows, key=key)
+    stream = source.to_iterable_dataset()
+    for kwargs, match in [({"padding": "longest"}, "padding='longest' needs every row"),
+                          ({"columns": ["input_ids", "sequence_ids"]}, r"columns \['sequence_ids'\] cannot be written"),
+                          ({"return_result": True}, "return_result=True needs a global plan"),
+                          ({"padding": 32}, "padding=32 is shorter than capacity=64")]:
+        with pytest.raises(InvalidArgumentError, match=match):
+            pack_dataset(stream, 64, **kwargs)
+    masked = datasets.Dataset.from_dict({"input_ids": seqs, "completion_mask": [[1] * len(s) for s in seqs]})
+    with pytest.raises(InvalidArgumentError, match=r"the stream has \['completion_mask'\] but no labels"):
+        pack_dataset(masked.to_iterable_dataset(), 64)
+    with pytest.raises(InvalidArgumentError, match="pack_dataset_from_result needs a map-style"):
+        pack_dataset_from_result(pack_sequences([len(s) for s in seqs], 64), stream)

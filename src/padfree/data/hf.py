@@ -93,6 +93,7 @@ from typing import Any
 
 import numpy as np
 
+from padfree.data._stream import pack_stream
 from padfree.errors import (
     BackendUnavailableError,
     DataLoadError,
@@ -294,8 +295,8 @@ def _read(data: Any, labels: Any, label_masks: Sequence[str]) -> _Data:
         )
     if isinstance(data, datasets.IterableDataset):
         raise InvalidArgumentError(
-            "data is a streaming datasets.IterableDataset, which has no global plan; pack it online with "
-            "padfree.StreamPacker, or load it as a map-style datasets.Dataset"
+            "data is a streaming datasets.IterableDataset, which has no global plan to lay out: pack_dataset packs "
+            "it online, pack_dataset_from_result needs a map-style datasets.Dataset"
         )
     if isinstance(data, datasets.Dataset):
         table, names = data.data, data.column_names
@@ -475,6 +476,7 @@ def pack_dataset(
     num_threads: int | None = None,
     return_result: bool = False,
     token_ids: Any = None,
+    buffer_size: int = 10_000,
 ) -> Any:
     """Pack every sequence of ``data`` into rows of ``capacity`` tokens; return a ``datasets.Dataset`` of the rows.
 
@@ -512,6 +514,10 @@ def pack_dataset(
             ``data`` (after its indices mapping), bins are the rows of the dataset.
         token_ids: SeqPacker's name for ``data`` (``pack_dataset(token_ids=..., capacity=...)`` as its documents
             write it); give one of the two.
+        buffer_size: for a streaming ``datasets.IterableDataset``: the sequences a :class:`~padfree.StreamPacker`
+            holds while it packs (the result is then an ``IterableDataset`` packed as it is read, through
+            :class:`~padfree.IterablePackingDataset`; ``return_result`` does not apply, ``padding="longest"`` and
+            ``sequence_ids`` are refused, and label masks must be folded into ``labels`` first).
 
     Returns:
         A ``datasets.Dataset`` with one row per bin (see the module docstring for the columns), or
@@ -534,6 +540,12 @@ def pack_dataset(
     as_choice(overlong, "overlong", OVERLONG_POLICIES)
     opts = _options(padding_value, label_padding_value, padding, pad_to_multiple_of, attention_mask, columns,
                     label_masks, chunk_tokens, keep_in_memory, cache_file_name, num_threads)
+    datasets, _ = _import_hf()
+    if isinstance(data, datasets.IterableDataset):
+        if return_result:
+            raise InvalidArgumentError("return_result=True needs a global plan, which a stream does not have")
+        return pack_stream(data, capacity, strategy, seed, overlong, max_sequences_per_bin, opts,
+                           as_positive_int(buffer_size, "buffer_size"))
     source = _read(data, labels, opts.label_masks)
     lengths = _check(source)
     wrapped = isinstance(strategy, str) and strategy.lower() == "wrapped"

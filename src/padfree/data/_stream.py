@@ -1,0 +1,80 @@
+"""``pack_dataset`` on a streaming ``datasets.IterableDataset``: rows packed online, written as the same columns.
+
+A stream has no global plan; its rows come from :class:`padfree.IterablePackingDataset` (a :class:`StreamPacker`
+over a buffer of ``buffer_size`` sequences, exact boundaries, nothing dropped silently), laid out with the options of
+:func:`padfree.pack_dataset` — padding, ``pad_to_multiple_of``, the attention-mask kind, the columns and their
+names — and handed back as a ``datasets.IterableDataset`` that packs while it is read.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+
+from padfree.errors import InvalidArgumentError
+
+__all__ = ["pack_stream"]
+
+_STREAM_COLUMNS = ("input_ids", "attention_mask", "labels", "position_ids", "seq_lens")
+
+
+def pack_stream(data: Any, capacity: int, strategy: str, seed: int | None, overlong: str,
+                max_sequences_per_bin: int | None, opts: Any, buffer_size: int) -> Any:
+    """The packed rows of the stream ``data`` as a ``datasets.IterableDataset`` (``opts``: pack_dataset's options)."""
+    import datasets
+
+    if opts.padding == "longest":
+        raise InvalidArgumentError("padding='longest' needs every row before the first is written; a stream has no "
+                                   "end to wait for: use padding='capacity', an int, or None")
+    if isinstance(opts.padding, int) and opts.padding < capacity:
+        raise InvalidArgumentError(f"padding={opts.padding} is shorter than capacity={capacity}, which a row of the "
+                                   f"stream may fill; pass padding >= capacity, 'capacity' or None")
+    extra = [what for what, _ in opts.columns if what not in _STREAM_COLUMNS]
+    if extra:
+        raise InvalidArgumentError(f"columns {extra} cannot be written for a stream (a stream's sequences have no "
+                                   f"row index); choose from {list(_STREAM_COLUMNS)}")
+    names = getattr(data, "column_names", None) or []
+    masks = [m for m in opts.label_masks if m in names]
+    if masks and "labels" not in names:
+        raise InvalidArgumentError(f"the stream has {masks} but no labels: pack_dataset folds those masks into labels "
+                                   f"for a map-style dataset only; map them into a 'labels' column first")
+    kwargs = {"data": data, "capacity": capacity, "strategy": strategy, "seed": seed, "overlong": overlong,
+              "max_sequences_per_bin": max_sequences_per_bin, "opts": opts, "buffer_size": buffer_size}
+    return datasets.IterableDataset.from_generator(_rows, gen_kwargs=kwargs)
+
+
+def _rows(data: Any, capacity: int, strategy: str, seed: int | None, overlong: str,
+          max_sequences_per_bin: int | None, opts: Any, buffer_size: int) -> Iterator[dict[str, list[int]]]:
+    from padfree.data.datasets import IterablePackingDataset
+
+    rows = IterablePackingDataset(data, capacity, buffer_size, strategy, seed, shuffle=False, overlong=overlong,
+                                  max_sequences_per_bin=max_sequences_per_bin,
+                                  label_padding_value=opts.label_padding_value)
+    for row in rows:
+        yield _layout(row, capacity, opts)
+
+
+def _layout(row: dict[str, Any], capacity: int, opts: Any) -> dict[str, list[int]]:
+    """One unpadded row of tensors as the columns pack_dataset writes, padded as asked (the padding tail: the
+    ``padfree.rows`` convention — positions 0, 1, ... as one more sequence, ignored labels, mask 0)."""
+    ids = row["input_ids"].numpy()
+    seq_lens = row["seq_lens"].numpy()
+    n = ids.shape[0]
+    width = capacity if opts.padding == "capacity" else n if opts.padding is None else int(opts.padding)
+    if opts.pad_to_multiple_of:
+        width = -(-width // opts.pad_to_multiple_of) * opts.pad_to_multiple_of
+    tail = width - n
+    values = {
+        "input_ids": np.concatenate([ids, np.full(tail, opts.padding_value, ids.dtype)]),
+        "labels": np.concatenate([row["labels"].numpy(), np.full(tail, opts.label_padding_value, np.int64)]),
+        "position_ids": np.concatenate([row["position_ids"].numpy(), np.arange(tail)]),
+        "seq_lens": seq_lens,
+    }
+    if opts.attention_mask == "segments":
+        values["attention_mask"] = np.concatenate([np.repeat(np.arange(1, seq_lens.shape[0] + 1), seq_lens),
+                                                   np.zeros(tail, np.int64)])
+    elif opts.attention_mask == "binary":
+        values["attention_mask"] = np.concatenate([np.ones(n, np.int64), np.zeros(tail, np.int64)])
+    return {name: values[what].tolist() for what, name in opts.columns if what in values}
