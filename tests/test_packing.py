@@ -78,6 +78,46 @@ def _harmonic(lengths, capacity, k=8, max_items=None):
     return bins
 
 
+def _mffd(lengths, capacity, max_items=None):
+    """Modified first fit decreasing, phase by phase as Johnson & Garey state it (classes at C/2, C/3, C/6)."""
+    limit = max_items or len(lengths) + 1
+    order = _decreasing(lengths)
+    rank = {i: r for r, (i, _) in enumerate(order)}
+    bins = [[i] for i, length in order if 2 * length > capacity]
+    rooms = [capacity - length for _, length in order if 2 * length > capacity]
+    rest = [(i, length) for i, length in order if 2 * length <= capacity]  # decreasing, as the list shrinks
+
+    def medium(length):
+        return 3 * length > capacity
+
+    def small(length):
+        return not medium(length) and 6 * length > capacity
+
+    def put(b, item):
+        rest.remove(item)
+        bins[b].append(item[0])
+        rooms[b] -= item[1]
+
+    with_medium = set()
+    for b in range(len(bins)):  # 2: forward, the largest medium item that fits
+        fitting = [x for x in rest if medium(x[1]) and x[1] <= rooms[b]]
+        if fitting and len(bins[b]) < limit:
+            put(b, fitting[0])
+            with_medium.add(b)
+    for b in reversed(range(len(bins))):  # 3: backward, the smallest small item and the largest that then fits
+        smalls = [x for x in rest if small(x[1])]
+        if b in with_medium or len(bins[b]) + 2 > limit or len(smalls) < 2:
+            continue
+        if smalls[-1][1] + smalls[-2][1] <= rooms[b]:
+            put(b, smalls[-1])
+            put(b, next(x for x in rest if small(x[1]) and x[1] <= rooms[b]))
+    for b in range(len(bins)):  # 4: forward, the largest remaining items that fit, while one does
+        while len(bins[b]) < limit and (fitting := [x for x in rest if x[1] <= rooms[b]]):
+            put(b, fitting[0])
+    bins += _place_reference(rest, capacity, _first, max_items)  # 5: first fit decreasing into new bins
+    return [sorted(b, key=rank.get) for b in bins]  # a bin lists its pieces longest first, as the strategies do
+
+
 REFERENCES = {
     "nf": lambda L, C, m: _next_fit(L, C, m),
     "ff": lambda L, C, m: _place_reference(list(enumerate(L)), C, _first, m),
@@ -86,6 +126,7 @@ REFERENCES = {
     "ffd": lambda L, C, m: _place_reference(_decreasing(L), C, _first, m),
     "bfd": lambda L, C, m: _place_reference(_decreasing(L), C, _best, m),
     "hk": lambda L, C, m: _harmonic(L, C, 8, m),
+    "mffd": lambda L, C, m: _mffd(L, C, m),
 }
 
 small_lengths = st.lists(st.integers(1, 40), min_size=0, max_size=60)
@@ -262,7 +303,7 @@ def test_packer_reuses_its_configuration():
 
 
 def test_registry_documents_every_strategy_with_its_cost():
-    assert set(STRATEGIES) == {"nf", "ff", "bf", "wf", "ffd", "bfd", "obfd", "ffs", "hk"}
+    assert set(STRATEGIES) == {"nf", "ff", "bf", "wf", "ffd", "bfd", "obfd", "obfdp", "mffd", "ffs", "hk"}
     for spec in STRATEGIES.values():
         assert "O(" in spec.doc, spec.name
 
@@ -293,6 +334,8 @@ SEQPACKER_NAMES = {
     "bfd": ["BFD", "BestFitDecreasing"],
     "ffs": ["FFS", "FirstFitShuffle"],
     "obfd": ["OBFD", "OptimizedBFD", "OptimizedBestFitDecreasing"],
+    "obfdp": ["OBFDP", "ParallelOBFD", "ParallelOptimizedBestFitDecreasing"],
+    "mffd": ["MFFD", "ModifiedFFD", "ModifiedFirstFitDecreasing"],
     "hk": ["HK", "Harmonic", "HARMONIC", "Harmonic-K"],
 }
 
@@ -388,3 +431,56 @@ def test_packing_time_is_measured_per_call():
     plan = Packer(2048).pack(lengths)
     assert plan.packing_time_ms > 0
     assert plan.metrics.throughput == pytest.approx(20_000 / (plan.packing_time_ms / 1000))
+
+
+def test_mffd_pairs_large_items_with_medium_ones_where_ffd_does_not():
+    # FFD puts 55 with 45 and leaves 35 + 35 + 30 for a bin of their own; MFFD's phases give every large item a
+    # partner: the classic case where it needs fewer bins
+    lengths = [55, 55, 45, 35, 35, 30, 30, 15]
+    ffd, mffd = pack_sequences(lengths, 100, "ffd"), pack_sequences(lengths, 100, "mffd")
+    assert mffd.bins == _mffd(lengths, 100)
+    assert mffd.num_bins <= ffd.num_bins
+
+
+def _lognormal(n, seed=7):
+    rng = np.random.default_rng(seed)
+    return np.clip(np.round(rng.lognormal(np.log(250), 1.0, n)), 1, 2048).astype(np.int64)
+
+
+@pytest.mark.parametrize("n", [200_000, 1_000_000])
+def test_obfdp_is_within_a_thousandth_of_obfd(n):
+    from padfree.packing.strategies import obfdp_shards
+
+    lengths = _lognormal(n)
+    assert obfdp_shards(n) > 1  # the sharded path, not the fallback
+    obfd, obfdp = pack_sequences(lengths, 2048, "obfd"), pack_sequences(lengths, 2048, "obfdp")
+    assert obfdp.num_bins <= obfd.num_bins * 1.001
+    _check_plan(obfdp, lengths, 2048, "error", None)
+
+
+def test_obfdp_is_obfd_below_its_threshold():
+    from padfree.packing.strategies import obfdp_shards
+
+    lengths = _lognormal(50_000)
+    assert obfdp_shards(lengths.size) == 1
+    assert pack_sequences(lengths, 2048, "obfdp").bins == pack_sequences(lengths, 2048, "obfd").bins
+
+
+@given(lengths=st.lists(st.integers(1, 64), min_size=1, max_size=300), capacity=st.integers(64, 128),
+       shards=st.integers(2, 9), max_items=st.one_of(st.none(), st.integers(1, 6)))
+@settings(max_examples=150, deadline=None)
+def test_obfdp_shards_place_every_piece_once_and_fill_no_bin_past_capacity(lengths, capacity, shards, max_items):
+    from padfree.packing.kernels import group_by_bin
+    from padfree.packing.strategies import parallel_best_fit_decreasing
+
+    lengths = np.array(lengths, np.int64)
+    limit = len(lengths) + 1 if max_items is None else max_items
+    proc, bin_of, num_bins = parallel_best_fit_decreasing(lengths, capacity, limit, shards)
+    order, offsets = group_by_bin(proc, bin_of, num_bins)
+    plan = PackResult(lengths=lengths, capacity=capacity, order=order, bin_offsets=offsets)  # runs the checks
+    assert sorted(plan.order.tolist()) == list(range(len(lengths)))
+    _check_plan(plan, lengths, capacity, "error", max_items)
+    if max_items is None:
+        # a kept bin has less room than the smallest piece and the repack is any-fit, so at most one bin is half
+        # empty (unless every piece is longer than C/2): best fit's bound holds for the shards too
+        assert plan.num_bins <= 2 * plan.lower_bound + 1

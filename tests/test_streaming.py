@@ -18,7 +18,7 @@ def _run(packer: StreamPacker, lengths, chunks: int = 1, items=None):
     return bins + packer.flush()
 
 
-@pytest.mark.parametrize("strategy", ["obfd", "bfd", "ffd", "ffs", "nf", "hk"])
+@pytest.mark.parametrize("strategy", ["obfd", "obfdp", "mffd", "bfd", "ffd", "ffs", "nf", "hk"])
 @pytest.mark.parametrize("policy", ["error", "split", "truncate"])
 @given(lengths=st.lists(st.integers(1, 90), min_size=1, max_size=70), seed=st.integers(0, 99))
 @settings(max_examples=25, deadline=None)

@@ -17,7 +17,7 @@ machine code instead of recompiling.
 from __future__ import annotations
 
 import numpy as np
-from numba import njit
+from numba import njit, prange
 from numba.cpython.unsafe.numbers import trailing_zeros
 
 # --------------------------------------------------------------------------------------------------
@@ -313,3 +313,133 @@ def best_fit(values, runs, capacity, max_items, lowest_index):  # pragma: no cov
                     head[room] = b
                 _set_bit(words, summary, room)
     return bin_of, num_bins
+
+
+# --------------------------------------------------------------------------------------------------
+# Modified first fit decreasing: the large items' bins filled in four phases, O(n log n)
+# --------------------------------------------------------------------------------------------------
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _find(parent, i):  # pragma: no cover - compiled
+    """Root of ``i`` in a union-find forest, halving the path on the way (amortised near O(1))."""
+    while parent[i] != i:
+        parent[i] = parent[parent[i]]
+        i = parent[i]
+    return i
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _first_at_most(ordered, lo, hi, limit):  # pragma: no cover - compiled
+    """First position in ``[lo, hi)`` of the non-increasing ``ordered`` whose value is ``<= limit`` (``hi``: none)."""
+    while lo < hi:
+        mid = (lo + hi) >> 1
+        if ordered[mid] <= limit:
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
+
+
+@njit(cache=True, nogil=True)
+def mffd_large_bins(ordered, capacity, max_items):  # pragma: no cover - compiled
+    """Phases 1-4 of modified first fit decreasing (Johnson & Garey 1985) over ``ordered: (n,)``, non-increasing.
+
+    Classes: large ``L > C/2``, medium ``C/3 < L <= C/2``, small ``C/6 < L <= C/3``, tiny the rest; each is a
+    contiguous range of ``ordered``. (1) each large item opens a bin, largest first; (2) forward through those
+    bins, each takes the largest remaining medium item that fits; (3) backward through the bins without a medium
+    item, where the two smallest remaining small items fit together: the smallest, then the largest remaining
+    small item that fits; (4) forward through the bins, each takes the largest remaining item that fits until
+    none does. Phase 5 (first fit decreasing of the rest into new bins) is the caller's ``tree_fit``.
+
+    Returns ``bin_of: (n,) int64`` (-1 for items left to phase 5) and the number of large bins. Removed items
+    are skipped with two union-find arrays, so "the largest remaining item <= room" is a binary search plus a
+    near-O(1) find, and "the smallest remaining" a find backwards.
+    """
+    n = ordered.shape[0]
+    bin_of = np.full(n, -1, np.int64)
+    a = _first_at_most(ordered, 0, n, capacity // 2)
+    b = _first_at_most(ordered, a, n, capacity // 3)
+    c = _first_at_most(ordered, b, n, capacity // 6)
+    room = np.empty(a, np.int64)
+    count = np.ones(a, np.int64)
+    medium = np.zeros(a, np.bool_)
+    for i in range(a):
+        bin_of[i] = i
+        room[i] = capacity - ordered[i]
+    after = np.arange(n + 1)  # _find(after, p): first remaining position >= p (n: none)
+    before = np.arange(n + 1)  # _find(before, p + 1) - 1: last remaining position <= p (-1: none)
+    for i in range(a):  # phase 2
+        if count[i] >= max_items:
+            continue
+        k = _find(after, _first_at_most(ordered, a, b, room[i]))
+        if k < b:
+            bin_of[k] = i
+            room[i] -= ordered[k]
+            count[i] += 1
+            medium[i] = True
+            after[k] = k + 1
+            before[k + 1] = k
+    for i in range(a - 1, -1, -1):  # phase 3
+        if medium[i] or count[i] + 2 > max_items:
+            continue
+        s1 = _find(before, c) - 1
+        if s1 < b:
+            continue
+        s2 = _find(before, s1) - 1
+        if s2 < b or ordered[s1] + ordered[s2] > room[i]:
+            continue
+        for step in range(2):
+            k = s1 if step == 0 else _find(after, _first_at_most(ordered, b, c, room[i]))
+            bin_of[k] = i
+            room[i] -= ordered[k]
+            count[i] += 1
+            after[k] = k + 1
+            before[k + 1] = k
+    for i in range(a):  # phase 4
+        while count[i] < max_items:
+            k = _find(after, _first_at_most(ordered, a, n, room[i]))
+            if k >= n:
+                break
+            bin_of[k] = i
+            room[i] -= ordered[k]
+            count[i] += 1
+            after[k] = k + 1
+            before[k + 1] = k
+    return bin_of, a
+
+
+# --------------------------------------------------------------------------------------------------
+# Parallel best fit decreasing: interleaved shards packed at once
+# --------------------------------------------------------------------------------------------------
+
+
+@njit(cache=True, parallel=True)
+def sharded_best_fit(values, runs, capacity, max_items, shards, lowest_index):  # pragma: no cover - compiled
+    """Best fit decreasing on ``shards`` interleaved shards at once (numba ``prange``, one shard per task).
+
+    The decreasing order is dealt round-robin: shard ``j`` takes the items at positions ``j, j + shards, ...``,
+    so every shard sees the same length distribution and is itself in decreasing order (as runs, like
+    :func:`best_fit`). Returns ``local: (n,) int32`` (each item's bin inside its shard, by position in the
+    decreasing order) and ``bins: (shards,) int64`` (bins per shard). The shards are independent, so the result
+    does not depend on the number of threads.
+    """
+    m = values.shape[0]
+    first = np.zeros(m + 1, np.int64)
+    for r in range(m):
+        first[r + 1] = first[r] + runs[r]
+    n = first[m]
+    local = np.empty(n, np.int32)
+    bins = np.zeros(shards, np.int64)
+    for j in prange(shards):
+        mine = np.empty(m, np.int64)
+        for r in range(m):
+            # positions in [first[r], first[r + 1]) that are j modulo shards
+            hi = max(first[r + 1] - j + shards - 1, 0) // shards
+            lo = max(first[r] - j + shards - 1, 0) // shards
+            mine[r] = hi - lo
+        sub, count = best_fit(values, mine, capacity, max_items, lowest_index)
+        bins[j] = count
+        for t in range(sub.shape[0]):
+            local[j + t * shards] = sub[t]
+    return local, bins

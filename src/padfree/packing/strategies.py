@@ -29,7 +29,17 @@ from padfree.packing.inputs import (
 )
 from padfree.packing.result import PackResult
 
-__all__ = ["DEFAULT_STRATEGY", "STRATEGIES", "Packer", "Strategy", "as_strategy", "pack_sequences", "place"]
+__all__ = [
+    "DEFAULT_STRATEGY",
+    "STRATEGIES",
+    "Packer",
+    "Strategy",
+    "as_strategy",
+    "obfdp_shards",
+    "pack_sequences",
+    "parallel_best_fit_decreasing",
+    "place",
+]
 
 DEFAULT_STRATEGY = "obfd"
 
@@ -100,6 +110,76 @@ def _obfd(lengths, capacity, max_items, rng):
     return (proc, *kernels.best_fit(values, runs, capacity, max_items, exact_ties))
 
 
+def _mffd(lengths, capacity, max_items, rng):
+    """Modified first fit decreasing (Johnson & Garey 1985): at most 71/60 OPT + 1 bins. O(n + C) sort + O(n log n).
+
+    Items are large (> C/2), medium (> C/3), small (> C/6) or tiny. Each large item opens a bin (largest first);
+    forward through those bins each takes the largest medium item that fits; backward through the bins without
+    one, where the two smallest small items fit, a bin takes the smallest and then the largest small item that
+    fits; forward again, each bin takes the largest remaining items that fit; the rest go by first fit
+    decreasing into new bins. It pairs large items with medium ones where FFD would waste room: best on lengths
+    that mix long and mid-length sequences.
+    """
+    proc, values, runs = kernels.counting_sort_decreasing(lengths, capacity)
+    ordered = np.repeat(values, runs)
+    bin_of, num_large = kernels.mffd_large_bins(ordered, capacity, max_items)
+    rest = np.flatnonzero(bin_of < 0)
+    rest_bin, num_rest = kernels.tree_fit(ordered[rest], capacity, max_items, False)
+    bin_of[rest] = rest_bin + num_large
+    return proc, bin_of, num_large + num_rest
+
+
+OBFDP_SHARD_ITEMS = 50_000  # items per shard of obfdp; below two shards' worth it is obfd
+OBFDP_MAX_SHARDS = 16
+
+
+def obfdp_shards(n: int) -> int:
+    """The number of shards ``obfdp`` packs ``n`` items in: a function of ``n`` alone, never of the machine, so
+    that a plan is the same on every machine (1 means plain ``obfd``)."""
+    return max(1, min(OBFDP_MAX_SHARDS, n // OBFDP_SHARD_ITEMS))
+
+
+def parallel_best_fit_decreasing(
+    lengths: np.ndarray, capacity: int, max_items: int, shards: int
+) -> tuple[np.ndarray, np.ndarray, int]:
+    """``obfdp``'s placement with a given number of shards (``obfdp`` picks it with :func:`obfdp_shards`): the
+    strategy contract ``(proc, bin_of, num_bins)`` for ``lengths (n,)`` in ``[1, capacity]``.
+
+    The decreasing order is dealt round-robin to ``shards`` shards, packed at once by best fit decreasing
+    (:func:`~padfree.packing.kernels.sharded_best_fit`); then every bin with room for the smallest item is
+    emptied and its items are packed again together, by best fit decreasing. A shard's waste sits in such bins
+    (the tail where its small items ran out), so the repack brings the count back to ``obfd``'s.
+    """
+    proc, values, runs = kernels.counting_sort_decreasing(lengths, capacity)
+    n = lengths.shape[0]
+    exact_ties = max_items <= n
+    local, per_shard = kernels.sharded_best_fit(values, runs, capacity, max_items, shards, exact_ties)
+    ordered = np.repeat(values, runs)
+    base = np.zeros(shards, np.int64)
+    np.cumsum(per_shard[:-1], out=base[1:])
+    shard_bin = base[np.arange(n, dtype=np.int64) % shards] + local
+    fill = np.bincount(shard_bin, weights=ordered, minlength=int(per_shard.sum())).astype(np.int64)
+    reopen = capacity - fill >= values[-1]
+    again = reopen[shard_bin]
+    kept = np.cumsum(~reopen) - 1
+    num_kept = int(kept[-1]) + 1
+    repacked, num_repacked = kernels.best_fit(ordered[again], _NO_RUNS, capacity, max_items, exact_ties)
+    bin_of = kept[shard_bin]
+    bin_of[again] = repacked + num_kept
+    return proc, bin_of, num_kept + num_repacked
+
+
+def _obfdp(lengths, capacity, max_items, rng):
+    """Parallel obfd: interleaved shards packed at once by best fit decreasing (numba ``prange``), then the bins
+    with room left are repacked together. O(n + C) sort + O(n/p log_64 C) placement on p threads; within 0.1% of
+    ``obfd``'s bins on large inputs. Below 100,000 items it is ``obfd`` (the shards would not pay for themselves).
+    """
+    shards = obfdp_shards(lengths.shape[0])
+    if shards == 1:
+        return _obfd(lengths, capacity, max_items, rng)
+    return parallel_best_fit_decreasing(lengths, capacity, max_items, shards)
+
+
 def _ffs(lengths, capacity, max_items, rng):
     """First fit over a seeded shuffle: O(n log n); a different seed gives different rows (reshuffle per epoch)."""
     proc = rng.permutation(lengths.shape[0]).astype(np.int64)
@@ -144,6 +224,9 @@ STRATEGIES: Mapping[str, Strategy] = MappingProxyType({
         Strategy("bfd", _bfd, online=False, full_name="BestFitDecreasing"),
         Strategy("obfd", _obfd, online=False, full_name="OptimizedBestFitDecreasing",
                  aliases=("OptimizedBFD", "OptimisedBestFitDecreasing", "OptimisedBFD")),
+        Strategy("obfdp", _obfdp, online=False, full_name="ParallelOptimizedBestFitDecreasing",
+                 aliases=("ParallelOBFD", "ParallelOptimisedBestFitDecreasing")),
+        Strategy("mffd", _mffd, online=False, full_name="ModifiedFirstFitDecreasing", aliases=("ModifiedFFD",)),
         Strategy("ffs", _ffs, online=False, randomized=True, full_name="FirstFitShuffle"),
         Strategy("hk", _hk, online=True, full_name="Harmonic", aliases=("Harmonic-K",)),
     )
