@@ -6,6 +6,7 @@ offline with the Mistral 7B SentencePiece vocabulary, and a tiny random-weight l
 from __future__ import annotations
 
 import copy
+import itertools
 import logging
 
 import numpy as np
@@ -266,11 +267,12 @@ ACCEPTED_POSITIONS = r"; accepted: one position per input_ids token, restarting 
     (torch.tensor([0, 1, 5, 0]), r"is not a packed row \(position_ids\[0, 2\] = 5 follows 1\)"),
     ([0, 1, -1, 0], r"is not a packed row \(position_ids\[0, 2\] = -1 is negative\)"),
     ([1, 2, 3, 4], r"is not a packed row \(position_ids\[0, 0\] = 1, but a row starts a sequence at position 0\)"),
-    ([0, 1, 2], r"must be 1-D with one position per token \(4\), got shape \(3,\)"),
-    ([0, 1, 2, 3, 4], r"must be 1-D with one position per token \(4\), got shape \(5,\)"),
-    ([[0, 1], [0, 1]], r"must be 1-D with one position per token \(4\), got shape \(2, 2\)"),
-    ([0, 1, [2], 3], r"must be 1-D with one position per token \(4\), got a ragged nesting"),
-    ([0.0, 1.0, 0.0, 1.0], r"is not a packed row \(position_ids must hold integers, got dtype float64\)"),
+    ([0, 1, 2], r"has 3 entries but the sample has 4 tokens"),
+    ([0, 1, 2, 3, 4], r"has 5 entries but the sample has 4 tokens"),
+    ([[0, 1], [0, 1]], r"must be a 1-D sequence of integers, got shape \(2, 2\)"),
+    ([0, 1, [2], 3], r"must be a 1-D sequence of integers, got a ragged nesting"),
+    ([0.0, 1.0, 0.0, 1.0], r"must be a 1-D sequence of integers, got dtype float64"),
+    ("0101", r"must be a 1-D sequence of integers, got type str"),
 ])
 def test_collator_refuses_position_ids_that_are_not_a_packing(position_ids, why):
     """Positions are the boundaries of a row the Trainer stripped of seq_lens: read wrong, sequences would be
@@ -291,9 +293,97 @@ def test_collator_position_ids_must_agree_with_seq_lens():
     both, alone = collate([{**row, "seq_lens": torch.tensor([2, 2])}]), collate([row])
     assert all(torch.equal(both[k], alone[k]) for k in ("input_ids", "labels", "position_ids"))
     assert alone["labels"].tolist() == [[-100, 2, -100, 4]]
-    with pytest.raises(InvalidLayoutError, match=r"samples\[0\]\['position_ids'\] split the row into sequences "
-                                                 r"of \[2, 2\] tokens, but its 'seq_lens' = \[3, 1\]"):
+    with pytest.raises(InvalidLayoutError, match=r"samples\[0\]\['seq_lens'\] and samples\[0\]\['position_ids'\] "
+                                                 r"disagree on where the sequences of the row start \(\[3, 1\] vs "
+                                                 r"\[2, 2\]\)"):
         collate([{**row, "seq_lens": [3, 1]}])
+
+
+@pytest.mark.parametrize("spelling", [
+    {"seq_lens": [3, 2]}, {"seq_lengths": [3, 2]}, {"cu_seq_lens": [0, 3, 5]}, {"cu_seqlens": torch.tensor([0, 3, 5])},
+    {"position_ids": [0, 1, 2, 0, 1]}, {"attention_mask": [1, 1, 1, 2, 2]},
+], ids=lambda spelling: next(iter(spelling)))
+def test_collator_reads_every_boundary_spelling_by_the_rule_of_every_collator(spelling):
+    """PackedRowsCollator reads a row's boundaries as padfree.samples does (one rule for every collator): any
+    spelling cuts the row; without one the row is one sequence (the negative control the checks catch)."""
+    row = {"input_ids": [5, 6, 7, 8, 9], **spelling}
+    batch = PackedRowsCollator()([row, {"input_ids": [3, 4]}])
+    assert batch["position_ids"].tolist() == [[0, 1, 2, 0, 1, 0, 1]]
+    assert batch["labels"].tolist() == [[-100, 6, 7, -100, 9, -100, 4]]
+    glued = PackedRowsCollator()([{"input_ids": [5, 6, 7, 8, 9]}, {"input_ids": [3, 4]}])
+    assert glued["position_ids"].tolist() != batch["position_ids"].tolist()
+    with pytest.raises(InvalidLayoutError, match=r"samples\[0\]\['attention_mask'\]\[4\] = 0 marks padding"):
+        PackedRowsCollator()([{**row, "attention_mask": [1, 1, 1, 1, 0]}])
+
+
+def _spans(out, units, lengths):
+    """``[(piece, start)]`` in the real-token stream of a collator's output. ``units[u]`` lists the pieces the
+    collator was given as its ``u``-th sequence: one piece when it kept the boundaries, a whole row when not."""
+    from padfree.data.batch import PackedBatch
+
+    if isinstance(out, PackedBatch):
+        order, starts = out.sequence_ids.tolist(), out.cu_seqlens[:-1].tolist()
+    else:  # PackedRowsCollator: one row, the units in order
+        order = list(range(len(units)))
+        starts = np.cumsum([0] + [sum(lengths[k] for k in u) for u in units])[:-1].tolist()
+    spans = []
+    for u, start in zip(order, starts, strict=True):
+        for k in units[u]:
+            spans.append((k, start))
+            start += lengths[k]
+    return spans
+
+
+def test_a_trl_packed_row_trains_exactly_through_every_collator():
+    """Rows packed by TRL's own pack_dataset (bfd: boundaries in ``seq_lengths`` only) through the three collators:
+    positions restart at every sequence, no first token is a target, and a configured tiny llama gives every
+    sequence the logits it has alone; the rows collated without ``seq_lengths`` do not (negative control)."""
+    trl_data_utils = pytest.importorskip("trl.data_utils")
+    from padfree import configure_packing
+    from padfree.data.batch import PackedBatch, PaddingFreeCollator, packed_collate_fn
+    from zoo import sequences, tiny_model
+
+    seqs = sequences([9, 8, 7, 6, 5, 3])
+    packed = trl_data_utils.pack_dataset(datasets.Dataset.from_dict({"input_ids": seqs}), seq_length=20,
+                                         strategy="bfd")
+    rows = [packed[i] for i in range(len(packed))]
+    assert set(packed.column_names) == {"input_ids", "seq_lengths"} and all(len(r["seq_lengths"]) > 1 for r in rows)
+    pieces, units = [], []
+    for r in rows:
+        cut = np.cumsum([0, *r["seq_lengths"]])
+        units.append(list(range(len(pieces), len(pieces) + len(cut) - 1)))
+        pieces += [r["input_ids"][a:b] for a, b in itertools.pairwise(cut.tolist())]
+    assert sorted(pieces) == sorted(seqs)
+    lengths = [len(p) for p in pieces]
+    model = tiny_model("llama").eval()
+    configure_packing(model)
+    with torch.no_grad():
+        alone = [model(input_ids=torch.tensor([p]), use_cache=False).logits[0] for p in pieces]
+
+    def run(collate, batch_rows):
+        out = collate(batch_rows)
+        inputs = out.model_inputs() if isinstance(out, PackedBatch) else out
+        with torch.no_grad():
+            logits = model(**inputs).logits
+        real = (lambda x: out.unpad(x)) if isinstance(out, PackedBatch) else (lambda x: x[0])
+        return out, {"ids": real(inputs["input_ids"]), "pos": real(inputs["position_ids"]),
+                     "labels": real(inputs["labels"]), "logits": real(logits)}
+
+    for collate in (PaddingFreeCollator(), packed_collate_fn(20), PackedRowsCollator()):
+        out, flat = run(collate, rows)
+        spans = _spans(out, [[k] for k in range(len(pieces))], lengths)
+        assert sorted(k for k, _ in spans) == list(range(len(pieces)))
+        for k, a in spans:
+            b = a + lengths[k]
+            assert flat["ids"][a:b].tolist() == pieces[k], collate
+            assert flat["pos"][a:b].tolist() == list(range(lengths[k])), collate
+            assert flat["labels"][a].item() == -100 and flat["labels"][a + 1:b].tolist() == pieces[k][1:]
+            torch.testing.assert_close(flat["logits"][a:b], alone[k], rtol=0, atol=1e-5)
+        # negative control: the same rows without seq_lengths are one sequence each, and the logits show it
+        out, flat = run(collate, [{"input_ids": r["input_ids"]} for r in rows])
+        worst = max(float((flat["logits"][a:a + lengths[k]] - alone[k]).abs().max())
+                    for k, a in _spans(out, units, lengths))
+        assert worst > 1e-3, collate
 
 
 def test_status_enable_and_refusals(samples, tmp_path):

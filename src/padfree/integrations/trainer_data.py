@@ -12,39 +12,30 @@ already packed keep their boundaries).
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
-from padfree.data.batch import PaddingFreeCollator
-from padfree.errors import BackendUnavailableError, InvalidArgumentError, InvalidLayoutError, describe
-from padfree.layout import IGNORE_INDEX, position_ids_to_lengths
+from padfree.data.batch import PaddingFreeCollator  # needs torch, and says so when it is missing
+from padfree.errors import InvalidArgumentError, describe
+from padfree.layout import IGNORE_INDEX
 from padfree.packing.strategies import DEFAULT_STRATEGY
 
-try:
-    import torch
-except ImportError as exc:  # pragma: no cover - torch is installed wherever this module is used
-    raise BackendUnavailableError("padfree.integrations.trainer_data needs torch; pip install 'padfree[torch]'"
-                                  ) from exc
-
 __all__ = ["PackedRowsCollator", "pack_for_trainer"]
-
-_ACCEPTED_POSITIONS = ("accepted: one position per input_ids token, restarting at 0 at every sequence of the row and "
-                       "counting up by 1 within it")
-
 
 class PackedRowsCollator(PaddingFreeCollator):
     """A :class:`~padfree.PaddingFreeCollator` for the ``Trainer``: every loader batch becomes one row with
     restarting ``position_ids``, no padding and no ``attention_mask``, returned as a dict of model inputs.
 
     Samples are token ids or dicts with ``input_ids`` (and optionally ``labels``). Rows that are already packed
-    (:func:`pack_for_trainer`, :func:`padfree.pack_dataset` with ``padding=None``) keep their boundaries: read from
-    ``seq_lens``, or — when the ``Trainer`` dropped that column (``remove_unused_columns``) — from their
-    ``position_ids``, which restart at every sequence. A packed row without either raises rather than being trained
-    as one long sequence, and so do ``position_ids`` that are not a packing (a jump, a negative value, a row that
-    does not start at 0, one position more or fewer than tokens) or that disagree with ``seq_lens``
-    (:class:`~padfree.errors.InvalidLayoutError`).
+    (:func:`pack_for_trainer`, :func:`padfree.pack_dataset` with ``padding=None``, TRL's ``pack_dataset``) keep their
+    boundaries, read by :func:`padfree.samples.row_boundaries` — the rule of every collator — from any spelling they
+    carry: ``seq_lens``, TRL's ``seq_lengths``, ``cu_seq_lens`` / ``cu_seqlens``, a LLaMA-Factory segment
+    ``attention_mask``, or — when the ``Trainer`` dropped the others (``remove_unused_columns``) — ``position_ids``
+    restarting at every sequence. A packed row without any is trained as one sequence, so keep one column; spellings
+    that are not a packing (a jump in the positions, lengths that do not sum to the row, padding inside a sample) or
+    that disagree raise :class:`~padfree.errors.InvalidLayoutError` naming the sample and the field.
 
     Args:
         label_padding_value, seq_idx, max_tokens: as in :class:`~padfree.PaddingFreeCollator`.
@@ -59,6 +50,8 @@ class PackedRowsCollator(PaddingFreeCollator):
     ([[0, 1, 2, 0, 1, 0, 1]], [[-100, 6, 7, -100, 9, -100, 4]])
     >>> sorted(batch)
     ['input_ids', 'labels', 'position_ids', 'use_cache']
+    >>> collate([{"input_ids": [5, 6, 7, 8, 9], "seq_lengths": [3, 2]}])["position_ids"].tolist()
+    [[0, 1, 2, 0, 1]]
     """
 
     def __init__(self, *, label_padding_value: int = IGNORE_INDEX, seq_idx: bool = False,
@@ -68,58 +61,7 @@ class PackedRowsCollator(PaddingFreeCollator):
         self.flash_kwargs = bool(flash_kwargs)
 
     def __call__(self, samples: Sequence[Any]) -> Any:
-        if samples and isinstance(samples[0], Mapping):
-            samples = [self._with_seq_lens(s, i) for i, s in enumerate(samples)]
-            if any("seq_lens" in s for s in samples):
-                samples = [s if "seq_lens" in s else {**s, "seq_lens": [len(s["input_ids"])]} for s in samples]
         return super().__call__(samples).model_inputs(flash_kwargs=self.flash_kwargs)
-
-    @staticmethod
-    def _with_seq_lens(sample: Any, i: int) -> Any:
-        """``sample`` with the boundaries its ``position_ids`` spell, as ``seq_lens`` (kept when it has them and
-        they agree); anything that is not a dict with both fields is left to the sample reader to judge."""
-        if not isinstance(sample, Mapping) or sample.get("position_ids") is None:
-            return sample
-        try:
-            tokens = len(sample["input_ids"])
-        except (KeyError, TypeError):  # no token ids: the sample reader refuses the sample by name
-            return sample
-        lengths = _position_lengths(sample["position_ids"], tokens, f"samples[{i}]['position_ids']")
-        given = sample.get("seq_lens")
-        if given is None:
-            return {k: v for k, v in sample.items() if k != "position_ids"} | {"seq_lens": lengths.tolist()}
-        given = given.tolist() if isinstance(given, torch.Tensor) else given
-        try:
-            agree = np.asarray(given).tolist() == lengths.tolist()
-        except (TypeError, ValueError):  # unreadable seq_lens: the sample reader refuses them by name
-            return sample
-        if not agree:
-            raise InvalidLayoutError(
-                f"samples[{i}]['position_ids'] split the row into sequences of {lengths.tolist()} tokens, but its "
-                f"'seq_lens' = {describe(given)}; both spell the same boundaries, so they must agree")
-        return sample
-
-
-def _position_lengths(position_ids: Any, tokens: int, where: str) -> np.ndarray:
-    """``(n,) int64`` — the sequence lengths that one row's ``position_ids`` spell, or InvalidLayoutError naming
-    ``where``, the value and what is accepted."""
-    values = position_ids.tolist() if isinstance(position_ids, torch.Tensor) else position_ids
-    try:
-        row = np.asarray(values)
-    except (TypeError, ValueError):  # ragged nesting
-        row = None
-    if row is None or row.ndim != 1 or row.shape[0] != tokens:
-        got = "a ragged nesting" if row is None else f"shape {row.shape}"
-        raise InvalidLayoutError(f"{where} = {describe(position_ids)} must be 1-D with one position per token "
-                                 f"({tokens}), got {got}; {_ACCEPTED_POSITIONS}")
-    try:
-        return position_ids_to_lengths(row[None, :])
-    except InvalidLayoutError as exc:
-        # layout names the offending entry of the (1, T) row it was given; its hint about attention masks does
-        # not apply to a sample, so only the first clause is kept
-        detail = str(exc).split(";")[0]
-        raise InvalidLayoutError(f"{where} = {describe(position_ids)} is not a packed row ({detail}); "
-                                 f"{_ACCEPTED_POSITIONS}") from exc
 
 
 def pack_for_trainer(dataset: Any, max_length: int, strategy: str = DEFAULT_STRATEGY, seed: int | None = None, *,
