@@ -594,3 +594,42 @@ def test_a_streaming_dataset_is_packed_online_into_the_same_columns():
         pack_dataset(masked.to_iterable_dataset(), 64)
     with pytest.raises(InvalidArgumentError, match="pack_dataset_from_result needs a map-style"):
         pack_dataset_from_result(pack_sequences([len(s) for s in seqs], 64), stream)
+
+
+@pytest.mark.parametrize("keep_in_memory", [True, False])
+def test_other_per_token_columns_are_carried_in_parallel_with_the_ids(tmp_path, keep_in_memory):
+    """``carry=`` packs other per-token columns the way TRL's pack_dataset packs every list column: each piece of
+    each row holds its sequence's own values (after a shuffle's indices mapping and an overlong split too), padding
+    holds 0; columns of another length than their ids, unknown names and clashes with an output name are refused."""
+    rng = np.random.default_rng(7)
+    seqs = [rng.integers(3, 70_000, int(n)).tolist() for n in rng.integers(1, 50, 200)]
+    types = [[i % 3] * len(s) for i, s in enumerate(seqs)]
+    masks = [rng.integers(0, 2, len(s)).astype(bool).tolist() for s in seqs]
+    source = datasets.Dataset.from_dict({"input_ids": seqs, "token_type_ids": types, "completion_mask": masks,
+                                         "text": [str(i) for i in range(len(seqs))]}).shuffle(seed=0)
+    cache = None if keep_in_memory else tmp_path / "rows.arrow"
+    out, plan = pack_dataset(source, 40, overlong="split", carry="all", return_result=True,
+                             keep_in_memory=keep_in_memory, cache_file_name=cache)
+    assert out.column_names == [*DEFAULT_COLUMNS, "token_type_ids", "completion_mask"]  # "text" is not per-token
+    rows = out[:]
+    starts = plan.piece_starts if plan.piece_starts is not None else np.zeros(plan.num_pieces, np.int64)
+    for b in range(plan.num_bins):
+        at = 0
+        for p in range(plan.bin_offsets[b], plan.bin_offsets[b + 1]):
+            seq, s, n = int(plan.order[p]), int(starts[p]), int(plan.placed_lengths[p])
+            assert rows["input_ids"][b][at:at + n] == source[seq]["input_ids"][s:s + n]
+            assert rows["token_type_ids"][b][at:at + n] == source[seq]["token_type_ids"][s:s + n]
+            assert rows["completion_mask"][b][at:at + n] == [int(v) for v in source[seq]["completion_mask"][s:s + n]]
+            at += n
+        assert set(rows["token_type_ids"][b][at:]) <= {0} and set(rows["completion_mask"][b][at:]) <= {0}
+    short = datasets.Dataset.from_dict({"input_ids": [[1, 2, 3]], "token_type_ids": [[1, 2]]})
+    with pytest.raises(InvalidTokensError, match=r"token_type_ids\[0\] has 2 entries but input_ids\[0\] has 3"):
+        pack_dataset(short, 8, carry=["token_type_ids"])
+    for carry, error, match in [(["nope"], DataLoadError, "carry names 'nope', which data does not have"),
+                                (["labels"], InvalidArgumentError, "carry names 'labels', which pack_dataset reads"),
+                                ("some", InvalidArgumentError, "carry must be 'all', None or a list")]:
+        with pytest.raises(error, match=match):
+            pack_dataset(source, 40, overlong="split", carry=carry)
+    with pytest.raises(InvalidArgumentError, match="carried column 'token_type_ids' has the name of an output"):
+        pack_dataset(source, 40, overlong="split", carry=["token_type_ids"],
+                     columns={"input_ids": "token_type_ids"})

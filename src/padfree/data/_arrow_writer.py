@@ -67,6 +67,7 @@ class Source(Protocol):
     ids: Column
     labels: Column | None
     masks: tuple[Column, ...]  # 0/1 columns that exclude tokens from the labels
+    carried: tuple[tuple[str, Column], ...]  # other per-token columns, laid out like input_ids (padding 0)
     indices: np.ndarray | None  # (rows,) int64: row i of the input is physical row indices[i]
 
 
@@ -104,10 +105,14 @@ class Plan:
     max_slots: int
     schema: Any
     bytes_estimate: int  # of the Arrow data: what keep_in_memory=None weighs
-    columns: tuple[str, ...]  # what each column of the schema holds (COLUMNS names)
+    columns: tuple[str, ...]  # what each column of the schema holds (COLUMNS names, then carried columns)
+    carried: dict[str, np.dtype]  # the carried input columns and their output dtypes
 
     def wants(self, what: str) -> bool:
         return what in self.columns
+
+    def per_token(self, what: str) -> bool:
+        return what in _TOKEN_COLUMNS or what in self.carried
 
 
 def _row_widths(result: PackResult, opts: Options) -> np.ndarray:
@@ -165,14 +170,18 @@ def plan(result: PackResult, source: Source, opts: Options) -> Plan:
     mask_dtype = np.dtype(np.int8 if opts.attention_mask == "binary" else np.int32)
     types = {"input_ids": ids_dtype, "attention_mask": mask_dtype, "labels": labels_dtype,
              "position_ids": np.dtype(np.int32), "seq_lens": np.dtype(np.int32), "sequence_ids": np.dtype(np.int64)}
-    schema = pa.schema([(out, pa.list_(pa.from_numpy_dtype(types[what]))) for what, out in opts.columns])
+    carried = {name: np.dtype(np.int32 if column.fits_int32() else np.int64) for name, column in source.carried}
+    types.update(carried)
+    fields = [(out, types[what]) for what, out in opts.columns] + list(carried.items())
+    schema = pa.schema([(out, pa.list_(pa.from_numpy_dtype(dtype))) for out, dtype in fields])
     slots = int(row_offsets[-1])
     per_slot = sum(types[w].itemsize for w, _ in opts.columns if w in _TOKEN_COLUMNS)
+    per_slot += sum(dtype.itemsize for dtype in carried.values())
     per_piece = sum(types[w].itemsize for w, _ in opts.columns if w not in _TOKEN_COLUMNS)
     estimate = slots * per_slot + result.num_pieces * per_piece + 4 * len(opts.columns) * result.num_bins
     ramp = np.arange(int(widths.max()) if widths.size else 0, dtype=np.int32)
     return Plan(result, source, opts, ids_dtype, labels_dtype, mask_dtype, row_offsets, ramp, chunks, max_slots,
-                schema, estimate, tuple(what for what, _ in opts.columns))
+                schema, estimate, tuple(what for what, _ in opts.columns) + tuple(carried), carried)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -186,6 +195,7 @@ class _Buffers:
     def __init__(self, plan: Plan, size: int) -> None:
         dtypes = {"input_ids": plan.ids_dtype, "attention_mask": plan.mask_dtype, "labels": plan.labels_dtype,
                   "position_ids": np.dtype(np.int32)}
+        dtypes.update(plan.carried)
         self.arrays = {what: np.empty(size, dtype) for what, dtype in dtypes.items() if plan.wants(what)}
 
     def window(self, slots: int) -> dict[str, np.ndarray]:
@@ -227,6 +237,7 @@ class _Builder:
         if labels is not None and source.labels is not None:
             label_values, label_start = source.labels.values, source.labels.starts[physical] + skip
         mask_starts = [m.starts[physical] + skip for m in source.masks] if labels is not None else []
+        carried = [(column, column.starts[physical] + skip, out[name]) for name, column in source.carried]
 
         def fill(x: int, y: int) -> None:  # rows [x, y) of the chunk
             pieces, rows = piece_offsets[x : y + 1], row_offsets[x : y + 1]
@@ -235,6 +246,9 @@ class _Builder:
                       opts.attention_mask == "segments")
             for m, starts in zip(source.masks, mask_starts, strict=False):
                 mask_labels(m.values, starts, piece_len, pieces, rows, labels, opts.label_padding_value)
+            for column, starts, target in carried:  # laid out like the ids; 0 on padding
+                fill_rows(column.values, starts, None, None, piece_len, pieces, rows, plan.ramp, target, None, None,
+                          None, 0, 0, False)
 
         parts = self.threads if slots >= _MIN_SLOTS_PER_THREAD * self.threads else 1
         cuts = np.searchsorted(row_offsets, np.arange(1, parts) * (slots // parts))
@@ -266,7 +280,7 @@ class _Builder:
         token_offsets, piece_offsets = pa.array(small["tokens"]), pa.array(small["pieces"])
         arrays = []
         for what in self.plan.columns:
-            if what in _TOKEN_COLUMNS:
+            if self.plan.per_token(what):
                 arrays.append(pa.ListArray.from_arrays(token_offsets, pa.array(flat[what])))
             else:
                 arrays.append(pa.ListArray.from_arrays(piece_offsets, pa.array(small[what])))

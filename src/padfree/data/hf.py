@@ -277,6 +277,7 @@ class _Data:
     cache_dir: str | None
     split: Any = None
     format: dict[str, Any] | None = None  # a datasets.Dataset's format (type, kwargs), given to the packed rows
+    carried: tuple[tuple[str, _Source], ...] = ()  # other per-token columns, packed in parallel with input_ids
 
     @property
     def num_rows(self) -> int:
@@ -286,7 +287,7 @@ class _Data:
         return physical if self.indices is None else physical[self.indices]
 
 
-def _read(data: Any, labels: Any, label_masks: Sequence[str]) -> _Data:
+def _read(data: Any, labels: Any, label_masks: Sequence[str], carry: Any = None) -> _Data:
     datasets, pa = _import_hf()
     if isinstance(data, (datasets.DatasetDict, datasets.IterableDatasetDict)):
         raise InvalidArgumentError(
@@ -308,19 +309,22 @@ def _read(data: Any, labels: Any, label_masks: Sequence[str]) -> _Data:
         if data.cache_files and datasets.is_caching_enabled():
             cache_dir = os.path.dirname(os.path.abspath(data.cache_files[0]["filename"]))
         source = _table_data(table, names, indices, labels, label_masks, "data",
-                             getattr(data, "_fingerprint", None), cache_dir, data.split)
+                             getattr(data, "_fingerprint", None), cache_dir, data.split, carry)
         return replace(source, format=dict(data.format))
     if isinstance(data, pa.Table):
-        return _table_data(data, data.column_names, None, labels, label_masks, "data", None, None)
+        return _table_data(data, data.column_names, None, labels, label_masks, "data", None, None, None, carry)
     if isinstance(data, Mapping):
-        return _table_data(data, list(data), None, labels, label_masks, "data", None, None)
+        return _table_data(data, list(data), None, labels, label_masks, "data", None, None, None, carry)
+    if carry is not None:
+        raise InvalidArgumentError("carry= names columns of a table; data is a list of sequences, which has none")
     ids = _any_source(data, "data")
     label_source = None if labels is None else _any_source(labels, "labels", kind="labels")
     return _Data(ids, label_source, (), None, None, None)
 
 
 def _table_data(table: Any, names: list[str], indices: np.ndarray | None, labels: Any, label_masks: Sequence[str],
-                what: str, fingerprint: str | None, cache_dir: str | None, split: Any = None) -> _Data:
+                what: str, fingerprint: str | None, cache_dir: str | None, split: Any = None,
+                carry: Any = None) -> _Data:
     if "input_ids" not in names:
         raise DataLoadError(f"{what} has no 'input_ids' column (its columns: {', '.join(map(repr, names))}); "
                             "tokenize it first, e.g. with dataset.map(lambda row: tokenizer(row['text']))")
@@ -337,7 +341,46 @@ def _table_data(table: Any, names: list[str], indices: np.ndarray | None, labels
     masks: tuple[_Source, ...] = ()
     if label_source is None:
         masks = tuple(_any_source(column(m), m, mask=True) for m in label_masks if m in names)
-    return _Data(ids, label_source, masks, indices, fingerprint, cache_dir, split)
+    carried = tuple((name, _any_source(column(name), name, kind="labels", mask=_is_bool_list(column(name))))
+                    for name in _carried_names(carry, table, names))
+    return _Data(ids, label_source, masks, indices, fingerprint, cache_dir, split, carried=carried)
+
+
+# what pack_dataset reads or writes itself: never carried as an input column
+_NOT_CARRIED = frozenset({*COLUMNS, "seq_lengths"})
+
+
+def _carried_names(carry: Any, table: Any, names: list[str]) -> list[str]:
+    """The input columns ``carry`` names (``"all"``: every list column of integers or booleans of the table that
+    pack_dataset does not read or write itself)."""
+    if carry is None:
+        return []
+    if carry == "all":
+        if isinstance(table, Mapping):
+            raise InvalidArgumentError("carry='all' needs a typed table (a datasets.Dataset or pyarrow.Table); "
+                                       "name the columns to carry instead")
+        import pyarrow as pa
+
+        def per_token(kind: Any) -> bool:
+            listed = pa.types.is_list(kind) or pa.types.is_large_list(kind) or pa.types.is_fixed_size_list(kind)
+            return listed and (pa.types.is_integer(kind.value_type) or pa.types.is_boolean(kind.value_type))
+
+        return [n for n in names if n not in _NOT_CARRIED and per_token(table.schema.field(n).type)]
+    if isinstance(carry, str) or not isinstance(carry, Sequence) or not all(isinstance(c, str) for c in carry):
+        raise InvalidArgumentError(f"carry must be 'all', None or a list of column names, got {describe(carry)}")
+    for name in carry:
+        if name in _NOT_CARRIED:
+            raise InvalidArgumentError(f"carry names {name!r}, which pack_dataset reads or writes itself; carry "
+                                       f"other per-token columns (e.g. 'completion_mask', 'token_type_ids')")
+        if name not in names:
+            raise DataLoadError(f"carry names {name!r}, which data does not have (its columns: "
+                                f"{', '.join(map(repr, names))})")
+    return list(dict.fromkeys(carry))
+
+
+def _is_bool_list(column: Any) -> bool:
+    kind = getattr(column, "type", None)
+    return kind is not None and getattr(kind, "value_type", None) is not None and str(kind.value_type) == "bool"
 
 
 def _check(data: _Data) -> np.ndarray:
@@ -349,7 +392,7 @@ def _check(data: _Data) -> np.ndarray:
         raise InvalidSampleError(f"{name}[{i}] is null ({int((lengths < 0).sum())} of {lengths.size} rows are); every "
                                  f"row needs a list of token ids")
     refuse_empty(lengths, lambda i: f"{name}[{i}]")
-    for other in ((data.labels,) if data.labels is not None else ()) + data.masks:
+    for other in ((data.labels,) if data.labels is not None else ()) + data.masks + tuple(c for _, c in data.carried):
         if other.lengths.shape[0] != data.ids.lengths.shape[0]:
             raise InvalidTokensError(
                 f"{other.name} has {other.lengths.shape[0]} rows but {name} has {data.ids.lengths.shape[0]}"
@@ -477,6 +520,7 @@ def pack_dataset(
     return_result: bool = False,
     token_ids: Any = None,
     buffer_size: int = 10_000,
+    carry: Sequence[str] | str | None = None,
 ) -> Any:
     """Pack every sequence of ``data`` into rows of ``capacity`` tokens; return a ``datasets.Dataset`` of the rows.
 
@@ -514,6 +558,11 @@ def pack_dataset(
             ``data`` (after its indices mapping), bins are the rows of the dataset.
         token_ids: SeqPacker's name for ``data`` (``pack_dataset(token_ids=..., capacity=...)`` as its documents
             write it); give one of the two.
+        carry: other per-token columns of ``data`` to pack in parallel with ``input_ids`` (each row of them must have
+            its ``input_ids`` row's length; padding writes 0), as TRL's ``pack_dataset`` packs every list column:
+            a list of names, or ``"all"`` (every list column of integers or booleans of a table that pack_dataset
+            does not read or write itself, such as ``completion_mask`` or ``token_type_ids``). Kept under their own
+            names, after the columns of ``columns``.
         buffer_size: for a streaming ``datasets.IterableDataset``: the sequences a :class:`~padfree.StreamPacker`
             holds while it packs (the result is then an ``IterableDataset`` packed as it is read, through
             :class:`~padfree.IterablePackingDataset`; ``return_result`` does not apply, ``padding="longest"`` and
@@ -544,9 +593,13 @@ def pack_dataset(
     if isinstance(data, datasets.IterableDataset):
         if return_result:
             raise InvalidArgumentError("return_result=True needs a global plan, which a stream does not have")
+        if carry is not None:
+            raise InvalidArgumentError("carry= is not supported for a stream yet; map the stream to the columns "
+                                       "it needs, or load it as a map-style datasets.Dataset")
         return pack_stream(data, capacity, strategy, seed, overlong, max_sequences_per_bin, opts,
                            as_positive_int(buffer_size, "buffer_size"))
-    source = _read(data, labels, opts.label_masks)
+    source = _read(data, labels, opts.label_masks, carry)
+    _refuse_name_clash(source, opts)
     lengths = _check(source)
     wrapped = isinstance(strategy, str) and strategy.lower() == "wrapped"
     if overlong == "error" and not wrapped:  # wrapping cuts every sequence at the rows' edges anyway
@@ -580,6 +633,7 @@ def pack_dataset_from_result(
     cache_file_name: str | os.PathLike[str] | None = None,
     num_threads: int | None = None,
     token_ids: Any = None,
+    carry: Sequence[str] | str | None = None,
 ) -> Any:
     """Lay ``data`` out in the rows planned by ``result`` (a plan made over the lengths of ``data``).
 
@@ -599,7 +653,8 @@ def pack_dataset_from_result(
     data = _data_or_token_ids(data, token_ids)
     opts = _options(padding_value, label_padding_value, padding, pad_to_multiple_of, attention_mask, columns,
                     label_masks, chunk_tokens, keep_in_memory, cache_file_name, num_threads)
-    source = _read(data, labels, opts.label_masks)
+    source = _read(data, labels, opts.label_masks, carry)
+    _refuse_name_clash(source, opts)
     name = source.ids.name
     if source.num_rows != result.num_sequences:
         raise InvalidTokensError(
@@ -611,6 +666,14 @@ def pack_dataset_from_result(
         raise InvalidTokensError(f"{name}[{i}] has {lengths[i]} tokens but the plan says lengths[{i}] = "
                                  f"{result.lengths[i]}; make the plan from these sequences' lengths")
     return _write(result, source, opts)
+
+
+def _refuse_name_clash(source: _Data, opts: _Options) -> None:
+    written = {out for _, out in opts.columns}
+    clash = [name for name, _ in source.carried if name in written]
+    if clash:
+        raise InvalidArgumentError(f"carried column {clash[0]!r} has the name of an output column; rename it in "
+                                   f"columns={{...: <other name>}} or do not carry it")
 
 
 def _data_or_token_ids(data: Any, token_ids: Any) -> Any:
