@@ -593,6 +593,8 @@ def test_negative_control_a_row_without_boundaries_is_one_sequence_and_the_check
                                     r"sample's 10 tokens, strictly increasing"),
     ({"cu_seqlens": [1, 4, 6, 9, 10]}, r"\['cu_seqlens'\] = \[1, 4, 6, 9, 10\] .*must be offsets from 0"),
     ({"cu_seqlens": [0, 4, 4, 9, 10]}, r"\['cu_seqlens'\] = \[0, 4, 4, 9, 10\] .*strictly increasing"),
+    ({"cu_seqlens": [0]}, r"\['cu_seqlens'\] = \[0\] .*must be offsets from 0 to the sample's 10 tokens"),
+    ({"cu_seq_lens": []}, r"\['cu_seq_lens'\] = \[\] .*must be offsets from 0 to the sample's 10 tokens"),
     ({"cu_seqlens": [0.0, 10.0]}, r"\['cu_seqlens'\] = .* must be a 1-D sequence of integers, got dtype float64"),
     ({"attention_mask": [1, 1, 1, 1, 2, 2, 3, 3, 3, 0]},
      r"samples\[1\]\['attention_mask'\]\[9\] = 0 marks padding, but a sample holds no padding"),

@@ -580,10 +580,14 @@ def _read_boundary(kind: str, value: Any, n: int, where: str) -> np.ndarray | No
                                      f"tokens")
         return arr
     if kind == "offsets":
-        if arr.shape[0] < 2 or arr[0] != 0 or (np.diff(arr) < 1).any() or arr[-1] != n:
+        try:
+            lens = np.asarray(layout.cu_seqlens_to_lengths(arr), np.int64)
+        except InvalidLayoutError:
+            lens = None
+        if lens is None or lens.shape[0] == 0 or arr[-1] != n:
             raise InvalidLayoutError(f"{where} = {describe(arr.tolist())} must be offsets from 0 to the sample's {n} "
                                      f"tokens, strictly increasing")
-        return np.diff(arr)
+        return lens
     if arr.shape[0] != n:
         raise InvalidLayoutError(f"{where} = {describe(value)} has {arr.shape[0]} entries but the sample has {n} "
                                  f"tokens; {_ACCEPTED[kind]}")
