@@ -7,8 +7,9 @@ Three ways in:
 - :func:`pack_result_to_tensors` — a plan you already made (:func:`padfree.pack_sequences`) plus the token ids;
 - :func:`packed_collate_fn` — a ``collate_fn`` for a ``torch.utils.data.DataLoader`` that packs the samples of every
   loader batch into rows of ``capacity`` tokens (``B`` = the number of bins, padding only at the end of each row);
-- :class:`PaddingFreeCollator` — one row per loader batch, no padding at all (what transformers'
-  ``DataCollatorWithFlattening`` does, with validation, ``cu_seqlens`` and the same :class:`PackedBatch`).
+- :class:`PaddingFreeCollator` — one row per loader batch, no padding unless ``pad_to_multiple_of`` asks for a tail
+  (what transformers' ``DataCollatorWithFlattening`` does, with validation, ``cu_seqlens`` and the same
+  :class:`PackedBatch`).
 
 >>> collate = packed_collate_fn(capacity=6)
 >>> batch = collate([{"input_ids": [11, 12, 13]}, {"input_ids": [21, 22]}, {"input_ids": [31, 32, 33, 34]}])
