@@ -416,30 +416,54 @@ def mffd_large_bins(ordered, capacity, max_items):  # pragma: no cover - compile
 
 @njit(cache=True, parallel=True)
 def sharded_best_fit(values, runs, capacity, max_items, shards, lowest_index):  # pragma: no cover - compiled
-    """Best fit decreasing on ``shards`` interleaved shards at once (numba ``prange``, one shard per task).
+    """Best fit decreasing on ``shards`` interleaved shards at once (numba ``prange``, one shard per task), the
+    bins numbered globally and the ones to repack picked out.
 
     The decreasing order is dealt round-robin: shard ``j`` takes the items at positions ``j, j + shards, ...``,
     so every shard sees the same length distribution and is itself in decreasing order (as runs, like
-    :func:`best_fit`). Returns ``local: (n,) int32`` (each item's bin inside its shard, by position in the
-    decreasing order) and ``bins: (shards,) int64`` (bins per shard). The shards are independent, so the result
-    does not depend on the number of threads.
+    :func:`best_fit`). A bin with room for the smallest item (``values[-1]``) is to be repacked. Returns
+    ``bin_of: (n,) int64`` (each item's bin by position in the decreasing order, -1 for the items to repack) and
+    the number of bins kept. The shards are independent, so the result does not depend on the number of threads.
     """
     m = values.shape[0]
     first = np.zeros(m + 1, np.int64)
     for r in range(m):
         first[r + 1] = first[r] + runs[r]
     n = first[m]
-    local = np.empty(n, np.int32)
-    bins = np.zeros(shards, np.int64)
+    smallest = values[m - 1]
+    # shard j holds ceil((n - j) / shards) items: its slice of the shard-major scratch array
+    start = np.zeros(shards + 1, np.int64)
+    for j in range(shards):
+        start[j + 1] = start[j] + (n - j + shards - 1) // shards
+    local = np.empty(n, np.int64)  # shard-major: each item's bin among the kept bins of its shard, -1: repack
+    kept = np.zeros(shards + 1, np.int64)
+    bin_of = np.empty(n, np.int64)
     for j in prange(shards):
         mine = np.empty(m, np.int64)
         for r in range(m):
             # positions in [first[r], first[r + 1]) that are j modulo shards
-            hi = max(first[r + 1] - j + shards - 1, 0) // shards
-            lo = max(first[r] - j + shards - 1, 0) // shards
-            mine[r] = hi - lo
+            mine[r] = max(first[r + 1] - j + shards - 1, 0) // shards - max(first[r] - j + shards - 1, 0) // shards
         sub, count = best_fit(values, mine, capacity, max_items, lowest_index)
-        bins[j] = count
+        fill = np.zeros(count, np.int64)
+        t = 0
+        for r in range(m):
+            for _ in range(mine[r]):
+                fill[sub[t]] += values[r]
+                t += 1
+        keep = 0
+        for b in range(count):  # fill -> the bin's number among the shard's kept bins (-1: repack)
+            if capacity - fill[b] >= smallest:
+                fill[b] = -1
+            else:
+                fill[b] = keep
+                keep += 1
+        kept[j + 1] = keep
         for t in range(sub.shape[0]):
-            local[j + t * shards] = sub[t]
-    return local, bins
+            local[start[j] + t] = fill[sub[t]]
+    for j in range(shards):
+        kept[j + 1] += kept[j]
+    for j in prange(shards):
+        for t in range(start[j + 1] - start[j]):
+            b = local[start[j] + t]
+            bin_of[j + t * shards] = -1 if b < 0 else b + kept[j]
+    return bin_of, kept[shards]

@@ -153,20 +153,12 @@ def parallel_best_fit_decreasing(
     proc, values, runs = kernels.counting_sort_decreasing(lengths, capacity)
     n = lengths.shape[0]
     exact_ties = max_items <= n
-    local, per_shard = kernels.sharded_best_fit(values, runs, capacity, max_items, shards, exact_ties)
-    ordered = np.repeat(values, runs)
-    base = np.zeros(shards, np.int64)
-    np.cumsum(per_shard[:-1], out=base[1:])
-    shard_bin = base[np.arange(n, dtype=np.int64) % shards] + local
-    fill = np.bincount(shard_bin, weights=ordered, minlength=int(per_shard.sum())).astype(np.int64)
-    reopen = capacity - fill >= values[-1]
-    again = reopen[shard_bin]
-    kept = np.cumsum(~reopen) - 1
-    num_kept = int(kept[-1]) + 1
-    repacked, num_repacked = kernels.best_fit(ordered[again], _NO_RUNS, capacity, max_items, exact_ties)
-    bin_of = kept[shard_bin]
+    bin_of, num_kept = kernels.sharded_best_fit(values, runs, capacity, max_items, shards, exact_ties)
+    again = np.flatnonzero(bin_of < 0)
+    repacked, num_repacked = kernels.best_fit(np.repeat(values, runs)[again], _NO_RUNS, capacity, max_items,
+                                              exact_ties)
     bin_of[again] = repacked + num_kept
-    return proc, bin_of, num_kept + num_repacked
+    return proc, bin_of, int(num_kept) + num_repacked
 
 
 def _obfdp(lengths, capacity, max_items, rng):
