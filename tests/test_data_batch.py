@@ -631,3 +631,19 @@ def test_padding_to_a_multiple_leaves_the_logits_of_the_real_tokens_unchanged():
         # negative control: the same comparison sees what boundaries change (the row run as one sequence)
         glued = model(input_ids=plain.input_ids, use_cache=False).logits[0]
     assert (glued - want.logits[0]).abs().max() > 1e-3
+
+
+def test_per_row_cu_seqlens_are_the_flat_offsets_cut_at_the_rows():
+    """SeqPacker's per-row ``cu_seqlens``: row r's offsets, from 0 to its real tokens, are the flat offsets of the
+    batch cut at the rows' edges and restarted; every row's sequences are exactly its ``seq_lens``."""
+    rng = np.random.default_rng(11)
+    seqs = [rng.integers(1, 50, int(n)).tolist() for n in rng.integers(1, 30, 40)]
+    batch = pack_result_to_tensors(pack_sequences([len(s) for s in seqs], 48), seqs, pad_to_multiple_of=16)
+    per_row = batch.cu_seqlens_per_row
+    assert len(per_row) == batch.batch_size and all(c.dtype == torch.int32 and c[0] == 0 for c in per_row)
+    ends = np.cumsum(batch.seqs_per_row.numpy())
+    flat = batch.cu_seqlens.numpy()
+    for r, cu in enumerate(per_row):
+        start = ends[r] - batch.seqs_per_row[r].item()
+        assert np.array_equal(cu.numpy(), flat[start:ends[r] + 1] - flat[start])
+        assert int(cu[-1]) == int((batch.position_ids[r] >= 0).sum()) - (batch.seq_len - int(cu[-1]))

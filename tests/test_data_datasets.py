@@ -440,3 +440,11 @@ def test_states_from_another_configuration_are_refused():
     ds = PackingDataset(samples, max_length=8)
     with pytest.raises(InvalidArgumentError, match="sequential sampler"):
         ds.state_dict(1, loader=DataLoader(ds, shuffle=True))
+
+
+def test_strategy_names_follow_the_packing_engine_in_any_case_and_seqpackers_aliases():
+    for spelling, canonical in [("OBFD", "obfd"), ("FirstFitDecreasing", "ffd"), ("next_fit", "nf")]:
+        assert PackingDataset([[1, 2], [3]], max_length=8, strategy=spelling).strategy == canonical
+        assert IterablePackingDataset([[1, 2], [3]], max_length=8, strategy=spelling).strategy == canonical
+    with pytest.raises(InvalidArgumentError, match="strategy"):
+        PackingDataset([[1, 2]], max_length=8, strategy="tightest")

@@ -18,7 +18,7 @@ from padfree.cli._optional import importable, require
 from padfree.cli._output import log_bins, new_figure, num, save_png, table
 from padfree.cli._tokens import load_tokenizer
 from padfree.errors import DataLoadError, InvalidArgumentError
-from padfree.packing import STRATEGIES
+from padfree.packing import STRATEGIES, as_strategy
 from padfree.packing.inputs import as_positive_int, as_seed
 
 
@@ -116,13 +116,21 @@ def _parse_strategies(text: str | None) -> list[str] | None:
     if text is None:
         return None
     names = [name.strip() for name in text.split(",") if name.strip()]
-    unknown = [name for name in names if name not in STRATEGIES]
+    unknown = [name for name in names if not _known(name)]
     if unknown or not names:
         raise InvalidArgumentError(
             f"--strategies {text!r}: unknown strategy {', '.join(map(repr, unknown)) or '(none given)'}; "
-            f"choose from {','.join(STRATEGIES)}"
+            f"choose from {','.join(STRATEGIES)} (any case; SeqPacker's names are accepted too)"
         )
-    return names
+    return list(dict.fromkeys(as_strategy(name) for name in names))
+
+
+def _known(name: str) -> bool:
+    try:
+        as_strategy(name)
+    except InvalidArgumentError:
+        return False
+    return True
 
 
 def _check_plot_path(plot: str | None) -> Path | None:

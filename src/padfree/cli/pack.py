@@ -24,7 +24,7 @@ from padfree.cli._output import AtomicOutput, Progress, disk_size, num, progress
 from padfree.cli._tokens import load_tokenizer, tokenize_dataset
 from padfree.errors import DataLoadError, InvalidArgumentError, TokenizerLoadError
 from padfree.layout import IGNORE_INDEX
-from padfree.packing import STRATEGIES
+from padfree.packing import STRATEGIES, as_strategy
 from padfree.packing.inputs import as_positive_int, as_seed
 
 PACK_FORMATS = ("arrow", "parquet")
@@ -209,7 +209,7 @@ def _pack_options(args: argparse.Namespace) -> _PackOptions:
         output=output[0],
         format=output[1],
         capacity=as_capacity(args.capacity, "--capacity"),
-        strategy=as_choice(args.strategy, "--strategy", tuple(STRATEGIES)),
+        strategy=as_strategy(args.strategy, "--strategy"),
         overlong=as_choice(args.overlong, "--overlong", OVERLONG_POLICIES),
         seed=as_seed(args.seed, "--seed"),
         max_sequences_per_bin=optional_positive(args.max_sequences_per_bin, "--max-sequences-per-bin"),

@@ -174,6 +174,22 @@ class PackedBatch:
     def device(self) -> torch.device:
         return self.input_ids.device
 
+    @property
+    def cu_seqlens_per_row(self) -> list[torch.Tensor]:
+        """SeqPacker's ``cu_seqlens``: one ``(sequences in row r + 1,) int32`` tensor of offsets per row, each from
+        0 to the row's real tokens, so that its loop ``for i, cu in enumerate(batch.cu_seqlens_per_row)`` runs
+        flash-attn varlen on row ``i`` alone. :attr:`cu_seqlens` is the flat form over the whole batch (one varlen
+        call). Reads the per-row counts back from the device (a sync on CUDA).
+
+        >>> from padfree import pack_sequences
+        >>> batch = pack_result_to_tensors(pack_sequences([3, 2, 2], 4), [[1, 2, 3], [4, 5], [6, 7]])
+        >>> [c.tolist() for c in batch.cu_seqlens_per_row]
+        [[0, 3], [0, 2, 4]]
+        """
+        zero = torch.zeros(1, dtype=torch.int32, device=self.seq_lens.device)
+        return [torch.cat([zero, lens.cumsum(0).to(torch.int32)])
+                for lens in torch.split(self.seq_lens, self.seqs_per_row.tolist())]
+
     # ---- moving ------------------------------------------------------------------------------------
 
     def _map_tensors(self, fn: Any) -> PackedBatch:

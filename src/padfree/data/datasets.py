@@ -94,7 +94,7 @@ from padfree.packing.inputs import (
     refuse_overlong,
 )
 from padfree.packing.result import PackResult
-from padfree.packing.strategies import DEFAULT_STRATEGY, STRATEGIES, Packer
+from padfree.packing.strategies import DEFAULT_STRATEGY, STRATEGIES, Packer, as_strategy
 from padfree.packing.streaming import StreamBin, StreamPacker
 from padfree.rows import packed_rows
 from padfree.samples import (
@@ -205,7 +205,7 @@ class _PackingBase:
         labels_key: Any,
     ) -> None:
         self.max_length = as_capacity(max_length, "max_length")
-        self.strategy: str = as_choice(strategy, "strategy", tuple(STRATEGIES))
+        self.strategy: str = as_strategy(strategy)
         self._seed_given = seed is not None
         seed = as_seed(seed)
         # drawn once, here: every worker process gets a copy of the object, hence the same seed

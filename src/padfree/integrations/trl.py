@@ -86,7 +86,7 @@ from padfree.integrations.trainer import PadfreeTrainerMixin, configure_model
 from padfree.integrations.trainer_data import PackedRowsCollator, pack_for_trainer
 from padfree.model.wrappers import unwrap_model
 from padfree.packing.inputs import as_choice, as_flag
-from padfree.packing.strategies import DEFAULT_STRATEGY, STRATEGIES
+from padfree.packing.strategies import DEFAULT_STRATEGY, STRATEGIES, as_strategy
 
 try:
     import datasets
@@ -284,8 +284,10 @@ def _strategy(args: Any) -> tuple[str, str]:
     name = args.packing_strategy
     if name in _TRL_STRATEGIES:
         return DEFAULT_STRATEGY, _TRL_STRATEGIES[name]
-    if name in STRATEGIES:
-        return name, "error"
+    try:
+        return as_strategy(name, "packing_strategy"), "error"
+    except InvalidArgumentError:
+        pass
     raise InvalidArgumentError(
         f"packing_strategy={describe(name)} is not one padfree packs exactly; accepted: 'bfd' (TRL's default: "
         f"truncate to max_length, then padfree's best fit decreasing over the whole dataset), 'bfd_split' (split "
