@@ -98,7 +98,8 @@ SPECS = [
      InvalidArgumentError, ("integer >= 0",)),
     ("lengths", lambda v: Packer(8).pack(v), _but("empty"), InvalidLengthsError, ("integer",)),
     ("capacity", _stream("capacity"), _but("0d_array"), InvalidArgumentError, ("integer >= 1",)),
-    ("buffer_size", _stream("buffer_size"), _but("0d_array"), InvalidArgumentError, ("integer >= 1",)),
+    # buffer_size=None is the default: 10,000, or the online mode for nf / hk
+    ("buffer_size", _stream("buffer_size"), _but("0d_array", "None"), InvalidArgumentError, ("integer >= 1",)),
     ("strategy", _stream("strategy"), ALL, InvalidArgumentError, ("one of",)),
     ("seed", _stream("seed"), _but("None", "zero", "huge", "0d_array"), InvalidArgumentError, ("integer >= 0",)),
     ("overlong", _stream("overlong"), ALL, InvalidArgumentError, ("one of",)),

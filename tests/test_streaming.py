@@ -99,3 +99,58 @@ def test_bad_arguments():
     packer.add([5])
     with pytest.raises(InvalidArgumentError, match="every call"):
         packer.add([5], items=["x"])
+
+
+# ---- the online mode: a bin leaves the moment next fit or harmonic-k closes it -----------------------------------
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.integers(1, 40), max_size=60), st.integers(8, 48), st.sampled_from(["nf", "hk"]),
+       st.integers(1, 8), st.data())
+def test_online_bins_hold_every_piece_once_whatever_the_chunking(lengths, capacity, strategy, k, data):
+    cuts = sorted(data.draw(st.lists(st.integers(0, len(lengths)), max_size=5)))
+    packer = StreamPacker(capacity, strategy=strategy, k=k, overlong="split")
+    assert packer.online
+    bins, open_max, start = [], 0, 0
+    for end in [*cuts, len(lengths)]:
+        bins += packer.add(lengths[start:end]) if end > start else []
+        open_max = max(open_max, packer.pending)
+        start = end
+    bins += packer.finish()
+    assert packer.pending == 0 and all(0 < b.fill <= capacity for b in bins)
+    tokens = sorted((int(i), int(s) + t) for b in bins for i, s, n in zip(b.ids, b.starts, b.lengths, strict=True)
+                    for t in range(n))
+    assert tokens == sorted((i, t) for i, n in enumerate(lengths) for t in range(n))
+    # chunking never changes the bins: the same stream in one call
+    whole = StreamPacker(capacity, strategy=strategy, k=k, overlong="split")
+    again = whole.add(lengths) + whole.finish()
+    assert [b.ids.tolist() for b in again] == [b.ids.tolist() for b in bins]
+    # bounded memory: next fit holds one open bin, harmonic-k one per class
+    assert open_max <= (capacity if strategy == "nf" else k * capacity)
+
+
+def test_online_next_fit_is_offline_next_fit_and_leaves_at_once():
+    rng = np.random.default_rng(0)
+    lengths = rng.integers(1, 100, 5_000)
+    packer = StreamPacker(128, strategy="NextFit")  # SeqPacker's name, no buffer: online
+    early = sum(len(packer.add(int(n))) for n in lengths[:20])  # one item per call, as a stream hands them over
+    assert packer.online and early >= 5  # bins leave as they close, not after a buffer of 10,000 items
+    streamed = StreamPacker(128, strategy="nf")
+    online = [b.ids.tolist() for b in streamed.add(lengths) + streamed.finish()]
+    assert online == pack_sequences(lengths, 128, "nf").bins
+    assert "online" in repr(streamed) and "bins=" in repr(streamed)
+
+
+def test_online_harmonic_k_bins_of_a_class_hold_that_many_items_of_it():
+    rng = np.random.default_rng(1)
+    lengths = rng.integers(1, 64, 2_000)
+    packer = StreamPacker(64, strategy="hk", k=6)
+    bins = packer.add(lengths) + packer.finish()
+    for b in bins:
+        classes = {next((c for c in range(1, 6) if n * (c + 1) > 64), 6) for n in b.lengths.tolist()}
+        assert len(classes) == 1  # a bin never mixes classes
+        (c,) = classes
+        assert c == 6 or len(b) <= c
+    assert "k=6" in repr(packer)
+    with pytest.raises(InvalidArgumentError, match="k must be"):
+        StreamPacker(64, strategy="hk", k=0)

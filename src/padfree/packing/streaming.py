@@ -1,10 +1,15 @@
-"""Online packing of an unbounded stream with a bounded buffer: ``StreamPacker``.
+"""Online packing of an unbounded stream: ``StreamPacker``, buffered or truly online.
 
-Items are buffered; each time the buffer holds ``buffer_size`` pieces it is packed with an offline strategy and
-the well-filled bins leave. The few worst-filled bins of a round go back to the buffer once, so that they can
-meet the items of the next round — the tail of a best-fit-decreasing plan is where its waste sits. A piece is
-held back at most once, so every item leaves within two rounds of arriving, and the buffer never exceeds
-``buffer_size``. ``flush()`` packs and emits whatever is left.
+**Online** (``strategy="nf"`` or ``"hk"`` without a ``buffer_size``, as SeqPacker's ``StreamPacker`` works): a bin
+leaves the moment next fit or harmonic-k closes it, memory is bounded by the open bins, and ``finish()`` closes the
+stream (:mod:`padfree.packing.online`).
+
+**Buffered** (any strategy with a ``buffer_size``, 10,000 by default for the offline ones): items are buffered; each
+time the buffer holds ``buffer_size`` pieces it is packed with an offline strategy and the well-filled bins leave.
+The few worst-filled bins of a round go back to the buffer once, so that they can meet the items of the next round —
+the tail of a best-fit-decreasing plan is where its waste sits. A piece is held back at most once, so every item
+leaves within two rounds of arriving, and the buffer never exceeds ``buffer_size``. ``flush()`` packs and emits
+whatever is left.
 
 The bins emitted depend only on the sequence of lengths added, not on how the calls to ``add`` were chunked;
 when the buffer is large enough to hold the whole stream, the bins are exactly those of ``pack_sequences``.
@@ -30,6 +35,7 @@ from padfree.packing.inputs import (
     as_positive_int,
     as_seed,
 )
+from padfree.packing.online import OnlineState
 from padfree.packing.strategies import STRATEGIES, as_strategy, place
 
 __all__ = ["StreamBin", "StreamPacker"]
@@ -69,7 +75,8 @@ class StreamPacker:
     Args:
         capacity: tokens per bin.
         buffer_size: pieces held before a round of packing; larger buffers pack better (10,000 gives > 99.5% on
-            long-tailed lengths) and delay the first bin longer.
+            long-tailed lengths) and delay the first bin longer. None (the default): 10,000 for the offline
+            strategies, and the online mode for ``"nf"`` / ``"hk"`` (no buffer: each bin leaves when it closes).
         strategy: an offline strategy name (see :data:`padfree.packing.STRATEGIES`; case-insensitive, SeqPacker's
             names accepted as aliases) used inside each round.
         seed: seeds randomized strategies (one generator for the whole stream).
@@ -77,6 +84,15 @@ class StreamPacker:
         max_sequences_per_bin: at most this many pieces per bin.
         hold_fill: bins filled below this fraction of ``capacity`` go back to the buffer once (at most half the
             buffer is held back); 0 disables holding.
+        k: harmonic-k's number of size classes in the online mode (SeqPacker's ``k``).
+
+    Online, as SeqPacker streams (next fit closes bin 0 when 4 tokens do not fit beside 5):
+
+    >>> online = StreamPacker(capacity=8, strategy="nf")
+    >>> [b.ids.tolist() for b in online.add([5, 2, 4])], [b.ids.tolist() for b in online.finish()]
+    ([[0, 1]], [[2]])
+
+    Buffered:
 
     >>> packer = StreamPacker(capacity=8, buffer_size=4)
     >>> [b.ids.tolist() for b in packer.add([5, 3, 4, 2, 6])]  # round 1 packs [5, 3, 4, 2]; [4, 2] is held back
@@ -90,22 +106,28 @@ class StreamPacker:
     def __init__(
         self,
         capacity: int,
-        buffer_size: int = 10_000,
+        buffer_size: int | None = None,
         strategy: str = "obfd",
         seed: int | None = None,
         *,
         overlong: str = "error",
         max_sequences_per_bin: int | None = None,
         hold_fill: float = 0.99,
+        k: int = 8,
     ) -> None:
         self.capacity = as_capacity(capacity)
+        strategy = as_strategy(strategy)
+        self.online = buffer_size is None and strategy in ("nf", "hk")
+        if buffer_size is None:
+            buffer_size = 10_000
         self.buffer_size: int = as_positive_int(buffer_size, "buffer_size")  # type: ignore[assignment]
         if self.buffer_size > MAX_PIECES:  # a round places the whole buffer at once
             raise InvalidArgumentError(
                 f"buffer_size must be an integer >= 1 and <= {MAX_PIECES} (the pieces one round can place), "
                 f"got {self.buffer_size}"
             )
-        self.strategy = as_strategy(strategy)
+        self.strategy = strategy
+        self.k: int = as_positive_int(k, "k")  # type: ignore[assignment]
         self.seed = as_seed(seed)
         self.overlong = as_choice(overlong, "overlong", OVERLONG_POLICIES)
         self.max_sequences_per_bin = as_positive_int(max_sequences_per_bin, "max_sequences_per_bin", allow_none=True)
@@ -123,12 +145,16 @@ class StreamPacker:
         self._truncated = 0
         self._dropped_items = 0
         self._dropped_tokens = 0
+        self._online = OnlineState(self.capacity, strategy, self.k, self.max_sequences_per_bin) if self.online else None
+        self._open: dict[int, list[list[Any]]] = {}  # online: bin id -> [ids, starts, lengths, items] of its pieces
 
     # ---- public ----------------------------------------------------------------------------------
 
     @property
     def pending(self) -> int:
-        """Pieces waiting in the buffer."""
+        """Pieces waiting in the buffer (online: in the open bins)."""
+        if self.online:
+            return sum(len(pieces[0]) for pieces in self._open.values())
         return int(self._lengths.shape[0])
 
     def add(self, lengths: Any, items: Sequence[Any] | None = None) -> list[StreamBin]:
@@ -169,6 +195,8 @@ class StreamPacker:
         new_ids, new_starts, new_lengths = seq + self._seen, starts, pieces.length
         new_items = [items[i] for i in seq.tolist()] if items is not None else None
         self._seen += lengths.shape[0]
+        if self.online:
+            return self._place_online(new_ids, new_starts, new_lengths, new_items)
 
         done: list[StreamBin] = []
         taken = 0
@@ -184,8 +212,20 @@ class StreamPacker:
         return done
 
     def flush(self) -> list[StreamBin]:
-        """Pack and return everything still buffered."""
+        """Pack and return everything still buffered (online: close the open bins)."""
+        if self.online:
+            return self._emit(self._online.close_all())  # type: ignore[union-attr]
         return self._round(final=True) if self.pending else []
+
+    def finish(self) -> list[StreamBin]:
+        """End the stream: the last bins (SeqPacker's name; :meth:`flush` does the same)."""
+        return self.flush()
+
+    def __repr__(self) -> str:
+        mode = f"online, k={self.k}" if self.online and self.strategy == "hk" else "online" if self.online else \
+            f"buffer_size={self.buffer_size}"
+        return (f"StreamPacker(capacity={self.capacity}, strategy={self.strategy!r}, {mode}, items={self._seen}, "
+                f"bins={self._bins}, pending={self.pending})")
 
     def stats(self) -> dict[str, Any]:
         """Counters so far: items seen, bins and tokens emitted, efficiency of emitted bins, truncated/dropped."""
@@ -201,6 +241,26 @@ class StreamPacker:
         }
 
     # ---- internals -------------------------------------------------------------------------------
+
+    def _place_online(self, ids, starts, lengths, items) -> list[StreamBin]:
+        where, closed = self._online.place(lengths)  # type: ignore[union-attr]
+        for j, b in enumerate(where):  # per piece (a stream hands items over one by one anyway), never per token
+            pieces = self._open.setdefault(b, [[], [], [], []])
+            pieces[0].append(ids[j])
+            pieces[1].append(starts[j])
+            pieces[2].append(lengths[j])
+            pieces[3].append(items[j] if items is not None else None)
+        return self._emit(closed)
+
+    def _emit(self, closed: list[int]) -> list[StreamBin]:
+        out = []
+        for b in closed:
+            ids, starts, lengths, items = self._open.pop(b)
+            out.append(StreamBin(np.array(ids, np.int64), np.array(starts, np.int64), np.array(lengths, np.int64),
+                                 items if self._items is not None else None))
+            self._tokens_out += int(sum(lengths))
+        self._bins += len(out)
+        return out
 
     def _append(self, ids, starts, lengths, items) -> None:
         self._ids = np.concatenate((self._ids, ids))
