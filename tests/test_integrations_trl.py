@@ -356,8 +356,8 @@ def test_bad_input(tok, records, tmp_path):
     with pytest.raises(UnsupportedModelError, match=r"packing=True: padfree is not supported because .*"
                                                     r"ToyRecurrentMixer carries state"):
         build(model=with_unknown_mixer(llama(tok)), packing=True)
-    with pytest.raises(InvalidArgumentError, match=r"packing_strategy='wrapped'.*not one padfree packs exactly"):
-        build(packing=True, packing_strategy="wrapped")
+    with pytest.raises(InvalidArgumentError, match=r"packing_strategy='tightest'.*not one padfree packs exactly"):
+        build(packing=True, packing_strategy="tightest")
     with pytest.raises(InvalidArgumentError, match="packing=True with padding_free=False"):
         build(packing=True, padding_free=False)
     with pytest.raises(InvalidArgumentError, match="padfree_loss must be one of"):
@@ -379,3 +379,33 @@ def test_bad_input(tok, records, tmp_path):
             image_processor=transformers.CLIPImageProcessor(), tokenizer=tok))
     with pytest.raises(InvalidArgumentError, match="enable takes a trainer class"):
         enable(build())
+
+
+def test_wrapped_packing_cuts_full_rows_whose_pieces_are_sequences_of_their_own(tmp_path, tok, records):
+    """``packing_strategy="wrapped"``: TRL's full rows of the whole token stream in order, but every piece of a cut
+    sequence is a sequence of its own, so the configured model computes on each piece what the piece computes
+    alone; the same row read as one sequence (what TRL's wrapped rows, which carry no boundaries, are) is not."""
+    ds = prompt_completion(records, 40)
+    trainer = ptrl.SFTTrainer(model=llama(tok), args=config(tmp_path, packing=True, packing_strategy="wrapped"),
+                              train_dataset=ds, processing_class=tok)
+    assert packing_status(trainer).mode == "sample packing"
+    rows = trainer.train_dataset
+    assert all(len(r["input_ids"]) == 128 for r in rows.select(range(len(rows) - 1)))
+    plain = trl.SFTTrainer(model=llama(tok), args=config(tmp_path / "plain", cls=trl.SFTConfig, max_length=None),
+                           train_dataset=ds, processing_class=tok).train_dataset
+    assert [t for r in rows for t in r["input_ids"]] == [t for r in plain for t in r["input_ids"]]
+    model = trainer.model.eval()
+    worst, glued = 0.0, 0.0
+    for i in range(3):
+        batch = trainer.data_collator([rows[i]])
+        starts = batch["position_ids"][0] == 0
+        cuts = [*torch.nonzero(starts).flatten().tolist(), batch["input_ids"].shape[1]]
+        assert (batch["labels"][0][cuts[:-1]] == -100).all()
+        with torch.no_grad():
+            packed = model(**{k: v for k, v in batch.items() if k != "labels"}).logits[0]
+            whole = model(input_ids=batch["input_ids"]).logits[0]
+            for a, b in itertools.pairwise(cuts):
+                alone = model(input_ids=batch["input_ids"][:, a:b]).logits[0]
+                worst = max(worst, float((packed[a:b] - alone).abs().max()))
+                glued = max(glued, float((whole[a:b] - alone).abs().max()))
+    assert worst <= 1e-5 and glued > 1e-3

@@ -13,7 +13,9 @@ prompt-completion and assistant masks work as before — and padfree replaces wh
     most ``max_length`` tokens — not TRL's blocks of 1,000 rows — and rows are collated as above.
     ``packing_strategy="bfd"`` (TRL's default) truncates sequences longer than ``max_length`` first, as TRL does;
     ``"bfd_split"`` splits them into pieces that are sequences of their own; a padfree strategy name (``"ffd"``,
-    ...) picks that strategy; ``"wrapped"`` (cutting sequences mid-way) is refused.
+    ...) picks that strategy; ``"wrapped"`` cuts the stream of sequences into full rows as TRL does, but every piece
+    of a cut sequence is a sequence of its own (TRL's wrapped rows carry no boundaries at all, so a row's documents
+    attend to each other).
     Under data parallelism the rows are dealt to the ranks in steps balanced in tokens and Σ len² (not sharded by
     count); ``padfree_balance=False`` in :class:`SFTConfig` keeps the Trainer's sampler.
 ``"standard batching"``
@@ -284,6 +286,8 @@ def _strategy(args: Any) -> tuple[str, str]:
     name = args.packing_strategy
     if name in _TRL_STRATEGIES:
         return DEFAULT_STRATEGY, _TRL_STRATEGIES[name]
+    if name == "wrapped":  # whole sequences go in (no truncation first); pack_dataset cuts them at the rows' edges
+        return "wrapped", "split"
     try:
         return as_strategy(name, "packing_strategy"), "error"
     except InvalidArgumentError:
@@ -291,8 +295,8 @@ def _strategy(args: Any) -> tuple[str, str]:
     raise InvalidArgumentError(
         f"packing_strategy={describe(name)} is not one padfree packs exactly; accepted: 'bfd' (TRL's default: "
         f"truncate to max_length, then padfree's best fit decreasing over the whole dataset), 'bfd_split' (split "
-        f"longer sequences into pieces) or a padfree strategy ({', '.join(STRATEGIES)}). 'wrapped' cuts sequences "
-        f"at row ends, which changes what the model is trained on; use trl.SFTTrainer for it"
+        f"longer sequences into pieces), 'wrapped' (full rows, every cut piece a sequence of its own) or a padfree "
+        f"strategy ({', '.join(STRATEGIES)})"
     )
 
 
@@ -609,8 +613,8 @@ class SFTTrainer(SFTMixin, trl.SFTTrainer):
 
     Raises:
         InvalidArgumentError: ``packing=True`` / ``padding_free=True`` with a custom ``data_collator`` or a
-            ``ProcessorMixin``; ``packing=True`` without ``max_length >= 1``, with ``packing_strategy="wrapped"`` or
-            an ``IterableDataset``.
+            ``ProcessorMixin``; ``packing=True`` without ``max_length >= 1``, with an unknown ``packing_strategy``
+            or an ``IterableDataset``.
         UnsupportedModelError: an explicit padfree mode on a vision-language or unsupported model, or a model that
             ``configure_packing`` cannot make exact.
         DataLoadError: a dataset without ``input_ids``, without the text field and without messages or
