@@ -205,8 +205,12 @@ def test_eval_packing_in_padding_free_mode_reads_packing_strategy_and_max_length
     with pytest.raises(InvalidArgumentError, match=r"eval_packing=True packs the eval dataset into rows of "
                                                    r"max_length tokens.*got max_length=None"):
         build(tok, data, tmp_path / "none", "padding_free", eval_packing=True, max_length=None)
-    with pytest.raises(InvalidArgumentError, match=r"packing_strategy='wrapped'"):
-        build(tok, data, tmp_path / "wrapped", "padding_free", eval_packing=True, packing_strategy="wrapped")
+    with pytest.raises(InvalidArgumentError, match=r"packing_strategy='tightest' .* is not one padfree packs exactly"):
+        build(tok, data, tmp_path / "unknown", "padding_free", eval_packing=True, packing_strategy="tightest")
+    # TRL's wrapped rows, exact: every row of the eval set full but the last, every cut piece a sequence of its own
+    wrapped = build(tok, data, tmp_path / "wrapped", "padding_free", eval_packing=True, packing_strategy="wrapped")
+    widths = [sum(row) for row in wrapped.eval_dataset["seq_lens"]]
+    assert all(w == MAX_LENGTH for w in widths[:-1]) and sum(widths) == sum(lens)  # every token, as bfd_split
 
 
 @pytest.mark.parametrize("loss_rule", ["token", "sequence"])
