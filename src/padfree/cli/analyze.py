@@ -116,21 +116,18 @@ def _parse_strategies(text: str | None) -> list[str] | None:
     if text is None:
         return None
     names = [name.strip() for name in text.split(",") if name.strip()]
-    unknown = [name for name in names if not _known(name)]
+    canonical, unknown = [], []
+    for name in names:
+        try:
+            canonical.append(as_strategy(name))
+        except InvalidArgumentError:
+            unknown.append(name)
     if unknown or not names:
         raise InvalidArgumentError(
             f"--strategies {text!r}: unknown strategy {', '.join(map(repr, unknown)) or '(none given)'}; "
             f"choose from {','.join(STRATEGIES)} (any case; SeqPacker's names are accepted too)"
         )
-    return list(dict.fromkeys(as_strategy(name) for name in names))
-
-
-def _known(name: str) -> bool:
-    try:
-        as_strategy(name)
-    except InvalidArgumentError:
-        return False
-    return True
+    return list(dict.fromkeys(canonical))
 
 
 def _check_plot_path(plot: str | None) -> Path | None:

@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 
 from padfree.errors import InvalidArgumentError
+from padfree.rows import PackedRows
 
 __all__ = ["pack_stream"]
 
@@ -57,24 +58,17 @@ def _rows(data: Any, capacity: int, strategy: str, seed: int | None, overlong: s
 
 
 def _layout(row: dict[str, Any], capacity: int, opts: Any) -> dict[str, list[int]]:
-    """One unpadded row of tensors as the columns pack_dataset writes, padded as asked (the padding tail: the
-    ``padfree.rows`` convention — positions 0, 1, ... as one more sequence, ignored labels, mask 0)."""
+    """One unpadded row of tensors as the columns pack_dataset writes, padded as asked by the rows' own padding
+    (:meth:`padfree.rows.PackedRows.padded`: the tail's positions count 0, 1, ..., its labels are ignored, mask 0)."""
     ids = row["input_ids"].numpy()
     seq_lens = row["seq_lens"].numpy()
-    n = ids.shape[0]
-    width = capacity if opts.padding == "capacity" else n if opts.padding is None else int(opts.padding)
-    if opts.pad_to_multiple_of:
-        width = -(-width // opts.pad_to_multiple_of) * opts.pad_to_multiple_of
-    tail = width - n
-    values = {
-        "input_ids": np.concatenate([ids, np.full(tail, opts.padding_value, ids.dtype)]),
-        "labels": np.concatenate([row["labels"].numpy(), np.full(tail, opts.label_padding_value, np.int64)]),
-        "position_ids": np.concatenate([row["position_ids"].numpy(), np.arange(tail)]),
-        "seq_lens": seq_lens,
-    }
-    if opts.attention_mask == "segments":
-        values["attention_mask"] = np.concatenate([np.repeat(np.arange(1, seq_lens.shape[0] + 1), seq_lens),
-                                                   np.zeros(tail, np.int64)])
-    elif opts.attention_mask == "binary":
-        values["attention_mask"] = np.concatenate([np.ones(n, np.int64), np.zeros(tail, np.int64)])
+    n, k = ids.shape[0], seq_lens.shape[0]
+    rows = PackedRows(input_ids=ids, labels=row["labels"].numpy(), position_ids=row["position_ids"].numpy(),
+                      row_offsets=np.array([0, n]), seq_lens=seq_lens, piece_offsets=np.array([0, k]),
+                      sequence_ids=np.arange(k), capacity=capacity, label_padding_value=opts.label_padding_value)
+    pad_to = n if opts.padding is None else opts.padding
+    values = {name: column[0] for name, column in rows.padded(
+        pad_to, pad_to_multiple_of=opts.pad_to_multiple_of, padding_value=opts.padding_value,
+        attention_mask=opts.attention_mask).items()}
+    values["seq_lens"] = seq_lens
     return {name: values[what].tolist() for what, name in opts.columns if what in values}
