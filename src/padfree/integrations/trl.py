@@ -71,7 +71,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 import logging
-import os
 from collections.abc import Mapping
 from typing import Any
 
@@ -79,14 +78,24 @@ from padfree.errors import (
     BackendUnavailableError,
     DataLoadError,
     InvalidArgumentError,
-    UnsupportedModelError,
     describe,
+)
+from padfree.integrations.decide import (
+    ENV_DISABLE_AUTO,
+    ENV_RETURN_LOGITS,
+    Decision,
+    configure_for,
+    first_sample,
+    model_config,
+    refuse_unsafe,
+    skip_reason,
+    support_reason,
+    warn_once,
 )
 from padfree.integrations.status import PACKING, PADDING_FREE, STANDARD, PackingStatus, model_facts
 from padfree.integrations.step_loss import LOSS_MODES, reduce_loss, refuse_with_own_nll, scored_labels, token_losses
-from padfree.integrations.trainer import PadfreeTrainerMixin, configure_model
+from padfree.integrations.trainer import PadfreeTrainerMixin
 from padfree.integrations.trainer_data import PackedRowsCollator, pack_for_trainer
-from padfree.model.wrappers import unwrap_model
 from padfree.packing.inputs import as_choice, as_flag
 from padfree.packing.strategies import DEFAULT_STRATEGY, STRATEGIES, as_strategy
 
@@ -111,9 +120,6 @@ __all__ = [
 
 logger = logging.getLogger("padfree")
 
-ENV_DISABLE_AUTO = "PADFREE_DISABLE_AUTO_PADDING_FREE"
-ENV_RETURN_LOGITS = ("PADFREE_RETURN_LOGITS", "UNSLOTH_RETURN_LOGITS")
-_TRUE, _FALSE = ("1", "true", "yes", "on"), ("", "0", "false", "no", "off")
 _TRL_STRATEGIES = {"bfd": "error", "bfd_split": "split"}  # TRL's name -> overlong policy after TRL's truncation
 
 
@@ -169,104 +175,13 @@ class SFTConfig(trl.SFTConfig):
 # --------------------------------------------------------------------------------------------------
 
 
-def support_reason(model: Any, config: Any = None) -> str | None:
-    """Why padfree would not make ``model`` packing-exact, as ``"not supported because ..."`` (None: it would).
-
-    A model instance is asked exactly what :func:`padfree.configure_packing` would decide (the scan, the support
-    table the sweep proved, or an on-the-spot certification of a tiny twin — cached); a model still to be loaded
-    (a name) is judged from its config against the support table, and decided for good once loaded.
-
-    >>> import transformers
-    >>> from padfree.model.sweep import build_tiny
-    >>> support_reason(build_tiny("llama")) is None
-    True
-    """
-    from padfree.model import registry
-    from padfree.model.configure import check_packing_support
-
-    instance = unwrap_model(model) if not isinstance(model, str) else None
-    if isinstance(instance, transformers.PreTrainedModel):
-        verdict = check_packing_support(instance)
-        return None if verdict.ok else f"not supported because {verdict.reason}"
-    model_type = getattr(config, "model_type", None)
-    entry = registry.load()["types"].get(model_type)
-    if entry is not None and entry.get("verdict") == "refused" and entry.get("failed") is None:
-        return f"not supported because {entry.get('reason', 'the support sweep refused it')}"
-    return None
-
-
-_WARNED: set[str] = set()
-
-
-def _warn_once(message: str) -> None:
-    """Log ``message`` at WARNING the first time only (a trainer per run, or per eval, must not repeat it)."""
-    if message not in _WARNED:
-        _WARNED.add(message)
-        logger.warning("%s", message)
-
-
-def _env_flag(name: str) -> bool:
-    value = os.environ.get(name)
-    if value is None:
-        return False
-    if value.strip().lower() in _TRUE:
-        return True
-    if value.strip().lower() in _FALSE:
-        return False
-    raise InvalidArgumentError(f"environment variable {name}={value!r} is not a flag; accepted: "
-                               f"{', '.join(map(repr, _TRUE))} (on) or {', '.join(map(repr, _FALSE))} (off)")
-
-
-@dataclasses.dataclass
-class _Decision:
-    mode: str
-    reason: str
-    auto: bool
-    strategy: str = DEFAULT_STRATEGY
-    overlong: str = "error"
-
-
-def _model_config(model: Any, args: Any) -> Any:
-    if isinstance(model, str):
-        kwargs = dict(args.model_init_kwargs or {}) if isinstance(args.model_init_kwargs, dict) else {}
-        try:
-            return transformers.AutoConfig.from_pretrained(
-                model, trust_remote_code=args.trust_remote_code, revision=kwargs.get("revision"))
-        except Exception as exc:  # unreadable here; TRL reports it properly when it loads the model
-            logger.debug("padfree: could not read the config of %r: %s", model, exc)
-            return None
-    return getattr(unwrap_model(model), "config", None)
-
-
-def _vlm_reason(model: Any, config: Any, sample: Any) -> str | None:
-    from transformers.models.auto import modeling_auto
-
-    if config is not None:
-        model_type = getattr(config, "model_type", None)
-        vlm_types = set(getattr(modeling_auto, "MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES", {}))
-        vlm_types |= set(getattr(modeling_auto, "MODEL_FOR_VISION_2_SEQ_MAPPING_NAMES", {}))
-        if getattr(config, "vision_config", None) is not None or model_type in vlm_types:
-            name = model if isinstance(model, str) else type(unwrap_model(model)).__name__
-            return f"the model is a vision-language model ({name}, model type {model_type!r})"
-    if isinstance(sample, dict) and ("image" in sample or "images" in sample):
-        return "the dataset holds images (vision-language data is processed on the fly, one padded batch at a time)"
-    return None
-
-
-def _first_sample(dataset: Any) -> Any:
-    try:
-        return next(iter(dataset))
-    except Exception:  # an empty or broken dataset: TRL says what is wrong with it
-        return None
-
-
 def _check_columns(dataset: Any, args: Any, formatting_func: Any) -> None:
     """A dataset TRL can tokenize: ``input_ids``, the text field, messages, or prompt + completion."""
     if dataset is None or formatting_func is not None or (args.dataset_kwargs or {}).get("skip_prepare_dataset"):
         return
     names = getattr(dataset, "column_names", None)
     if names is None:
-        sample = _first_sample(dataset)
+        sample = first_sample(dataset)
         names = list(sample) if isinstance(sample, dict) else None
     if names is None:
         return
@@ -300,42 +215,20 @@ def _strategy(args: Any) -> tuple[str, str]:
     )
 
 
-def _refuse(setting: str, model: Any, config: Any, processing_class: Any, data_collator: Any, sample: Any) -> None:
-    """The checks an explicit ``packing=True`` / ``padding_free=True`` must pass."""
-    if data_collator is not None:
-        raise InvalidArgumentError(
-            f"{setting} needs padfree's exact collator, but a custom data_collator ({type(data_collator).__name__}) "
-            f"was given; drop data_collator (padfree collates packed rows itself), or unset {setting} to train with "
-            f"your collator"
-        )
-    if isinstance(processing_class, transformers.ProcessorMixin):
-        raise InvalidArgumentError(
-            f"{setting} with processing_class={type(processing_class).__name__} (a ProcessorMixin): padfree packs "
-            f"text-only causal LMs; pass the tokenizer ({type(processing_class).__name__}.tokenizer) or unset "
-            f"{setting}"
-        )
-    vlm = _vlm_reason(model, config, sample)
-    if vlm is not None:
-        raise UnsupportedModelError(f"{setting}: {vlm}; padfree packs text-only causal LMs — unset {setting}")
-    why = support_reason(model, config)
-    if why is not None:
-        raise UnsupportedModelError(f"{setting}: padfree is {why}; unset {setting} to train with standard batching")
-
-
 def _decide(args: Any, model: Any, config: Any, processing_class: Any, data_collator: Any, train_dataset: Any,
-            formatting_func: Any) -> _Decision:
+            formatting_func: Any) -> Decision:
     packing, padding_free = args.packing, args.padding_free
     for name, value in (("packing", packing), ("padding_free", padding_free)):
         if value is not None and not isinstance(value, bool):
             raise InvalidArgumentError(f"{name} must be True, False or None (padfree decides), got {describe(value)}")
     explicit = isinstance(args, SFTConfig)  # a plain trl.SFTConfig cannot tell False from its default
     _check_columns(train_dataset, args, formatting_func)
-    sample = _first_sample(train_dataset) if train_dataset is not None else None
+    sample = first_sample(train_dataset) if train_dataset is not None else None
     if packing:
         if explicit and padding_free is False:
             raise InvalidArgumentError("packing=True with padding_free=False: padfree's packed rows are collated "
                                        "without padding; drop padding_free=False, or unset packing")
-        _refuse("packing=True", model, config, processing_class, data_collator, sample)
+        refuse_unsafe("packing=True", model, config, processing_class, data_collator, sample)
         max_length = args.max_length
         if max_length is None or isinstance(max_length, bool) or not isinstance(max_length, int) or max_length < 1:
             raise InvalidArgumentError(f"packing=True needs max_length, the tokens of one packed row: an int >= 1, "
@@ -345,50 +238,18 @@ def _decide(args: Any, model: Any, config: Any, processing_class: Any, data_coll
                 "packing=True packs the whole dataset at once, which needs a datasets.Dataset; train_dataset is an "
                 "IterableDataset — use padding_free=True, or padfree.IterablePackingDataset with a plain Trainer")
         strategy, overlong = _strategy(args)
-        return _Decision(PACKING, f"packing=True: global {strategy} packing into rows of max_length={max_length}",
+        return Decision(PACKING, f"packing=True: global {strategy} packing into rows of max_length={max_length}",
                          auto=False, strategy=strategy, overlong=overlong)
     if padding_free:
-        _refuse("padding_free=True", model, config, processing_class, data_collator, sample)
-        return _Decision(PADDING_FREE, "padding_free=True", auto=False)
+        refuse_unsafe("padding_free=True", model, config, processing_class, data_collator, sample)
+        return Decision(PADDING_FREE, "padding_free=True", auto=False)
     if explicit and padding_free is False:
-        return _Decision(STANDARD, "padding_free=False", auto=False)
-    skip = _skip_reason(args, model, config, processing_class, data_collator, sample)
+        return Decision(STANDARD, "padding_free=False", auto=False)
+    skip = skip_reason(args, model, config, processing_class, data_collator, sample)
     if skip is not None:
-        return _Decision(STANDARD, f"auto padding-free skipped: {skip}", auto=True)
-    return _Decision(PADDING_FREE, f"auto: model type {config.model_type!r} is packing-exact under "
+        return Decision(STANDARD, f"auto padding-free skipped: {skip}", auto=True)
+    return Decision(PADDING_FREE, f"auto: model type {config.model_type!r} is packing-exact under "
                                    f"configure_packing", auto=True)
-
-
-def _skip_reason(args: Any, model: Any, config: Any, processing_class: Any, data_collator: Any, sample: Any
-                 ) -> str | None:
-    if _env_flag(ENV_DISABLE_AUTO):
-        return f"{ENV_DISABLE_AUTO}={os.environ[ENV_DISABLE_AUTO]} is set"
-    if getattr(args, "auto_padding_free", True) is False:
-        return "the config sets auto_padding_free=False"
-    for name in ENV_RETURN_LOGITS:
-        if _env_flag(name):
-            return (f"{name}={os.environ[name]} asks for logits to be returned, and a padding-free forward returns "
-                    f"one flattened row of logits instead of one per sample")
-    if data_collator is not None:
-        return f"a custom data_collator ({type(data_collator).__name__}) was given"
-    if isinstance(processing_class, transformers.ProcessorMixin):
-        return f"processing_class is a ProcessorMixin ({type(processing_class).__name__}), i.e. a multimodal processor"
-    vlm = _vlm_reason(model, config, sample)
-    if vlm is not None:
-        return vlm
-    if config is None:
-        return "the model's config could not be read"
-    return support_reason(model, config)
-
-
-def _configure(model: Any, decision: _Decision) -> None:
-    try:
-        configure_model(model)
-    except UnsupportedModelError as exc:
-        how = (f"set {ENV_DISABLE_AUTO}=1 or auto_padding_free=False to train with standard batching"
-               if decision.auto else "unset packing / padding_free to train with standard batching")
-        raise UnsupportedModelError(f"padfree cannot run {decision.mode} ({decision.reason}) exactly: {exc}; {how}"
-                                    ) from exc
 
 
 # --------------------------------------------------------------------------------------------------
@@ -416,7 +277,7 @@ def _as_config(args: Any, model: Any) -> Any:
 class SFTMixin(PadfreeTrainerMixin):
     """What :class:`SFTTrainer` adds to ``trl.SFTTrainer`` (and :func:`padfree.enable` to its subclasses)."""
 
-    _padfree_decision: _Decision | None = None
+    _padfree_decision: Decision | None = None
     _padfree_train_prepared = False
 
     def __init__(self, model: Any, args: Any = None, data_collator: Any = None, train_dataset: Any = None,
@@ -429,14 +290,14 @@ class SFTMixin(PadfreeTrainerMixin):
                            (self.padfree_fused_loss, "padfree_fused_loss=True")):
             if flag:
                 refuse_with_own_nll(what, args, kwargs.get("compute_loss_func"))
-        config = _model_config(model, args)
+        config = model_config(model, args)
         decision = _decide(args, model, config, processing_class, data_collator, train_dataset,
                            kwargs.get("formatting_func"))
         self._padfree_decision = decision
         self._padfree_plans: dict[str, Any] = {}
         on = decision.mode != STANDARD
         if on and not isinstance(model, str):
-            _configure(model, decision)  # fail before tokenizing anything
+            configure_for(model, decision)  # fail before tokenizing anything
         # TRL tokenizes and builds its padded pipeline; padfree packs the tokenized data and swaps the collator
         args.packing, args.padding_free = False, False
         try:
@@ -445,7 +306,7 @@ class SFTMixin(PadfreeTrainerMixin):
         finally:
             args.packing, args.padding_free = decision.mode == PACKING, on
         if on:
-            _configure(self.model, decision)  # a model given by name was loaded by TRL; else already configured
+            configure_for(self.model, decision)  # a model given by name was loaded by TRL; else already configured
             self.padding_free = True
             self.data_collator = PackedRowsCollator()
         self._padfree_setup(loss, telemetry=on and bool(getattr(args, "padfree_telemetry", True)))
@@ -458,7 +319,7 @@ class SFTMixin(PadfreeTrainerMixin):
             **model_facts(self.model))
         logger.info("%s", self._padfree_status)
         if decision.auto and decision.mode == STANDARD and "not supported because" in decision.reason:
-            _warn_once(f"padfree: {decision.reason}; training with standard batching")
+            warn_once(f"padfree: {decision.reason}; training with standard batching")
 
     # ---- data ------------------------------------------------------------------------------------------
 

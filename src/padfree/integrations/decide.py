@@ -1,0 +1,199 @@
+"""Whether a TRL trainer runs a padfree mode: the automatic choice, its skip reasons and the explicit refusals.
+
+Shared by padfree's TRL trainers (SFT, DPO, reward, GRPO): :func:`skip_reason` says why automatic padding-free
+batching is skipped (an environment opt-out, a custom collator, a processor, a vision-language model, a model padfree
+does not support), :func:`refuse_unsafe` raises for an explicit setting that cannot be exact, :func:`configure_for`
+runs :func:`padfree.configure_packing` and words its refusal for the mode that asked.
+
+>>> from padfree.model.sweep import build_tiny
+>>> support_reason(build_tiny("llama")) is None
+True
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from typing import Any
+
+from padfree.errors import InvalidArgumentError, UnsupportedModelError
+from padfree.integrations.trainer import configure_model
+from padfree.model.wrappers import unwrap_model
+from padfree.packing.strategies import DEFAULT_STRATEGY
+
+try:
+    import transformers
+except ImportError as exc:  # pragma: no cover - transformers is installed wherever this module is used
+    from padfree.errors import BackendUnavailableError
+
+    raise BackendUnavailableError("padfree.integrations.decide needs transformers; pip install 'padfree[hf]'") from exc
+
+__all__ = [
+    "ENV_DISABLE_AUTO",
+    "ENV_RETURN_LOGITS",
+    "Decision",
+    "configure_for",
+    "env_flag",
+    "first_sample",
+    "model_config",
+    "refuse_unsafe",
+    "skip_reason",
+    "support_reason",
+    "vlm_reason",
+    "warn_once",
+]
+
+logger = logging.getLogger("padfree")
+
+ENV_DISABLE_AUTO = "PADFREE_DISABLE_AUTO_PADDING_FREE"
+ENV_RETURN_LOGITS = ("PADFREE_RETURN_LOGITS", "UNSLOTH_RETURN_LOGITS")
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("", "0", "false", "no", "off")
+
+
+def support_reason(model: Any, config: Any = None) -> str | None:
+    """Why padfree would not make ``model`` packing-exact, as ``"not supported because ..."`` (None: it would).
+
+    A model instance is asked exactly what :func:`padfree.configure_packing` would decide (the scan, the support
+    table the sweep proved, or an on-the-spot certification of a tiny twin — cached); a model still to be loaded
+    (a name) is judged from its config against the support table, and decided for good once loaded.
+
+    >>> import transformers
+    >>> from padfree.model.sweep import build_tiny
+    >>> support_reason(build_tiny("llama")) is None
+    True
+    """
+    from padfree.model import registry
+    from padfree.model.configure import check_packing_support
+
+    instance = unwrap_model(model) if not isinstance(model, str) else None
+    if isinstance(instance, transformers.PreTrainedModel):
+        verdict = check_packing_support(instance)
+        return None if verdict.ok else f"not supported because {verdict.reason}"
+    model_type = getattr(config, "model_type", None)
+    entry = registry.load()["types"].get(model_type)
+    if entry is not None and entry.get("verdict") == "refused" and entry.get("failed") is None:
+        return f"not supported because {entry.get('reason', 'the support sweep refused it')}"
+    return None
+
+
+_WARNED: set[str] = set()
+
+
+def warn_once(message: str) -> None:
+    """Log ``message`` at WARNING the first time only (a trainer per run, or per eval, must not repeat it)."""
+    if message not in _WARNED:
+        _WARNED.add(message)
+        logger.warning("%s", message)
+
+
+def env_flag(name: str) -> bool:
+    value = os.environ.get(name)
+    if value is None:
+        return False
+    if value.strip().lower() in _TRUE:
+        return True
+    if value.strip().lower() in _FALSE:
+        return False
+    raise InvalidArgumentError(f"environment variable {name}={value!r} is not a flag; accepted: "
+                               f"{', '.join(map(repr, _TRUE))} (on) or {', '.join(map(repr, _FALSE))} (off)")
+
+
+@dataclasses.dataclass
+class Decision:
+    mode: str
+    reason: str
+    auto: bool
+    strategy: str = DEFAULT_STRATEGY
+    overlong: str = "error"
+
+
+def model_config(model: Any, args: Any) -> Any:
+    if isinstance(model, str):
+        kwargs = dict(args.model_init_kwargs or {}) if isinstance(args.model_init_kwargs, dict) else {}
+        try:
+            return transformers.AutoConfig.from_pretrained(
+                model, trust_remote_code=args.trust_remote_code, revision=kwargs.get("revision"))
+        except Exception as exc:  # unreadable here; TRL reports it properly when it loads the model
+            logger.debug("padfree: could not read the config of %r: %s", model, exc)
+            return None
+    return getattr(unwrap_model(model), "config", None)
+
+
+def vlm_reason(model: Any, config: Any, sample: Any) -> str | None:
+    from transformers.models.auto import modeling_auto
+
+    if config is not None:
+        model_type = getattr(config, "model_type", None)
+        vlm_types = set(getattr(modeling_auto, "MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES", {}))
+        vlm_types |= set(getattr(modeling_auto, "MODEL_FOR_VISION_2_SEQ_MAPPING_NAMES", {}))
+        if getattr(config, "vision_config", None) is not None or model_type in vlm_types:
+            name = model if isinstance(model, str) else type(unwrap_model(model)).__name__
+            return f"the model is a vision-language model ({name}, model type {model_type!r})"
+    if isinstance(sample, dict) and ("image" in sample or "images" in sample):
+        return "the dataset holds images (vision-language data is processed on the fly, one padded batch at a time)"
+    return None
+
+
+def first_sample(dataset: Any) -> Any:
+    try:
+        return next(iter(dataset))
+    except Exception:  # an empty or broken dataset: TRL says what is wrong with it
+        return None
+
+
+
+def refuse_unsafe(setting: str, model: Any, config: Any, processing_class: Any, data_collator: Any, sample: Any
+                  ) -> None:
+    """The checks an explicit ``packing=True`` / ``padding_free=True`` must pass."""
+    if data_collator is not None:
+        raise InvalidArgumentError(
+            f"{setting} needs padfree's exact collator, but a custom data_collator ({type(data_collator).__name__}) "
+            f"was given; drop data_collator (padfree collates packed rows itself), or unset {setting} to train with "
+            f"your collator"
+        )
+    if isinstance(processing_class, transformers.ProcessorMixin):
+        raise InvalidArgumentError(
+            f"{setting} with processing_class={type(processing_class).__name__} (a ProcessorMixin): padfree packs "
+            f"text-only causal LMs; pass the tokenizer ({type(processing_class).__name__}.tokenizer) or unset "
+            f"{setting}"
+        )
+    vlm = vlm_reason(model, config, sample)
+    if vlm is not None:
+        raise UnsupportedModelError(f"{setting}: {vlm}; padfree packs text-only causal LMs — unset {setting}")
+    why = support_reason(model, config)
+    if why is not None:
+        raise UnsupportedModelError(f"{setting}: padfree is {why}; unset {setting} to train with standard batching")
+
+
+
+def skip_reason(args: Any, model: Any, config: Any, processing_class: Any, data_collator: Any, sample: Any
+                 ) -> str | None:
+    if env_flag(ENV_DISABLE_AUTO):
+        return f"{ENV_DISABLE_AUTO}={os.environ[ENV_DISABLE_AUTO]} is set"
+    if getattr(args, "auto_padding_free", True) is False:
+        return "the config sets auto_padding_free=False"
+    for name in ENV_RETURN_LOGITS:
+        if env_flag(name):
+            return (f"{name}={os.environ[name]} asks for logits to be returned, and a padding-free forward returns "
+                    f"one flattened row of logits instead of one per sample")
+    if data_collator is not None:
+        return f"a custom data_collator ({type(data_collator).__name__}) was given"
+    if isinstance(processing_class, transformers.ProcessorMixin):
+        return f"processing_class is a ProcessorMixin ({type(processing_class).__name__}), i.e. a multimodal processor"
+    vlm = vlm_reason(model, config, sample)
+    if vlm is not None:
+        return vlm
+    if config is None:
+        return "the model's config could not be read"
+    return support_reason(model, config)
+
+
+def configure_for(model: Any, decision: Decision) -> None:
+    try:
+        configure_model(model)
+    except UnsupportedModelError as exc:
+        how = (f"set {ENV_DISABLE_AUTO}=1 or auto_padding_free=False to train with standard batching"
+               if decision.auto else "unset packing / padding_free to train with standard batching")
+        raise UnsupportedModelError(f"padfree cannot run {decision.mode} ({decision.reason}) exactly: {exc}; {how}"
+                                    ) from exc
