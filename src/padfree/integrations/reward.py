@@ -1,0 +1,364 @@
+"""padfree for TRL's ``RewardTrainer``: every micro-batch of preference pairs scored as one packed row.
+
+``padfree.integrations.reward.RewardTrainer`` is a drop-in subclass of ``trl.RewardTrainer`` (same arguments). TRL
+still tokenizes the pairs, collates them (chosen sequences, then rejected), and keeps its Bradley-Terry loss (with
+``margin`` and ``center_rewards_coefficient``), its metrics and its logging; padfree changes how the forward runs:
+
+``"padding-free batching"`` (automatic when safe, or ``padding_free=True``)
+    The ``2B`` sequences of a micro-batch run through the model's backbone as one row — the real tokens back to
+    back, ``position_ids`` restarting at every sequence, no padding, no ``attention_mask`` — and the hidden states
+    come back in the padded ``(2B, L, hidden)`` layout, where the model's own sequence-classification head scores
+    them and pools each sequence's token exactly as it does for the padded batch. TRL's loss and metrics then run,
+    unchanged, on the same ``(2B, 1)`` rewards the padded forward gives.
+``"standard batching"``
+    TRL's padded batches and forward, untouched.
+
+The backbone goes through :func:`padfree.configure_packing` (attention and recurrent state that stop at every
+boundary), which fails closed. The head must be one padfree can feed a packed backbone: the generic
+``*ForSequenceClassification`` of transformers (``LlamaForSequenceClassification``,
+``Qwen3_5TextForSequenceClassification``, ...: a backbone, then a per-token ``score`` pooled by the model itself);
+any other class is refused by name (:func:`score_head_reason`). The automatic choice is skipped, with the reason
+logged, on the same grounds as :class:`padfree.SFTTrainer`'s (``PADFREE_DISABLE_AUTO_PADDING_FREE=1`` or
+``auto_padding_free=False``, a custom collator, a processor or vision-language model, a backbone padfree cannot make
+exact), for such a head, and for prompt-learning PEFT adapters. ``padding_free=True`` refuses, naming why, what the
+automatic choice would skip; ``padding_free=False`` is TRL's padded path. ``padfree.packing_status(trainer)`` says
+which mode runs. Each micro-batch's loss is TRL's mean over its pairs, so gradient accumulation and data parallelism
+are what they are for the padded trainer.
+
+    from padfree.integrations.reward import RewardConfig, RewardTrainer
+    trainer = RewardTrainer(model=seq_cls_model, args=RewardConfig("out"), train_dataset=pairs,
+                            processing_class=tokenizer)
+    trainer.train()
+
+:func:`unpadded_scores` is the same forward outside a trainer:
+
+>>> import torch, transformers
+>>> config = transformers.LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+...                                   num_attention_heads=2, num_labels=1, pad_token_id=0)
+>>> model = transformers.LlamaForSequenceClassification(config).eval()
+>>> ids = torch.tensor([[5, 6, 7, 8], [9, 10, 0, 0], [11, 0, 0, 0]])
+>>> padded = model(input_ids=ids, attention_mask=(ids != 0).long()).logits
+>>> with unpadded_scores(model):  # configures the backbone for packing, then runs one packed row
+...     packed = model(input_ids=ids, attention_mask=(ids != 0).long()).logits
+>>> packed.shape, bool(torch.allclose(packed, padded, atol=1e-6))
+(torch.Size([3, 1]), True)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+from collections.abc import Iterator
+from typing import Any
+
+from padfree.errors import BackendUnavailableError, InvalidArgumentError, UnsupportedModelError, describe
+from padfree.integrations.decide import (
+    Decision,
+    configure_for,
+    first_sample,
+    model_config,
+    refuse_unsafe,
+    skip_reason,
+    warn_once,
+)
+from padfree.integrations.status import PADDING_FREE, STANDARD, PackingStatus, model_facts
+from padfree.integrations.trainer import configure_model
+from padfree.integrations.unpadded import Unpadded
+from padfree.model.wrappers import unwrap_model
+
+try:
+    import torch
+    import transformers
+    import trl
+    from transformers.modeling_layers import GenericForSequenceClassification
+except ImportError as exc:  # pragma: no cover - trl is installed wherever this module is used
+    raise BackendUnavailableError(
+        "padfree.integrations.reward needs trl and transformers; pip install 'padfree[trl]'"
+    ) from exc
+
+__all__ = ["RewardConfig", "RewardMixin", "RewardTrainer", "score_head_reason", "unpadded_scores"]
+
+logger = logging.getLogger("padfree")
+
+
+@dataclasses.dataclass
+class RewardConfig(trl.RewardConfig):
+    """``trl.RewardConfig`` plus padfree's choice of batching.
+
+    Args:
+        padding_free: True: padding-free batching (refused, naming why, where it cannot be exact); False: TRL's
+            padded batches; None (default): padfree decides (on when safe, see the module docstring).
+        auto_padding_free: False turns the automatic choice off (as ``PADFREE_DISABLE_AUTO_PADDING_FREE=1`` does).
+
+    Every other argument is ``trl.RewardConfig``'s.
+
+    >>> cfg = RewardConfig("out", report_to="none", use_cpu=True)
+    >>> cfg.padding_free, cfg.auto_padding_free
+    (None, True)
+    """
+
+    padding_free: bool | None = dataclasses.field(
+        default=None, metadata={"help": "True: padding-free batching; False: off; None: padfree decides."})
+    auto_padding_free: bool = dataclasses.field(
+        default=True, metadata={"help": "Let padfree turn padding-free batching on when it is safe."})
+
+
+# --------------------------------------------------------------------------------------------------
+# The head and the packed backbone
+# --------------------------------------------------------------------------------------------------
+
+
+def score_head_reason(model: Any) -> str | None:
+    """Why padfree cannot score ``model`` (wrapped or not) from a packed backbone; None when it can.
+
+    padfree feeds the backbone of transformers' generic sequence-classification head
+    (``GenericForSequenceClassification``: the backbone under ``base_model_prefix``, a per-token ``score``, the
+    pooled token chosen by the model from the padded ``input_ids``); a class with its own ``forward`` may pool,
+    mix or read the mask in ways a packed row does not reproduce, so it is named and refused.
+
+    >>> import transformers
+    >>> config = transformers.LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+    ...                                   num_attention_heads=2, num_labels=1)
+    >>> score_head_reason(transformers.LlamaForSequenceClassification(config)) is None
+    True
+    >>> print(score_head_reason(transformers.LlamaForCausalLM(config)))  # doctest: +ELLIPSIS
+    LlamaForCausalLM is not a sequence-classification model...
+    """
+    inner = unwrap_model(model)
+    name = type(inner).__name__
+    if not isinstance(inner, GenericForSequenceClassification):
+        return (f"{name} is not a sequence-classification model of transformers' generic kind "
+                f"(GenericForSequenceClassification: a backbone, then a per-token score pooled at each sequence's "
+                f"last token); padfree's reward trainer scores packed rows only through that head")
+    owner = next(c for c in type(inner).__mro__ if "forward" in vars(c))
+    if owner is not GenericForSequenceClassification:
+        return (f"{name}.forward (defined by {owner.__qualname__}) replaces transformers' generic "
+                f"sequence-classification forward, so padfree cannot tell how it pools a packed row")
+    backbone = getattr(inner, inner.base_model_prefix, None)
+    if not isinstance(backbone, transformers.PreTrainedModel):
+        return (f"{name}.{inner.base_model_prefix} is {describe(backbone)}, not a transformers backbone that "
+                f"configure_packing can make exact")
+    return None
+
+
+def _backbone(model: Any) -> Any:
+    inner = unwrap_model(model)
+    return getattr(inner, inner.base_model_prefix)
+
+
+def _prompt_learning(model: Any) -> bool:
+    config = getattr(model, "peft_config", None)
+    return isinstance(config, dict) and any(getattr(c, "is_prompt_learning", False) for c in config.values())
+
+
+class _PackedBackbone:
+    """Hooks on the backbone of a sequence-classification model that, while :attr:`active`, turn its padded call
+    into one packed row and give the hidden states back padded; the head above it runs untouched."""
+
+    def __init__(self, head: Any, backbone: Any) -> None:
+        self.active = 0
+        self.layout: Unpadded | None = None
+        self.config = head.config
+        # first among the backbone's pre-hooks: configure_packing's hook must see the packed row's position_ids
+        self.handles = [backbone.register_forward_pre_hook(self.before, with_kwargs=True, prepend=True),
+                        backbone.register_forward_hook(self.after, with_kwargs=True, prepend=True)]
+
+    def before(self, module: Any, args: tuple, kwargs: dict[str, Any]) -> Any:
+        self.layout = None
+        ids = args[0] if args else kwargs.get("input_ids")
+        mask = kwargs.get("attention_mask")
+        if (not self.active or len(args) > 1 or not isinstance(ids, torch.Tensor) or ids.ndim != 2
+                or not isinstance(mask, torch.Tensor) or mask.ndim != 2 or kwargs.get("position_ids") is not None
+                or kwargs.get("inputs_embeds") is not None or kwargs.get("output_attentions")
+                or kwargs.get("cache") is not None or kwargs.get("past_key_values") is not None):
+            return None  # not the padded scoring call: the backbone's own forward
+        layout = Unpadded.from_attention_mask(mask)
+        self._check_pooled(ids, layout)
+        kwargs = {k: v for k, v in kwargs.items() if k not in ("attention_mask", "input_ids")}
+        kwargs["input_ids"] = layout.pack(ids)
+        kwargs["position_ids"] = layout.position_ids.to(ids.device)
+        self.layout = layout
+        return (), kwargs
+
+    def after(self, module: Any, args: tuple, kwargs: dict[str, Any], output: Any) -> Any:
+        layout, self.layout = self.layout, None
+        if layout is None:
+            return None
+        if isinstance(output, tuple):
+            return (layout.unpack(output[0]), *output[1:])
+        output["last_hidden_state"] = layout.unpack(output["last_hidden_state"])
+        hidden = output.get("hidden_states") if hasattr(output, "get") else None
+        if hidden is not None:
+            output["hidden_states"] = tuple(layout.unpack(h) for h in hidden)
+        return output
+
+    def _check_pooled(self, ids: torch.Tensor, layout: Unpadded) -> None:
+        """The generic head pools, per row, the rightmost token that is not ``pad_token_id``. Padding has no packed
+        hidden state, so a row whose pooled token would be padding (the collator padded with another id, or a row of
+        nothing but pad ids) is refused rather than scored differently."""
+        pad = self.config.get_text_config().pad_token_id
+        if pad is None:
+            pooled = torch.full((ids.shape[0],), ids.shape[1] - 1, device=ids.device)
+        else:
+            positions = torch.arange(ids.shape[1], device=ids.device)
+            pooled = (positions * (ids != pad)).argmax(-1)
+        mask = layout.mask.to(ids.device)
+        real = mask[torch.arange(ids.shape[0], device=ids.device), pooled]
+        if not bool(real.all()):
+            row = int(torch.nonzero(~real)[0, 0])
+            raise InvalidArgumentError(
+                f"row {row} of the batch would be scored at padding position {int(pooled[row])} (the head pools the "
+                f"last token that is not pad_token_id={pad}; attention_mask {mask[row].int().tolist()}): a packed "
+                f"row has no hidden state there — pad with pad_token_id, or use padding_free=False")
+
+
+@contextlib.contextmanager
+def unpadded_scores(model: Any) -> Iterator[None]:
+    """Inside the block, ``model(input_ids=..., attention_mask=...)`` of a sequence-classification ``model``
+    (wrapped or not) runs its backbone on one packed row and returns the logits ``(N, num_labels)`` the padded
+    forward returns.
+
+    The backbone is configured by :func:`padfree.configure_packing` first (kept if it already is). Calls with
+    ``position_ids``, ``inputs_embeds``, a cache or ``output_attentions`` run the padded forward.
+
+    Raises:
+        UnsupportedModelError: a head padfree cannot feed (:func:`score_head_reason`) or a backbone
+            ``configure_packing`` cannot make exact.
+        InvalidArgumentError: (in the call) a row the head would score at a padding position.
+    """
+    why = score_head_reason(model)
+    if why is not None:
+        raise UnsupportedModelError(f"padfree cannot score a packed row: {why}")
+    inner = unwrap_model(model)
+    backbone = _backbone(inner)
+    configure_model(backbone)
+    hooks = getattr(backbone, "_padfree_scores", None)
+    if hooks is None:
+        hooks = _PackedBackbone(inner, backbone)
+        backbone._padfree_scores = hooks
+    hooks.active += 1
+    try:
+        yield
+    finally:
+        hooks.active -= 1
+
+
+# --------------------------------------------------------------------------------------------------
+# The decision
+# --------------------------------------------------------------------------------------------------
+
+
+def _head_or_adapter(model: Any) -> str | None:
+    if isinstance(model, str):  # judged once TRL has loaded it
+        return None
+    if _prompt_learning(model):
+        return "the model has a prompt-learning PEFT adapter (its virtual tokens belong to every sequence)"
+    return score_head_reason(model)
+
+
+def _decide(args: Any, model: Any, config: Any, processing_class: Any, data_collator: Any, train_dataset: Any
+            ) -> Decision:
+    padding_free = getattr(args, "padding_free", None)  # a plain trl.RewardConfig has none: padfree decides
+    if padding_free is not None and not isinstance(padding_free, bool):
+        raise InvalidArgumentError(f"padding_free must be True, False or None (padfree decides), got "
+                                   f"{describe(padding_free)}")
+    if padding_free is False:
+        return Decision(STANDARD, "padding_free=False", auto=False)
+    sample = first_sample(train_dataset) if train_dataset is not None else None
+    head = _head_or_adapter(model)
+    # the support questions go to the backbone: configure_packing refuses classification heads as such
+    target = model if isinstance(model, str) or head is not None else _backbone(model)
+    if padding_free:
+        if head is not None:
+            raise UnsupportedModelError(f"padding_free=True: {head}; unset padding_free to train with standard "
+                                        f"batching")
+        refuse_unsafe("padding_free=True", target, config, processing_class, data_collator, sample)
+        return Decision(PADDING_FREE, "padding_free=True", auto=False)
+    skip = skip_reason(args, target, config, processing_class, data_collator, sample) or head
+    if skip is not None:
+        return Decision(STANDARD, f"auto padding-free skipped: {skip}", auto=True)
+    return Decision(PADDING_FREE, f"auto: model type {config.model_type!r} is packing-exact under configure_packing",
+                    auto=True)
+
+
+def _as_config(args: Any, model: Any) -> Any:
+    if args is None:
+        name = model if isinstance(model, str) else getattr(getattr(model, "config", None), "_name_or_path", "") or (
+            type(model).__name__)
+        return RewardConfig(f"{str(name).split('/')[-1]}-Reward")
+    if isinstance(args, trl.RewardConfig):
+        return args
+    raise InvalidArgumentError(f"args must be a RewardConfig (padfree's or trl's), got {describe(args)}")
+
+
+# --------------------------------------------------------------------------------------------------
+# The trainer
+# --------------------------------------------------------------------------------------------------
+
+
+def _model_reason(reason: str) -> bool:
+    """A skip the user did not ask for (the model's own limits) is worth a warning; an opt-out is not."""
+    return "not supported because" in reason or "sequence-classification" in reason or "PEFT" in reason
+
+
+class RewardMixin:
+    """What :class:`RewardTrainer` adds to ``trl.RewardTrainer``: the decision and the packed scoring forward."""
+
+    _padfree_decision: Decision | None = None
+
+    def __init__(self, model: Any, args: Any = None, data_collator: Any = None, train_dataset: Any = None,
+                 eval_dataset: Any = None, processing_class: Any = None, *rest: Any, **kwargs: Any) -> None:
+        args = _as_config(args, model)
+        config = model_config(model, args)
+        decision = _decide(args, model, config, processing_class, data_collator, train_dataset)
+        if decision.mode != STANDARD and not isinstance(model, str):
+            configure_for(_backbone(model), decision)  # fail before tokenizing anything
+        super().__init__(model, args, data_collator, train_dataset, eval_dataset, processing_class, *rest, **kwargs)
+        if decision.mode != STANDARD:  # a model given by name is judged now that TRL has loaded it
+            head = _head_or_adapter(self.model)
+            if head is not None and not decision.auto:
+                raise UnsupportedModelError(f"padding_free=True: {head}; unset padding_free to train with standard "
+                                            f"batching")
+            if head is not None:
+                decision = Decision(STANDARD, f"auto padding-free skipped: {head}", auto=True)
+            else:
+                configure_for(_backbone(self.model), decision)
+        self._padfree_decision = decision
+        on = decision.mode != STANDARD
+        if hasattr(args, "padding_free") or on:
+            args.padding_free = on
+        facts = model_facts(_backbone(self.model) if on else self.model)
+        self._padfree_status = PackingStatus(mode=decision.mode, reason=decision.reason, auto=decision.auto,
+                                             packing=False, padding_free=on, **facts)
+        logger.info("%s", self._padfree_status)
+        if decision.auto and decision.mode == STANDARD and _model_reason(decision.reason):
+            warn_once(f"padfree: {decision.reason}; training the reward model with standard batching")
+
+    @property
+    def _padfree_on(self) -> bool:
+        return self._padfree_decision is not None and self._padfree_decision.mode != STANDARD
+
+    def compute_loss(self, model: Any, inputs: dict[str, Any], return_outputs: bool = False,
+                     num_items_in_batch: Any = None) -> Any:
+        if not self._padfree_on:
+            return super().compute_loss(model, inputs, return_outputs=return_outputs,
+                                        num_items_in_batch=num_items_in_batch)
+        with unpadded_scores(self.model):  # TRL's loss and metrics, on the rewards of one packed row
+            return super().compute_loss(model, inputs, return_outputs=return_outputs,
+                                        num_items_in_batch=num_items_in_batch)
+
+
+class RewardTrainer(RewardMixin, trl.RewardTrainer):
+    """``trl.RewardTrainer`` whose micro-batches run padding-free (automatic when safe): see the module docstring for
+    the modes, the refusals and the opt-outs.
+
+    Takes exactly ``trl.RewardTrainer``'s arguments. ``args`` may be a ``trl.RewardConfig`` (padfree decides) or
+    padfree's :class:`RewardConfig` (``padding_free`` True / False / None, ``auto_padding_free``).
+
+    Raises:
+        InvalidArgumentError: ``padding_free=True`` with a custom ``data_collator`` or a ``ProcessorMixin``; a
+            ``padding_free`` that is not a bool or None; ``args`` of another kind.
+        UnsupportedModelError: ``padding_free=True`` on a vision-language model, a head padfree cannot feed
+            (:func:`score_head_reason`), a prompt-learning adapter, or a backbone ``configure_packing`` refuses.
+    """
