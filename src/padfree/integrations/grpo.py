@@ -1,0 +1,182 @@
+"""padfree for TRL's ``GRPOTrainer``: the log-probs of the policy, the old policy and the reference computed
+padding-free.
+
+``padfree.integrations.grpo.GRPOTrainer`` is a drop-in subclass of ``trl.GRPOTrainer`` (same arguments).
+Generation, rewards, advantages and every loss type TRL implements are TRL's own, untouched; what changes is the
+forward that scores the completions. TRL pads each batch of prompt + completion (prompts on the left, completions
+on the right) and runs the model over ``(B, prompt_len + completion_len)`` positions; in ``"padding-free batching"``
+the real tokens of each micro-batch run as ONE packed row instead — each sequence its prompt then its completion,
+``position_ids`` restarting at 0 per sequence (the positions generation used), no padding, no ``attention_mask`` —
+and the per-token log-probs (and entropies) come back in the ``(B, completion_len)`` layout TRL's loss expects
+(:func:`padfree.integrations.unpadded.unpadded_forwards`). The policy and the reference model go through
+:func:`padfree.configure_packing`, which fails closed: a model it cannot make exact raises
+:class:`~padfree.errors.UnsupportedModelError` instead of scoring with attention that crosses sequences.
+
+Modes, from :class:`GRPOConfig`'s ``padding_free``:
+
+- ``None`` (default; also a plain ``trl.GRPOConfig``): on when safe. Skipped, with the reason logged, when
+  ``PADFREE_DISABLE_AUTO_PADDING_FREE=1`` is set or ``auto_padding_free=False``, when ``processing_class`` is a
+  ``ProcessorMixin`` or the model is a vision-language model (or the dataset holds images), or when padfree does
+  not support the model (:func:`padfree.integrations.decide.support_reason`).
+- ``True``: on, even with the environment opt-out set; refuses what it cannot do exactly (a processor, a VLM, a
+  model padfree does not support).
+- ``False``: TRL's padded forward, untouched.
+
+``padfree.packing_status(trainer)`` reports the mode and why; ``trainer.args.padding_free`` tells the truth after
+construction, and ``trainer.padfree_forwards`` counts the packed forwards run so far (rows, real tokens, and the
+padded positions TRL's forward would have computed).
+
+>>> cfg = GRPOConfig("out", report_to="none", use_cpu=True)
+>>> cfg.padding_free, cfg.auto_padding_free
+(None, True)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any
+
+from padfree.errors import BackendUnavailableError, InvalidArgumentError, describe
+from padfree.integrations.decide import (
+    Decision,
+    configure_for,
+    first_sample,
+    model_config,
+    refuse_unsafe,
+    skip_reason,
+    warn_once,
+)
+from padfree.integrations.status import PADDING_FREE, STANDARD, PackingStatus, model_facts
+from padfree.integrations.unpadded import unpadded_forwards
+
+try:
+    import torch
+    import trl
+except ImportError as exc:  # pragma: no cover - trl is installed wherever this module is used
+    raise BackendUnavailableError(
+        "padfree.integrations.grpo needs trl; pip install 'padfree[trl]'"
+    ) from exc
+
+__all__ = ["GRPOConfig", "GRPOTrainer"]
+
+logger = logging.getLogger("padfree")
+
+# TRL's per-token scoring takes these for vision-language models only: they are laid out per padded row (or per
+# image) and a packed row cannot carry them
+_MULTIMODAL = ("pixel_values", "image_grid_thw", "pixel_attention_mask", "spatial_shapes", "image_sizes",
+               "token_type_ids", "mm_token_type_ids", "image_position_ids")
+
+
+@dataclasses.dataclass
+class GRPOConfig(trl.GRPOConfig):
+    """``trl.GRPOConfig`` plus padfree's padding-free switch.
+
+    Args:
+        padding_free: True: score completions padding-free (refusing what cannot be exact); False: TRL's padded
+            forward; None (default): padfree decides (on when safe, see the module docstring).
+        auto_padding_free: False turns the automatic choice off (as ``PADFREE_DISABLE_AUTO_PADDING_FREE=1`` does).
+
+    Every other argument is ``trl.GRPOConfig``'s.
+
+    >>> GRPOConfig("out", padding_free=True, report_to="none", use_cpu=True).padding_free
+    True
+    """
+
+    padding_free: bool | None = dataclasses.field(
+        default=None, metadata={"help": "True: padding-free log-probs; False: TRL's padded forward; None: padfree "
+                                        "decides."})
+    auto_padding_free: bool = dataclasses.field(
+        default=True, metadata={"help": "Let padfree turn padding-free log-probs on when it is safe."})
+
+
+def _decide(args: Any, model: Any, config: Any, processing_class: Any, train_dataset: Any) -> Decision:
+    padding_free = getattr(args, "padding_free", None)
+    if padding_free is not None and not isinstance(padding_free, bool):
+        raise InvalidArgumentError(f"padding_free must be True, False or None (padfree decides), got "
+                                   f"{describe(padding_free)}")
+    sample = first_sample(train_dataset) if train_dataset is not None else None
+    if padding_free:
+        refuse_unsafe("padding_free=True", model, config, processing_class, None, sample)
+        return Decision(PADDING_FREE, "padding_free=True", auto=False)
+    if padding_free is False:
+        return Decision(STANDARD, "padding_free=False", auto=False)
+    skip = skip_reason(args, model, config, processing_class, None, sample)
+    if skip is not None:
+        return Decision(STANDARD, f"auto padding-free skipped: {skip}", auto=True)
+    return Decision(PADDING_FREE, f"auto: model type {config.model_type!r} is packing-exact under "
+                                   f"configure_packing", auto=True)
+
+
+class GRPOTrainer(trl.GRPOTrainer):
+    """``trl.GRPOTrainer`` whose per-token log-probs (policy, old policy, reference) run padding-free: one packed
+    row per micro-batch, returned in TRL's ``(B, completion_len)`` layout. See the module docstring for the modes.
+
+    Takes exactly ``trl.GRPOTrainer``'s arguments; ``args`` may be a ``trl.GRPOConfig`` or padfree's
+    :class:`GRPOConfig`. ``padding_free`` (attribute) is the switch the scoring reads: True in padding-free mode.
+
+    Raises:
+        InvalidArgumentError: ``padding_free`` that is not a bool or None; ``padding_free=True`` with a
+            ``ProcessorMixin``; multimodal inputs reaching the padding-free forward.
+        UnsupportedModelError: ``padding_free=True`` on a vision-language or unsupported model, or a policy or
+            reference model that ``configure_packing`` cannot make exact.
+    """
+
+    padding_free = False
+
+    def __init__(self, model: Any, reward_funcs: Any = None, args: Any = None, train_dataset: Any = None,
+                 eval_dataset: Any = None, processing_class: Any = None, *rest: Any, **kwargs: Any) -> None:
+        if args is None:
+            name = model if isinstance(model, str) else getattr(getattr(model, "config", None), "_name_or_path", "")
+            args = GRPOConfig(f"{str(name or type(model).__name__).split('/')[-1]}-GRPO")
+        elif not isinstance(args, trl.GRPOConfig):
+            raise InvalidArgumentError(f"args must be a GRPOConfig (padfree's or trl's), got {describe(args)}")
+        decision = _decide(args, model, model_config(model, args), processing_class, train_dataset)
+        on = decision.mode == PADDING_FREE
+        if on and not isinstance(model, str):
+            configure_for(model, decision)  # fail before TRL loads a reference model or builds anything
+        super().__init__(model, reward_funcs, args, train_dataset, eval_dataset, processing_class, *rest, **kwargs)
+        if on:
+            configure_for(self.model, decision)  # a model given by name was loaded by TRL; else already configured
+            if self.ref_model is not None:
+                configure_for(self.ref_model, decision)
+        self.padding_free = on
+        self.padfree_forwards = {"rows": 0, "tokens": 0, "padded_positions": 0}
+        args.padding_free = on
+        self._padfree_status = PackingStatus(
+            mode=decision.mode, reason=decision.reason, auto=decision.auto, packing=False, padding_free=on,
+            **model_facts(self.model))
+        logger.info("%s", self._padfree_status)
+        if decision.auto and not on and "not supported because" in decision.reason:
+            warn_once(f"padfree: {decision.reason}; GRPO scores completions with TRL's padded forward")
+
+    def _get_per_token_logps_and_entropies(self, model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                                           logits_to_keep: int, batch_size: int | None = None, *args: Any,
+                                           **kwargs: Any) -> Any:
+        """TRL's scoring, each micro-batch of ``batch_size`` rows run as one packed row in padding-free mode.
+
+        Args:
+            input_ids: ``(B, P + C)`` — left-padded prompts, then right-padded completions.
+            attention_mask: ``(B, P + C)`` 0/1 — each row's real tokens one contiguous run.
+            logits_to_keep: ``C``, the completion width scored.
+        """
+        if not self.padding_free:
+            return super()._get_per_token_logps_and_entropies(model, input_ids, attention_mask, logits_to_keep,
+                                                              batch_size, *args, **kwargs)
+        given = [name for name in _MULTIMODAL if kwargs.get(name) is not None]
+        if args or given:
+            raise InvalidArgumentError(
+                f"padding-free GRPO scores text-only causal LMs, but the forward got multimodal inputs "
+                f"({', '.join(given) or 'positional arguments'}): a packed row cannot carry them; use "
+                f"GRPOConfig(padding_free=False)")
+        self._padfree_count(attention_mask, batch_size or input_ids.size(0))
+        with unpadded_forwards(model):
+            return super()._get_per_token_logps_and_entropies(model, input_ids, attention_mask, logits_to_keep,
+                                                              batch_size, **kwargs)
+
+    def _padfree_count(self, attention_mask: torch.Tensor, batch_size: int) -> None:
+        rows = -(-attention_mask.size(0) // batch_size)
+        counts = self.padfree_forwards
+        counts["rows"] += rows
+        counts["tokens"] += int(attention_mask.sum())
+        counts["padded_positions"] += attention_mask.numel()
