@@ -58,14 +58,15 @@ def tok(tmp_path_factory):
 @pytest.fixture(scope="module")
 def pairs():
     """Preference pairs from the shortest GSM8K records of the first 300 (about 60-130 tokens each): the rejected
-    answer is another record's, cut to a quarter, half, three quarters or all of it."""
+    answer is another record's, cut to a quarter, half, three quarters or all of it; with TRL's optional ``margin``
+    (which TRL's loss subtracts, and which TRL also hands the model as a keyword argument)."""
     records = gsm8k_records(300)
     keep = sorted(range(len(records)), key=lambda i: len(records[i]["instruction"] + records[i]["output"]))
     chosen = [records[i] for i in sorted(keep[:PAIRS])]
     others = [records[i]["output"] for i in sorted(keep[PAIRS:2 * PAIRS])]
     return datasets.Dataset.from_list([
         {"prompt": f"{r['instruction']}\n{r['input']}".rstrip() + "\n", "chosen": r["output"],
-         "rejected": other[: max(8, len(other) * (i % 4 + 1) // 4)]}
+         "rejected": other[: max(8, len(other) * (i % 4 + 1) // 4)], "margin": 0.5 * (i % 3)}
         for i, (r, other) in enumerate(zip(chosen, others, strict=True))])
 
 

@@ -158,6 +158,7 @@ class _PackedBackbone:
 
     def __init__(self, head: Any, backbone: Any) -> None:
         self.active = 0
+        self.ignore: frozenset[str] = frozenset()
         self.layout: Unpadded | None = None
         self.config = head.config
         # first among the backbone's pre-hooks: configure_packing's hook must see the packed row's position_ids
@@ -175,7 +176,7 @@ class _PackedBackbone:
             return None  # not the padded scoring call: the backbone's own forward
         layout = Unpadded.from_attention_mask(mask)
         self._check_pooled(ids, layout)
-        kwargs = {k: v for k, v in kwargs.items() if k not in ("attention_mask", "input_ids")}
+        kwargs = {k: v for k, v in kwargs.items() if k not in ("attention_mask", "input_ids") and k not in self.ignore}
         kwargs["input_ids"] = layout.pack(ids)
         kwargs["position_ids"] = layout.position_ids.to(ids.device)
         self.layout = layout
@@ -214,13 +215,19 @@ class _PackedBackbone:
 
 
 @contextlib.contextmanager
-def unpadded_scores(model: Any) -> Iterator[None]:
+def unpadded_scores(model: Any, ignore: tuple[str, ...] = ()) -> Iterator[None]:
     """Inside the block, ``model(input_ids=..., attention_mask=...)`` of a sequence-classification ``model``
     (wrapped or not) runs its backbone on one packed row and returns the logits ``(N, num_labels)`` the padded
     forward returns.
 
     The backbone is configured by :func:`padfree.configure_packing` first (kept if it already is). Calls with
     ``position_ids``, ``inputs_embeds``, a cache or ``output_attentions`` run the padded forward.
+
+    Args:
+        model: a generic ``*ForSequenceClassification`` (:func:`score_head_reason`), wrapped or not.
+        ignore: keyword arguments the model is handed but does not read, kept from the backbone (TRL's reward
+            trainer hands the model its batch, the pairs' ``margin`` included; the padded attention lets it pass
+            unread, padfree's packed attention refuses what it does not apply).
 
     Raises:
         UnsupportedModelError: a head padfree cannot feed (:func:`score_head_reason`) or a backbone
@@ -237,11 +244,11 @@ def unpadded_scores(model: Any) -> Iterator[None]:
     if hooks is None:
         hooks = _PackedBackbone(inner, backbone)
         backbone._padfree_scores = hooks
-    hooks.active += 1
+    hooks.active, previous, hooks.ignore = hooks.active + 1, hooks.ignore, frozenset(ignore)
     try:
         yield
     finally:
-        hooks.active -= 1
+        hooks.active, hooks.ignore = hooks.active - 1, previous
 
 
 # --------------------------------------------------------------------------------------------------
@@ -344,7 +351,7 @@ class RewardMixin:
         if not self._padfree_on:
             return super().compute_loss(model, inputs, return_outputs=return_outputs,
                                         num_items_in_batch=num_items_in_batch)
-        with unpadded_scores(self.model):  # TRL's loss and metrics, on the rewards of one packed row
+        with unpadded_scores(self.model, ignore=("margin",)):  # TRL's loss and metrics, on one packed row's rewards
             return super().compute_loss(model, inputs, return_outputs=return_outputs,
                                         num_items_in_batch=num_items_in_batch)
 
