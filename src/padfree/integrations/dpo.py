@@ -1,0 +1,433 @@
+"""padfree for TRL's ``DPOTrainer``: exact padding-free preference batches, and pairs packed across the dataset.
+
+``padfree.DPOTrainer`` is a drop-in subclass of ``trl.DPOTrainer`` (same arguments). TRL still tokenizes the pairs,
+keeps its loss types, reference model (or precomputed reference log-probs), metrics and logging; padfree changes how
+each forward runs:
+
+``"padding-free batching"`` (automatic when safe, or ``padding_free=True``)
+    Each micro-batch — every pair's chosen and rejected sequence — runs as one packed row: the real tokens back to
+    back, ``position_ids`` restarting at every sequence, no padding. The reference model's pass (and the precompute
+    of reference log-probs) runs the same row. TRL's fused LM head scores only the completion tokens, so no logits
+    over the vocabulary are built for the prompts; the per-token log-probs, entropies and top-1 hits come back in the
+    padded ``(2B, L - 1)`` layout, and TRL's own loss and metric code runs on them unchanged — so every loss type
+    gives what TRL's padded trainer gives on the same micro-batches.
+``"sample packing"`` (``packing=True``)
+    The train set's pairs are packed across the dataset (best fit decreasing) into micro-batches of at most
+    ``packing_length`` tokens (default: the padded micro-batch's positions, ``2 · max_length ·
+    per_device_train_batch_size``), each pair whole in one micro-batch, each micro-batch one packed row as above.
+    A micro-batch now holds a varying number of pairs, so padfree weighs the loss by pairs over the optimizer step
+    (across gradient accumulation and ranks): the step's loss is the mean over its pairs, as a padded step's is; the
+    logged per-pair metrics (``rewards/*``, ``logps/*``) are pair-weighted means. Loss types that couple the pairs of
+    a micro-batch (``aot`` and ``aot_unpaired`` sort them, ``sft`` is a token mean over the micro-batch) cannot give
+    what a padded micro-batch gives and are refused with packing. Evaluation runs padding-free (not packed).
+``"standard batching"``
+    TRL's padded batches, untouched.
+
+In both padfree modes the policy and the reference model go through :func:`padfree.configure_packing`, which fails
+closed (:class:`~padfree.errors.UnsupportedModelError` instead of a leaking forward); the automatic choice is skipped,
+with the reason logged, on the same grounds as :class:`padfree.SFTTrainer`'s (an environment opt-out, a custom
+collator, a processor or vision-language model, a model padfree cannot make exact) and for prompt-learning PEFT
+adapters, whose virtual tokens belong to each sequence. ``padfree.packing_status(trainer)`` says which mode runs.
+
+    from padfree import DPOConfig, DPOTrainer
+    trainer = DPOTrainer(model=model, args=DPOConfig("out", padding_free=True), train_dataset=pairs,
+                         processing_class=tokenizer)
+    trainer.train()
+
+>>> cfg = DPOConfig("out", report_to="none", use_cpu=True)
+>>> cfg.padding_free, cfg.packing, cfg.packing_length, cfg.auto_padding_free
+(None, False, None, True)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import numpy as np
+
+from padfree.errors import BackendUnavailableError, InvalidArgumentError, UnsupportedModelError, describe
+from padfree.integrations.decide import (
+    Decision,
+    configure_for,
+    first_sample,
+    model_config,
+    refuse_unsafe,
+    skip_reason,
+    warn_once,
+)
+from padfree.integrations.status import PACKING, PADDING_FREE, STANDARD, PackingStatus, model_facts
+from padfree.integrations.unpadded import unpadded_forwards
+from padfree.packing.inputs import as_flag
+from padfree.packing.strategies import DEFAULT_STRATEGY, pack_sequences
+
+try:
+    import datasets
+    import pyarrow as pa
+    import pyarrow.compute as pc
+    import torch
+    import trl
+except ImportError as exc:  # pragma: no cover - trl is installed wherever this module is used
+    raise BackendUnavailableError(
+        "padfree.integrations.dpo needs trl, transformers and datasets; pip install 'padfree[trl]'"
+    ) from exc
+
+__all__ = ["DPOConfig", "DPOMixin", "DPOTrainer", "PairBinsCollator", "pack_pairs"]
+
+logger = logging.getLogger("padfree")
+
+# loss types whose value for a micro-batch is not a mean of independent per-pair terms
+_BATCH_COUPLED = {"aot": "sorts the micro-batch's log-ratios", "aot_unpaired": "sorts the micro-batch's log-ratios",
+                  "sft": "is a token mean over the micro-batch's chosen completions"}
+# TRL's metrics that are a mean over the pairs of a micro-batch
+_PAIR_METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
+                 "logps/rejected")
+_PAIR_COLUMNS = ("prompt_ids", "chosen_ids", "rejected_ids")
+
+
+@dataclasses.dataclass
+class DPOConfig(trl.DPOConfig):
+    """``trl.DPOConfig`` whose ``padding_free`` can say "decide for me", plus padfree's packing of pairs.
+
+    Args:
+        padding_free: True: padding-free batching; False: explicitly off (TRL's padded batches); None (default):
+            padfree decides (on when safe, see the module docstring).
+        packing: pack the train set's pairs across the dataset into micro-batches of ``packing_length`` tokens.
+        packing_length: the tokens of one packed micro-batch; None: ``2 · max_length ·
+            per_device_train_batch_size`` (the positions of a padded micro-batch of full-length pairs).
+        auto_padding_free: False turns the automatic choice off (as ``PADFREE_DISABLE_AUTO_PADDING_FREE=1`` does).
+
+    Every other argument is ``trl.DPOConfig``'s.
+    """
+
+    padding_free: bool | None = dataclasses.field(
+        default=None, metadata={"help": "True: padding-free batching; False: off; None: padfree decides."})
+    packing: bool = dataclasses.field(
+        default=False, metadata={"help": "Pack pairs across the train set into micro-batches of packing_length."})
+    packing_length: int | None = dataclasses.field(
+        default=None, metadata={"help": "Tokens of one packed micro-batch (default 2 * max_length * batch size)."})
+    auto_padding_free: bool = dataclasses.field(
+        default=True, metadata={"help": "Let padfree turn padding-free batching on when it is safe."})
+
+
+# --------------------------------------------------------------------------------------------------
+# Pairs packed across the dataset
+# --------------------------------------------------------------------------------------------------
+
+
+def _list_lengths(table: pa.Table, name: str) -> np.ndarray:
+    return pc.list_value_length(table.column(name)).to_numpy(zero_copy_only=False).astype(np.int64)
+
+
+def pack_pairs(dataset: datasets.Dataset, capacity: int, max_length: int | None = None,
+               strategy: str = DEFAULT_STRATEGY, seed: int | None = None) -> tuple[datasets.Dataset, Any]:
+    """Group tokenized preference pairs into micro-batches of at most ``capacity`` tokens, each pair whole in one.
+
+    A pair costs ``min(prompt + chosen, max_length) + min(prompt + rejected, max_length)`` tokens (TRL's collator
+    truncates each sequence to ``max_length``). Every column becomes a list per micro-batch, the pairs in packing
+    order; :class:`PairBinsCollator` flattens them back into TRL's padded pair batch.
+
+    Args:
+        dataset: TRL's tokenized pairs (``prompt_ids``, ``chosen_ids``, ``rejected_ids``, optionally
+            ``ref_chosen_logps`` / ``ref_rejected_logps``).
+        capacity: tokens of one micro-batch.
+
+    Returns:
+        ``(bins, plan)``: the dataset of micro-batches and the :class:`~padfree.PackResult`.
+
+    Raises:
+        OverlongSequenceError: a pair longer than ``capacity``.
+
+    >>> pairs = datasets.Dataset.from_dict({"prompt_ids": [[1, 2], [3], [4, 5, 6]], "chosen_ids": [[7], [8, 9], [1]],
+    ...                                     "rejected_ids": [[2, 3], [4], [5]]})
+    >>> bins, plan = pack_pairs(pairs, capacity=12)  # pairs of 7, 5 and 8 tokens
+    >>> bins.to_dict()["prompt_ids"], plan.num_bins
+    ([[[4, 5, 6]], [[1, 2], [3]]], 2)
+    """
+    missing = [c for c in _PAIR_COLUMNS if c not in dataset.column_names]
+    if missing:
+        raise InvalidArgumentError(f"packing pairs needs the tokenized columns {list(_PAIR_COLUMNS)}; the dataset has "
+                                   f"{dataset.column_names} (missing {missing})")
+    table = dataset.with_format("arrow")[:]  # a selected or shuffled view comes out in its own order
+    prompt = _list_lengths(table, "prompt_ids")
+    chosen, rejected = prompt + _list_lengths(table, "chosen_ids"), prompt + _list_lengths(table, "rejected_ids")
+    if max_length is not None:
+        chosen, rejected = np.minimum(chosen, max_length), np.minimum(rejected, max_length)
+    plan = pack_sequences(chosen + rejected, capacity, strategy=strategy, seed=seed)
+    order = pa.array(np.asarray(plan.order, dtype=np.int64))
+    offsets = pa.array(np.asarray(plan.bin_offsets, dtype=np.int32))
+    columns = {name: pa.ListArray.from_arrays(offsets, table.column(name).combine_chunks().take(order))
+               for name in table.column_names}
+    return datasets.Dataset(datasets.table.InMemoryTable(pa.table(columns))), plan
+
+
+class PairBinsCollator:
+    """Collate micro-batches of packed pairs (:func:`pack_pairs`): every pair of the given bins through TRL's own pair
+    collator, as one padded pair batch (chosen first, then rejected), which padfree's forward runs as one row.
+
+    >>> from trl.trainer.dpo_trainer import DataCollatorForPreference
+    >>> collate = PairBinsCollator(DataCollatorForPreference(pad_token_id=0))
+    >>> batch = collate([{"prompt_ids": [[1, 2], [3]], "chosen_ids": [[4], [5, 6]], "rejected_ids": [[7], [8]]}])
+    >>> batch["input_ids"].tolist()
+    [[1, 2, 4], [3, 5, 6], [1, 2, 7], [3, 8, 0]]
+    """
+
+    def __init__(self, pair_collator: Any) -> None:
+        self.pair_collator = pair_collator
+
+    def __call__(self, bins: Sequence[dict[str, Any]]) -> dict[str, Any]:
+        pairs = [{name: values[i] for name, values in b.items()} for b in bins for i in range(len(b["prompt_ids"]))]
+        return self.pair_collator(pairs)
+
+
+# --------------------------------------------------------------------------------------------------
+# The decision
+# --------------------------------------------------------------------------------------------------
+
+
+def _prompt_learning(model: Any) -> bool:
+    config = getattr(model, "peft_config", None)
+    if not isinstance(config, dict):
+        return False
+    return any(getattr(c, "is_prompt_learning", False) for c in config.values())
+
+
+def _decide(args: Any, model: Any, ref_model: Any, config: Any, processing_class: Any, data_collator: Any,
+            train_dataset: Any) -> Decision:
+    padding_free, packing = args.padding_free, as_flag(getattr(args, "packing", False), "packing")
+    if padding_free is not None and not isinstance(padding_free, bool):
+        raise InvalidArgumentError(f"padding_free must be True, False or None (padfree decides), got "
+                                   f"{describe(padding_free)}")
+    explicit = isinstance(args, DPOConfig)  # a plain trl.DPOConfig cannot tell False from its default
+    sample = first_sample(train_dataset) if train_dataset is not None else None
+    if packing:
+        if explicit and padding_free is False:
+            raise InvalidArgumentError("packing=True with padding_free=False: packed pairs run as one unpadded row; "
+                                       "drop padding_free=False, or unset packing")
+        coupled = sorted(set(args.loss_type) & set(_BATCH_COUPLED))
+        if coupled:
+            raise InvalidArgumentError(
+                f"packing=True with loss_type {coupled}: {coupled[0]!r} {_BATCH_COUPLED[coupled[0]]}, and packed "
+                f"micro-batches hold a varying number of pairs, so it cannot equal the padded trainer's; use "
+                f"padding_free=True (the padded micro-batches, run unpadded) or drop those loss types")
+        if isinstance(train_dataset, datasets.IterableDataset):
+            raise InvalidArgumentError("packing=True packs the whole train set at once, which needs a "
+                                       "datasets.Dataset; train_dataset is an IterableDataset — use padding_free=True")
+        setting, mode = "packing=True", PACKING
+    elif padding_free:
+        setting, mode = "padding_free=True", PADDING_FREE
+    elif explicit and padding_free is False:
+        return Decision(STANDARD, "padding_free=False", auto=False)
+    else:
+        skip = skip_reason(args, model, config, processing_class, data_collator, sample)
+        if skip is None and _prompt_learning(model):
+            skip = "the model has a prompt-learning PEFT adapter (its virtual tokens belong to every sequence)"
+        if skip is None and ref_model is not None and not isinstance(ref_model, str):
+            skip = skip_reason(args, ref_model, getattr(ref_model, "config", None), processing_class, None, sample)
+            skip = None if skip is None else f"the reference model: {skip}"
+        if skip is not None:
+            return Decision(STANDARD, f"auto padding-free skipped: {skip}", auto=True)
+        return Decision(PADDING_FREE, f"auto: model type {config.model_type!r} is packing-exact under "
+                                      f"configure_packing", auto=True)
+    refuse_unsafe(setting, model, config, processing_class, data_collator, sample)
+    if ref_model is not None and not isinstance(ref_model, str):
+        refuse_unsafe(setting, ref_model, getattr(ref_model, "config", None), processing_class, None, sample)
+    if _prompt_learning(model):
+        raise UnsupportedModelError(f"{setting}: the model has a prompt-learning PEFT adapter, whose virtual tokens "
+                                    f"are prepended to every sequence and cannot be placed in a packed row; unset "
+                                    f"{setting}")
+    reason = setting if mode == PADDING_FREE else f"{setting}: pairs packed across the train set"
+    return Decision(mode, reason, auto=False)
+
+
+def _as_config(args: Any, model: Any) -> Any:
+    if args is None:
+        name = model if isinstance(model, str) else getattr(getattr(model, "config", None), "_name_or_path", "") or (
+            type(model).__name__)
+        return DPOConfig(f"{str(name).split('/')[-1]}-DPO")
+    if isinstance(args, trl.DPOConfig):
+        return args
+    raise InvalidArgumentError(f"args must be a DPOConfig (padfree's or trl's), got {describe(args)}")
+
+
+# --------------------------------------------------------------------------------------------------
+# The trainer
+# --------------------------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def _uneven_gathers(accelerator: Any, on: bool) -> Iterator[None]:
+    """Inside the block, ``accelerator.gather`` of a per-pair tensor accepts ranks holding different numbers of pairs
+    (packed micro-batches do): each rank's tensor is padded to the longest, gathered, and the padding dropped, so
+    TRL's per-pair metrics gather every rank's pairs once. Scalars go through the plain gather."""
+    if not on:
+        yield
+        return
+    plain = accelerator.gather
+
+    def gather(tensor: Any) -> Any:
+        if not isinstance(tensor, torch.Tensor) or tensor.ndim == 0:
+            return plain(tensor)
+        sizes = plain(torch.tensor([tensor.shape[0]], device=tensor.device)).tolist()
+        padded = accelerator.pad_across_processes(tensor, dim=0)
+        width = int(padded.shape[0])
+        keep = torch.cat([torch.arange(n, device=tensor.device) + r * width for r, n in enumerate(sizes)])
+        return plain(padded).index_select(0, keep)
+
+    accelerator.gather = gather
+    try:
+        yield
+    finally:
+        del accelerator.gather  # the instance attribute goes; the class's method is back
+
+
+class DPOMixin:
+    """What :class:`DPOTrainer` adds to ``trl.DPOTrainer``: the decision, the unpadded forwards, packed pairs."""
+
+    _padfree_decision: Decision | None = None
+    _padfree_step_pairs: torch.Tensor | None = None
+
+    def __init__(self, model: Any, ref_model: Any = None, args: Any = None, data_collator: Any = None,
+                 train_dataset: Any = None, eval_dataset: Any = None, processing_class: Any = None, *rest: Any,
+                 **kwargs: Any) -> None:
+        args = _as_config(args, model)
+        config = model_config(model, args)
+        decision = _decide(args, model, ref_model, config, processing_class, data_collator, train_dataset)
+        self._padfree_decision = decision
+        self._padfree_pairs: dict[str, list[int]] = {"train": [], "eval": []}
+        on = decision.mode != STANDARD
+        if on:  # fail before tokenizing anything
+            for m in (model, ref_model):
+                if m is not None and not isinstance(m, str):
+                    configure_for(m, decision)
+        requested = args.padding_free
+        args.padding_free = False  # TRL warns and falls back for True; padfree runs the forwards instead
+        try:
+            super().__init__(model, ref_model, args, data_collator, train_dataset, eval_dataset, processing_class,
+                             *rest, **kwargs)
+        finally:
+            args.padding_free = on if requested is not None or on else requested
+        plan = None
+        if on:
+            for m in (self.model, self.ref_model):  # a model given by name was loaded by TRL
+                if m is not None:
+                    configure_for(m, decision)
+        if decision.mode == PACKING:
+            plan = self._padfree_pack_train()
+        self._padfree_status = PackingStatus(
+            mode=decision.mode, reason=decision.reason, auto=decision.auto, packing=decision.mode == PACKING,
+            padding_free=on, loss="pair", efficiency=None if plan is None else float(plan.efficiency),
+            rows=None if plan is None else int(plan.num_bins),
+            sequences=None if plan is None else 2 * int(plan.num_pieces), balance=None, **model_facts(self.model))
+        logger.info("%s", self._padfree_status)
+        if decision.auto and decision.mode == STANDARD and "not supported because" in decision.reason:
+            warn_once(f"padfree: {decision.reason}; training with standard batching")
+
+    @property
+    def _padfree_on(self) -> bool:
+        return self._padfree_decision is not None and self._padfree_decision.mode != STANDARD
+
+    def _padfree_pack_train(self) -> Any:
+        args = self.args
+        capacity = args.packing_length
+        if capacity is None:
+            if args.max_length is None:
+                raise InvalidArgumentError("packing=True needs packing_length (tokens of one packed micro-batch) or "
+                                           "max_length to derive it from; both are None")
+            capacity = 2 * args.max_length * args.per_device_train_batch_size
+        if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 2:
+            raise InvalidArgumentError(f"packing_length must be an int >= 2 (tokens of one packed micro-batch), got "
+                                       f"{describe(capacity)}")
+        if not isinstance(self.train_dataset, datasets.Dataset):
+            raise InvalidArgumentError(f"packing=True needs a datasets.Dataset train set, got "
+                                       f"{describe(self.train_dataset)}")
+        self.train_dataset, plan = pack_pairs(self.train_dataset, capacity, args.max_length, seed=args.seed)
+        self._padfree_pair_collator = self.data_collator
+        self.data_collator = PairBinsCollator(self.data_collator)
+        logger.info("padfree: packed %d pairs into %d micro-batches of packing_length=%d (efficiency %.2f%%)",
+                    plan.num_sequences, plan.num_bins, capacity, 100 * plan.efficiency)
+        return plan
+
+    def get_eval_dataloader(self, eval_dataset: Any = None) -> Any:
+        if self._padfree_decision is None or self._padfree_decision.mode != PACKING:
+            return super().get_eval_dataloader(eval_dataset)
+        packed, self.data_collator = self.data_collator, self._padfree_pair_collator  # eval pairs are not packed
+        try:
+            return super().get_eval_dataloader(eval_dataset)
+        finally:
+            self.data_collator = packed
+
+    # ---- the forwards ----------------------------------------------------------------------------------
+
+    def compute_ref_log_probs(self, model: Any, inputs: dict[str, Any]) -> Any:
+        if not self._padfree_on:
+            return super().compute_ref_log_probs(model, inputs)
+        with unpadded_forwards(model, self.model):
+            return super().compute_ref_log_probs(model, inputs)
+
+    def compute_loss(self, model: Any, inputs: dict[str, Any], return_outputs: bool = False,
+                     num_items_in_batch: Any = None) -> Any:
+        if not self._padfree_on:
+            return super().compute_loss(model, inputs, return_outputs=return_outputs,
+                                        num_items_in_batch=num_items_in_batch)
+        uneven = self._padfree_decision.mode == PACKING and self.accelerator.num_processes > 1
+        with unpadded_forwards(model, self.ref_model), _uneven_gathers(self.accelerator, uneven):
+            out = super().compute_loss(model, inputs, return_outputs=return_outputs,
+                                       num_items_in_batch=num_items_in_batch)
+        pairs = int(inputs["input_ids"].shape[0]) // 2
+        mode = "train" if self.model.training else "eval"
+        # TRL's per-pair metrics are means over every rank's pairs of the micro-batch: weigh them by that count
+        self._padfree_pairs[mode].append(pairs if not uneven else int(self.accelerator.gather(
+            torch.tensor([pairs], device=inputs["input_ids"].device)).sum()))
+        if self._padfree_decision.mode == PACKING and mode == "train" and self._padfree_step_pairs is not None:
+            # TRL's loss is this micro-batch's pair mean and the Trainer divides it by the accumulation steps (and
+            # DDP averages the ranks): rescale so that the step's gradient is that of the mean over its pairs
+            scale = (pairs * self.current_gradient_accumulation_steps * self.accelerator.num_processes
+                     / self._padfree_step_pairs)
+            out = (out[0] * scale, out[1]) if return_outputs else out * scale
+        return out
+
+    def get_batch_samples(self, epoch_iterator: Any, num_batches: int, device: Any) -> tuple[list, Any]:
+        batch_samples, num_items = super().get_batch_samples(epoch_iterator, num_batches, device)
+        self._padfree_step_pairs = None
+        if self._padfree_decision is not None and self._padfree_decision.mode == PACKING and batch_samples:
+            count = torch.tensor(sum(int(b["input_ids"].shape[0]) // 2 for b in batch_samples), device=device,
+                                 dtype=torch.float64)
+            if self.accelerator.num_processes > 1:
+                count = self.accelerator.gather(count.reshape(1)).sum()
+            self._padfree_step_pairs = count
+        return batch_samples, num_items
+
+    # ---- metrics ---------------------------------------------------------------------------------------
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        mode = "train" if self.model.training else "eval"
+        weights = self._padfree_pairs.get(mode, [])
+        if self._padfree_decision is not None and self._padfree_decision.mode == PACKING:
+            metrics = self._metrics[mode]
+            for key in _PAIR_METRICS:  # a micro-batch's mean counts as many times as it has pairs
+                values = metrics.get(key)
+                if values and len(values) == len(weights):
+                    metrics[key] = [float(np.average(values, weights=weights))]
+        weights.clear()
+        super().log(logs, start_time)
+
+
+class DPOTrainer(DPOMixin, trl.DPOTrainer):
+    """``trl.DPOTrainer`` with exact padding-free batching (automatic when safe) and pairs packed across the train set
+    (``packing=True``): see the module docstring for the modes, the refusals and the opt-outs.
+
+    Takes exactly ``trl.DPOTrainer``'s arguments. ``args`` may be a ``trl.DPOConfig`` or padfree's :class:`DPOConfig`
+    (``padding_free=None`` lets padfree decide; adds ``packing``, ``packing_length`` and ``auto_padding_free``).
+
+    Raises:
+        InvalidArgumentError: ``padding_free=True`` / ``packing=True`` with a custom ``data_collator`` or a
+            ``ProcessorMixin``; ``packing=True`` with a batch-coupled loss type, an ``IterableDataset`` or a bad
+            ``packing_length``.
+        UnsupportedModelError: an explicit padfree mode on a vision-language or unsupported model (policy or
+            reference), or a prompt-learning PEFT adapter.
+    """
+
