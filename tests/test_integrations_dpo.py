@@ -325,6 +325,9 @@ def test_packed_pairs_one_step_equals_trl_padded_step_over_the_same_pairs(tok, t
     assert status.mode == "sample packing" and status.rows == rows
     assert len({len(b) for b in ours.train_dataset["prompt_ids"]}) > 1
     assert _same_update(_step(padded), _step(ours)) <= RTOL
+    logged = ours.state.log_history[0]  # the telemetry measured the packed rows: no padding, 16 sequences in 5 rows
+    assert logged["padfree/real_token_fraction"] == 1.0 and logged["padfree/sequences_per_row"] == 16 / rows
+    assert "padfree/real_token_fraction" not in padded.state.log_history[0]
 
 
 def _tokenized(train, tok, tmp_path):

@@ -1,14 +1,14 @@
 """padfree: exact padding-free (packed-sequence) training for causal language models.
 
 The top level holds the seed-compatible names (SeqPacker's packing API, LLaMA-Factory's helpers), the routes to
-packed rows, the model and trainer entry points, and the errors users catch — 40 names. Everything else is reachable
+packed rows, the model and trainer entry points (SFT, DPO, reward, GRPO and the plain Trainer), and the errors users catch — 46 names. Everything else is reachable
 from its module (``padfree.packing``, ``padfree.rows``, ``padfree.samples``, ``padfree.model.*``,
 ``padfree.integrations.*``). ``import padfree`` stays free of torch and datasets: the names that need them are
 imported on first use.
 
 >>> import padfree
 >>> len(padfree.__all__)
-40
+46
 >>> padfree.pack_sequences([3, 2, 2], capacity=4).bins
 [[0], [1, 2]]
 """
@@ -51,6 +51,12 @@ _LAZY = {
     "causal_lm_loss": "padfree.model.loss",
     "SFTTrainer": "padfree.integrations.trl",
     "SFTConfig": "padfree.integrations.trl",
+    "DPOTrainer": "padfree.integrations.dpo",
+    "DPOConfig": "padfree.integrations.dpo",
+    "RewardTrainer": "padfree.integrations.reward",
+    "RewardConfig": "padfree.integrations.reward",
+    "GRPOTrainer": "padfree.integrations.grpo",
+    "GRPOConfig": "padfree.integrations.grpo",
     "Trainer": "padfree.integrations.trainer",
     "enable": "padfree.integrations.enable",
     "packing_status": "padfree.integrations.status",
@@ -103,8 +109,12 @@ def __dir__() -> list[str]:
 
 __all__ = [
     "BackendUnavailableError",
+    "DPOConfig",
+    "DPOTrainer",
     "DataLoadError",
     "DistributedPackedBatchSampler",
+    "GRPOConfig",
+    "GRPOTrainer",
     "InvalidArgumentError",
     "InvalidLayoutError",
     "InvalidLengthsError",
@@ -121,6 +131,8 @@ __all__ = [
     "PackingTelemetryCallback",
     "PaddingFreeCollator",
     "PadfreeError",
+    "RewardConfig",
+    "RewardTrainer",
     "SFTConfig",
     "SFTTrainer",
     "StateMismatchError",

@@ -37,6 +37,7 @@ __all__ = [
     "env_flag",
     "first_sample",
     "model_config",
+    "prompt_learning",
     "refuse_unsafe",
     "skip_reason",
     "support_reason",
@@ -143,6 +144,13 @@ def first_sample(dataset: Any) -> Any:
 
 
 
+def prompt_learning(model: Any) -> bool:
+    """The model carries a prompt-learning PEFT adapter (prefix / prompt tuning): its virtual tokens are prepended to
+    every sequence, which a packed row of several sequences cannot do."""
+    config = getattr(model, "peft_config", None)
+    return isinstance(config, dict) and any(getattr(c, "is_prompt_learning", False) for c in config.values())
+
+
 def refuse_unsafe(setting: str, model: Any, config: Any, processing_class: Any, data_collator: Any, sample: Any
                   ) -> None:
     """The checks an explicit ``packing=True`` / ``padding_free=True`` must pass."""
@@ -167,13 +175,16 @@ def refuse_unsafe(setting: str, model: Any, config: Any, processing_class: Any, 
 
 
 
-def skip_reason(args: Any, model: Any, config: Any, processing_class: Any, data_collator: Any, sample: Any
-                 ) -> str | None:
+def skip_reason(args: Any, model: Any, config: Any, processing_class: Any, data_collator: Any, sample: Any, *,
+                returns_logits: bool = True) -> str | None:
+    """Why automatic padding-free batching is skipped (None: it is not). ``returns_logits=False`` for trainers whose
+    padding-free forward hands outputs back in the padded layout (DPO, reward, GRPO), so the environment's request
+    for returned logits does not concern them."""
     if env_flag(ENV_DISABLE_AUTO):
         return f"{ENV_DISABLE_AUTO}={os.environ[ENV_DISABLE_AUTO]} is set"
     if getattr(args, "auto_padding_free", True) is False:
         return "the config sets auto_padding_free=False"
-    for name in ENV_RETURN_LOGITS:
+    for name in ENV_RETURN_LOGITS if returns_logits else ():
         if env_flag(name):
             return (f"{name}={os.environ[name]} asks for logits to be returned, and a padding-free forward returns "
                     f"one flattened row of logits instead of one per sample")

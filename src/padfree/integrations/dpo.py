@@ -35,8 +35,8 @@ adapters, whose virtual tokens belong to each sequence. ``padfree.packing_status
     trainer.train()
 
 >>> cfg = DPOConfig("out", report_to="none", use_cpu=True)
->>> cfg.padding_free, cfg.packing, cfg.packing_length, cfg.auto_padding_free
-(None, False, None, True)
+>>> cfg.padding_free, cfg.packing, cfg.packing_length, cfg.auto_padding_free, cfg.padfree_telemetry
+(None, False, None, True, True)
 """
 
 from __future__ import annotations
@@ -55,12 +55,14 @@ from padfree.integrations.decide import (
     configure_for,
     first_sample,
     model_config,
+    prompt_learning,
     refuse_unsafe,
     skip_reason,
     warn_once,
 )
 from padfree.integrations.status import PACKING, PADDING_FREE, STANDARD, PackingStatus, model_facts
-from padfree.integrations.unpadded import unpadded_forwards
+from padfree.integrations.telemetry import PackingTelemetryCallback, is_train_log
+from padfree.integrations.unpadded import Unpadded, unpadded_forwards
 from padfree.packing.inputs import as_flag
 from padfree.packing.strategies import DEFAULT_STRATEGY, pack_sequences
 
@@ -99,6 +101,8 @@ class DPOConfig(trl.DPOConfig):
         packing_length: the tokens of one packed micro-batch; None: ``2 · max_length ·
             per_device_train_batch_size`` (the positions of a padded micro-batch of full-length pairs).
         auto_padding_free: False turns the automatic choice off (as ``PADFREE_DISABLE_AUTO_PADDING_FREE=1`` does).
+        padfree_telemetry: add :class:`~padfree.PackingTelemetryCallback`'s ``padfree/*`` metrics to the training
+            logs when a padfree mode is on, measured on the packed rows the model ran.
 
     Every other argument is ``trl.DPOConfig``'s.
     """
@@ -111,6 +115,8 @@ class DPOConfig(trl.DPOConfig):
         default=None, metadata={"help": "Tokens of one packed micro-batch (default 2 * max_length * batch size)."})
     auto_padding_free: bool = dataclasses.field(
         default=True, metadata={"help": "Let padfree turn padding-free batching on when it is safe."})
+    padfree_telemetry: bool = dataclasses.field(
+        default=True, metadata={"help": "Log packing telemetry (padfree/*) when a padfree mode is on."})
 
 
 # --------------------------------------------------------------------------------------------------
@@ -188,13 +194,6 @@ class PairBinsCollator:
 # --------------------------------------------------------------------------------------------------
 
 
-def _prompt_learning(model: Any) -> bool:
-    config = getattr(model, "peft_config", None)
-    if not isinstance(config, dict):
-        return False
-    return any(getattr(c, "is_prompt_learning", False) for c in config.values())
-
-
 def _decide(args: Any, model: Any, ref_model: Any, config: Any, processing_class: Any, data_collator: Any,
             train_dataset: Any) -> Decision:
     padding_free, packing = args.padding_free, as_flag(getattr(args, "packing", False), "packing")
@@ -222,11 +221,12 @@ def _decide(args: Any, model: Any, ref_model: Any, config: Any, processing_class
     elif explicit and padding_free is False:
         return Decision(STANDARD, "padding_free=False", auto=False)
     else:
-        skip = skip_reason(args, model, config, processing_class, data_collator, sample)
-        if skip is None and _prompt_learning(model):
+        skip = skip_reason(args, model, config, processing_class, data_collator, sample, returns_logits=False)
+        if skip is None and prompt_learning(model):
             skip = "the model has a prompt-learning PEFT adapter (its virtual tokens belong to every sequence)"
         if skip is None and ref_model is not None and not isinstance(ref_model, str):
-            skip = skip_reason(args, ref_model, getattr(ref_model, "config", None), processing_class, None, sample)
+            skip = skip_reason(args, ref_model, getattr(ref_model, "config", None), processing_class, None, sample,
+                               returns_logits=False)
             skip = None if skip is None else f"the reference model: {skip}"
         if skip is not None:
             return Decision(STANDARD, f"auto padding-free skipped: {skip}", auto=True)
@@ -235,7 +235,7 @@ def _decide(args: Any, model: Any, ref_model: Any, config: Any, processing_class
     refuse_unsafe(setting, model, config, processing_class, data_collator, sample)
     if ref_model is not None and not isinstance(ref_model, str):
         refuse_unsafe(setting, ref_model, getattr(ref_model, "config", None), processing_class, None, sample)
-    if _prompt_learning(model):
+    if prompt_learning(model):
         raise UnsupportedModelError(f"{setting}: the model has a prompt-learning PEFT adapter, whose virtual tokens "
                                     f"are prepended to every sequence and cannot be placed in a packed row; unset "
                                     f"{setting}")
@@ -289,6 +289,7 @@ class DPOMixin:
 
     _padfree_decision: Decision | None = None
     _padfree_step_pairs: torch.Tensor | None = None
+    _padfree_telemetry: PackingTelemetryCallback | None = None
 
     def __init__(self, model: Any, ref_model: Any = None, args: Any = None, data_collator: Any = None,
                  train_dataset: Any = None, eval_dataset: Any = None, processing_class: Any = None, *rest: Any,
@@ -317,9 +318,14 @@ class DPOMixin:
                     configure_for(m, decision)
         if decision.mode == PACKING:
             plan = self._padfree_pack_train()
+        self._padfree_telemetry = None
+        if on and as_flag(getattr(args, "padfree_telemetry", True), "padfree_telemetry"):
+            self._padfree_telemetry = PackingTelemetryCallback()
+            self.callback_handler.callbacks.insert(0, self._padfree_telemetry)
         self._padfree_status = PackingStatus(
             mode=decision.mode, reason=decision.reason, auto=decision.auto, packing=decision.mode == PACKING,
-            padding_free=on, loss="pair", efficiency=None if plan is None else float(plan.efficiency),
+            padding_free=on, loss="pair" if decision.mode == PACKING else None,
+            efficiency=None if plan is None else float(plan.efficiency),
             rows=None if plan is None else int(plan.num_bins),
             sequences=None if plan is None else 2 * int(plan.num_pieces), balance=None, **model_facts(self.model))
         logger.info("%s", self._padfree_status)
@@ -379,6 +385,10 @@ class DPOMixin:
                                        num_items_in_batch=num_items_in_batch)
         pairs = int(inputs["input_ids"].shape[0]) // 2
         mode = "train" if self.model.training else "eval"
+        if mode == "train" and self._padfree_telemetry is not None:  # the row the model ran, not the padded batch
+            layout = Unpadded.from_attention_mask(inputs["attention_mask"])
+            self._padfree_telemetry.observe({"input_ids": layout.pack(inputs["input_ids"]),
+                                             "position_ids": layout.position_ids})
         # TRL's per-pair metrics are means over every rank's pairs of the micro-batch: weigh them by that count
         self._padfree_pairs[mode].append(pairs if not uneven else int(self.accelerator.gather(
             torch.tensor([pairs], device=inputs["input_ids"].device)).sum()))
@@ -413,6 +423,8 @@ class DPOMixin:
                 if values and len(values) == len(weights):
                     metrics[key] = [float(np.average(values, weights=weights))]
         weights.clear()
+        if self._padfree_telemetry is not None and is_train_log(logs):
+            logs.update(self._padfree_telemetry.pop_metrics())
         super().log(logs, start_time)
 
 

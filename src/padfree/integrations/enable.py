@@ -1,12 +1,15 @@
-"""``padfree.enable``: the padfree version of any ``transformers.Trainer`` or ``trl.SFTTrainer`` class.
+"""``padfree.enable``: the padfree version of any ``transformers.Trainer`` class, or of TRL's SFT, DPO, reward or
+GRPO trainer class.
 
-Both trainer modules are below this one: :mod:`padfree.integrations.trainer` for ``Trainer`` subclasses and, only
-when the class is TRL's, :mod:`padfree.integrations.trl` — so TRL is imported only for a class that already needs
-it, and neither trainer module has to know the other.
+Every trainer module is below this one: :mod:`padfree.integrations.trainer` for ``Trainer`` subclasses and, only
+when the class is TRL's, the module of that TRL trainer (:mod:`~padfree.integrations.trl`,
+:mod:`~padfree.integrations.dpo`, :mod:`~padfree.integrations.reward`, :mod:`~padfree.integrations.grpo`) — so TRL
+is imported only for a class that already needs it, and no trainer module has to know another.
 """
 
 from __future__ import annotations
 
+import importlib
 import sys
 
 from padfree.errors import BackendUnavailableError, InvalidArgumentError, describe
@@ -19,9 +22,18 @@ except ImportError as exc:  # pragma: no cover - transformers is installed where
 
 __all__ = ["enable"]
 
+# TRL's trainer -> (padfree module, its mixin, its trainer); the most derived TRL classes first
+_TRL_TRAINERS = {
+    "SFTTrainer": ("padfree.integrations.trl", "SFTMixin", "SFTTrainer"),
+    "DPOTrainer": ("padfree.integrations.dpo", "DPOMixin", "DPOTrainer"),
+    "RewardTrainer": ("padfree.integrations.reward", "RewardMixin", "RewardTrainer"),
+    "GRPOTrainer": ("padfree.integrations.grpo", "GRPOMixin", "GRPOTrainer"),
+}
+
 
 def enable(trainer_class: type) -> type:
-    """The padfree version of a trainer class: ``enable(trl.SFTTrainer)`` is :class:`padfree.SFTTrainer`; a
+    """The padfree version of a trainer class: ``enable(trl.SFTTrainer)`` is :class:`padfree.SFTTrainer` (and so for
+    ``trl.DPOTrainer``, ``trl.RewardTrainer``, ``trl.GRPOTrainer``); a
     ``transformers.Trainer`` subclass gets the loss rule, telemetry and ``configure_packing`` of
     :class:`padfree.Trainer`; your own subclass of either keeps its overrides (padfree's come first in the method
     order). A class that is padfree's already comes back as it is.
@@ -40,17 +52,21 @@ def enable(trainer_class: type) -> type:
             f"enable takes a trainer class (e.g. trl.SFTTrainer or transformers.Trainer), got {describe(trainer_class)}"
             f"; build the trainer from the returned class — a constructed trainer has already prepared its data"
         )
+    names = [c.__name__ for c in trainer_class.__mro__]
     trl = sys.modules.get("trl")
-    if trl is None and "SFTTrainer" in [c.__name__ for c in trainer_class.__mro__]:
+    if trl is None and any(name in _TRL_TRAINERS for name in names):
         import trl
-    if trl is not None and issubclass(trainer_class, trl.SFTTrainer):
-        from padfree.integrations.trl import SFTMixin, SFTTrainer
-
-        if trainer_class is trl.SFTTrainer:
-            return SFTTrainer
-        if issubclass(trainer_class, SFTMixin):
+    for name, (module, mixin_name, padfree_name) in _TRL_TRAINERS.items():
+        trl_class = getattr(trl, name, None) if trl is not None else None
+        if trl_class is None or not issubclass(trainer_class, trl_class):
+            continue
+        padfree_module = importlib.import_module(module)
+        mixin, padfree_class = getattr(padfree_module, mixin_name), getattr(padfree_module, padfree_name)
+        if trainer_class is trl_class:
+            return padfree_class
+        if issubclass(trainer_class, mixin):
             return trainer_class
-        return type(f"Padfree{trainer_class.__name__}", (SFTMixin, trainer_class), {"__module__": __name__})
+        return type(f"Padfree{trainer_class.__name__}", (mixin, trainer_class), {"__module__": __name__})
     if issubclass(trainer_class, transformers.Trainer):
         if issubclass(trainer_class, PadfreeTrainerMixin):
             return trainer_class
@@ -58,5 +74,6 @@ def enable(trainer_class: type) -> type:
             return Trainer
         return type(f"Padfree{trainer_class.__name__}", (TrainerMixin, trainer_class), {"__module__": __name__})
     raise InvalidArgumentError(
-        f"enable takes a subclass of transformers.Trainer or trl.SFTTrainer, got {trainer_class.__qualname__}"
+        f"enable takes a subclass of transformers.Trainer (TRL's SFT, DPO, reward and GRPO trainers included), got "
+        f"{trainer_class.__qualname__}"
     )

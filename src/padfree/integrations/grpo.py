@@ -37,12 +37,13 @@ import dataclasses
 import logging
 from typing import Any
 
-from padfree.errors import BackendUnavailableError, InvalidArgumentError, describe
+from padfree.errors import BackendUnavailableError, InvalidArgumentError, UnsupportedModelError, describe
 from padfree.integrations.decide import (
     Decision,
     configure_for,
     first_sample,
     model_config,
+    prompt_learning,
     refuse_unsafe,
     skip_reason,
     warn_once,
@@ -58,7 +59,7 @@ except ImportError as exc:  # pragma: no cover - trl is installed wherever this 
         "padfree.integrations.grpo needs trl; pip install 'padfree[trl]'"
     ) from exc
 
-__all__ = ["GRPOConfig", "GRPOTrainer"]
+__all__ = ["GRPOConfig", "GRPOMixin", "GRPOTrainer"]
 
 logger = logging.getLogger("padfree")
 
@@ -98,18 +99,26 @@ def _decide(args: Any, model: Any, config: Any, processing_class: Any, train_dat
     sample = first_sample(train_dataset) if train_dataset is not None else None
     if padding_free:
         refuse_unsafe("padding_free=True", model, config, processing_class, None, sample)
+        if prompt_learning(model):
+            raise UnsupportedModelError("padding_free=True: the model has a prompt-learning PEFT adapter, whose "
+                                        "virtual tokens are prepended to every sequence and cannot be placed in a "
+                                        "packed row; use padding_free=False")
         return Decision(PADDING_FREE, "padding_free=True", auto=False)
     if padding_free is False:
         return Decision(STANDARD, "padding_free=False", auto=False)
-    skip = skip_reason(args, model, config, processing_class, None, sample)
+    skip = skip_reason(args, model, config, processing_class, None, sample, returns_logits=False)
+    if skip is None and prompt_learning(model):
+        skip = "the model has a prompt-learning PEFT adapter (its virtual tokens belong to every sequence)"
     if skip is not None:
         return Decision(STANDARD, f"auto padding-free skipped: {skip}", auto=True)
     return Decision(PADDING_FREE, f"auto: model type {config.model_type!r} is packing-exact under "
                                    f"configure_packing", auto=True)
 
 
-class GRPOTrainer(trl.GRPOTrainer):
-    """``trl.GRPOTrainer`` whose per-token log-probs (policy, old policy, reference) run padding-free: one packed
+class GRPOMixin:
+    """What :class:`GRPOTrainer` adds to ``trl.GRPOTrainer`` (and :func:`padfree.enable` to its subclasses).
+
+    ``trl.GRPOTrainer`` whose per-token log-probs (policy, old policy, reference) run padding-free: one packed
     row per micro-batch, returned in TRL's ``(B, completion_len)`` layout. See the module docstring for the modes.
 
     Takes exactly ``trl.GRPOTrainer``'s arguments; ``args`` may be a ``trl.GRPOConfig`` or padfree's
@@ -180,3 +189,9 @@ class GRPOTrainer(trl.GRPOTrainer):
         counts["rows"] += rows
         counts["tokens"] += int(attention_mask.sum())
         counts["padded_positions"] += attention_mask.numel()
+
+
+class GRPOTrainer(GRPOMixin, trl.GRPOTrainer):
+    """``trl.GRPOTrainer`` whose per-token log-probs (policy, old policy, reference) run padding-free: one packed
+    row per micro-batch, returned in TRL's ``(B, completion_len)`` layout. See :class:`GRPOMixin` and the module
+    docstring for the modes and refusals."""

@@ -58,6 +58,7 @@ from padfree.integrations.decide import (
     configure_for,
     first_sample,
     model_config,
+    prompt_learning,
     refuse_unsafe,
     skip_reason,
     warn_once,
@@ -145,11 +146,6 @@ def score_head_reason(model: Any) -> str | None:
 def _backbone(model: Any) -> Any:
     inner = unwrap_model(model)
     return getattr(inner, inner.base_model_prefix)
-
-
-def _prompt_learning(model: Any) -> bool:
-    config = getattr(model, "peft_config", None)
-    return isinstance(config, dict) and any(getattr(c, "is_prompt_learning", False) for c in config.values())
 
 
 class _PackedBackbone:
@@ -259,7 +255,7 @@ def unpadded_scores(model: Any, ignore: tuple[str, ...] = ()) -> Iterator[None]:
 def _head_or_adapter(model: Any) -> str | None:
     if isinstance(model, str):  # judged once TRL has loaded it
         return None
-    if _prompt_learning(model):
+    if prompt_learning(model):
         return "the model has a prompt-learning PEFT adapter (its virtual tokens belong to every sequence)"
     return score_head_reason(model)
 
@@ -282,7 +278,7 @@ def _decide(args: Any, model: Any, config: Any, processing_class: Any, data_coll
                                         f"batching")
         refuse_unsafe("padding_free=True", target, config, processing_class, data_collator, sample)
         return Decision(PADDING_FREE, "padding_free=True", auto=False)
-    skip = skip_reason(args, target, config, processing_class, data_collator, sample) or head
+    skip = skip_reason(args, target, config, processing_class, data_collator, sample, returns_logits=False) or head
     if skip is not None:
         return Decision(STANDARD, f"auto padding-free skipped: {skip}", auto=True)
     return Decision(PADDING_FREE, f"auto: model type {config.model_type!r} is packing-exact under configure_packing",

@@ -49,7 +49,8 @@ class PackingStatus:
         model_type: ``config.model_type`` of the model.
         attention: the attention implementation in use (``padfree_sdpa``, ..., or transformers' own).
         mixers: qualified name -> boundary-exact implementation, for recurrent / convolution mixers.
-        loss: ``"token"`` or ``"sequence"`` (the loss rule), None when padfree's loss rule is off.
+        loss: ``"token"`` or ``"sequence"`` (the loss rule), ``"pair"`` (packed DPO: the mean over the step's pairs),
+            None when padfree's loss rule is off.
         efficiency: real tokens / row slots of the packed training set (sample packing only).
         rows, sequences: packed rows and the sequences in them (sample packing only).
         balance: how the packed rows are dealt to data-parallel ranks (``world_size > 1`` with a train dataset of
