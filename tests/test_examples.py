@@ -51,3 +51,26 @@ def test_sft_trainer():
 def test_hf_trainer():
     out = run("hf_trainer.py", "--steps", "1")
     assert "padfree: sample packing" in out and "padfree/sequences_per_row" in out
+
+
+def test_dpo_trainer():
+    out = run("dpo_trainer.py", "--steps", "1")
+    assert "padfree: padding-free batching" in out and "'loss'" in out and "rewards/margins" in out
+
+
+def test_dpo_trainer_packing():
+    packed = run("dpo_trainer.py", "--steps", "1", "--mode", "packing")
+    assert "padfree: sample packing" in packed and "pairs packed across the train set" in packed
+    assert "padfree/sequences_per_row" in packed and "'loss'" in packed
+
+
+def test_reward_trainer():
+    out = run("reward_trainer.py", "--steps", "1")
+    assert "padfree: padding-free batching" in out and "'loss'" in out and "'accuracy'" in out
+
+
+def test_grpo_trainer():
+    out = run("grpo_trainer.py", "--steps", "1")
+    assert "padfree: padding-free batching" in out and "'loss'" in out and "'reward'" in out
+    forwards = next(line for line in out.splitlines() if line.startswith("padfree forwards:"))
+    assert "'rows': 0" not in forwards  # the completions were scored through the packed forward
