@@ -62,7 +62,7 @@ from padfree.integrations.decide import (
 )
 from padfree.integrations.status import PACKING, PADDING_FREE, STANDARD, PackingStatus, model_facts
 from padfree.integrations.telemetry import PackingTelemetryCallback, is_train_log
-from padfree.integrations.unpadded import Unpadded, unpadded_forwards
+from padfree.integrations.unpadded import unpadded_forwards
 from padfree.packing.inputs import as_flag
 from padfree.packing.strategies import DEFAULT_STRATEGY, pack_sequences
 
@@ -386,9 +386,7 @@ class DPOMixin:
         pairs = int(inputs["input_ids"].shape[0]) // 2
         mode = "train" if self.model.training else "eval"
         if mode == "train" and self._padfree_telemetry is not None:  # the row the model ran, not the padded batch
-            layout = Unpadded.from_attention_mask(inputs["attention_mask"])
-            self._padfree_telemetry.observe({"input_ids": layout.pack(inputs["input_ids"]),
-                                             "position_ids": layout.position_ids})
+            self._padfree_telemetry.observe_unpadded(inputs["attention_mask"])
         # TRL's per-pair metrics are means over every rank's pairs of the micro-batch: weigh them by that count
         self._padfree_pairs[mode].append(pairs if not uneven else int(self.accelerator.gather(
             torch.tensor([pairs], device=inputs["input_ids"].device)).sum()))

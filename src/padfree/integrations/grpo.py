@@ -49,6 +49,7 @@ from padfree.integrations.decide import (
     warn_once,
 )
 from padfree.integrations.status import PADDING_FREE, STANDARD, PackingStatus, model_facts
+from padfree.integrations.telemetry import PackingTelemetryCallback, is_train_log
 from padfree.integrations.unpadded import unpadded_forwards
 
 try:
@@ -77,6 +78,8 @@ class GRPOConfig(trl.GRPOConfig):
         padding_free: True: score completions padding-free (refusing what cannot be exact); False: TRL's padded
             forward; None (default): padfree decides (on when safe, see the module docstring).
         auto_padding_free: False turns the automatic choice off (as ``PADFREE_DISABLE_AUTO_PADDING_FREE=1`` does).
+        padfree_telemetry: add :class:`~padfree.PackingTelemetryCallback`'s ``padfree/*`` metrics to the training
+            logs when padding-free is on, measured on the packed rows the model ran.
 
     Every other argument is ``trl.GRPOConfig``'s.
 
@@ -89,6 +92,8 @@ class GRPOConfig(trl.GRPOConfig):
                                         "decides."})
     auto_padding_free: bool = dataclasses.field(
         default=True, metadata={"help": "Let padfree turn padding-free log-probs on when it is safe."})
+    padfree_telemetry: bool = dataclasses.field(
+        default=True, metadata={"help": "Log packing telemetry (padfree/*) when padding-free is on."})
 
 
 def _decide(args: Any, model: Any, config: Any, processing_class: Any, train_dataset: Any) -> Decision:
@@ -132,6 +137,7 @@ class GRPOMixin:
     """
 
     padding_free = False
+    _padfree_telemetry: PackingTelemetryCallback | None = None
 
     def __init__(self, model: Any, reward_funcs: Any = None, args: Any = None, train_dataset: Any = None,
                  eval_dataset: Any = None, processing_class: Any = None, *rest: Any, **kwargs: Any) -> None:
@@ -156,6 +162,9 @@ class GRPOMixin:
             mode=decision.mode, reason=decision.reason, auto=decision.auto, packing=False, padding_free=on,
             **model_facts(self.model))
         logger.info("%s", self._padfree_status)
+        if on and getattr(args, "padfree_telemetry", True):
+            self._padfree_telemetry = PackingTelemetryCallback()
+            self.callback_handler.callbacks.insert(0, self._padfree_telemetry)
         if decision.auto and not on and "not supported because" in decision.reason:
             warn_once(f"padfree: {decision.reason}; GRPO scores completions with TRL's padded forward")
 
@@ -179,6 +188,9 @@ class GRPOMixin:
                 f"({', '.join(given) or 'positional arguments'}): a packed row cannot carry them; use "
                 f"GRPOConfig(padding_free=False)")
         self._padfree_count(attention_mask, batch_size or input_ids.size(0))
+        if self._padfree_telemetry is not None and torch.is_grad_enabled():  # the policy's training forward
+            for rows in attention_mask.split(batch_size or input_ids.size(0)):
+                self._padfree_telemetry.observe_unpadded(rows)
         with unpadded_forwards(model):
             return super()._get_per_token_logps_and_entropies(model, input_ids, attention_mask, logits_to_keep,
                                                               batch_size, **kwargs)
@@ -189,6 +201,11 @@ class GRPOMixin:
         counts["rows"] += rows
         counts["tokens"] += int(attention_mask.sum())
         counts["padded_positions"] += attention_mask.numel()
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        if self._padfree_telemetry is not None and is_train_log(logs):
+            logs.update(self._padfree_telemetry.pop_metrics())
+        super().log(logs, start_time)
 
 
 class GRPOTrainer(GRPOMixin, trl.GRPOTrainer):

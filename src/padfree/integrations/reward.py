@@ -64,6 +64,7 @@ from padfree.integrations.decide import (
     warn_once,
 )
 from padfree.integrations.status import PADDING_FREE, STANDARD, PackingStatus, model_facts
+from padfree.integrations.telemetry import PackingTelemetryCallback, is_train_log
 from padfree.integrations.trainer import configure_model
 from padfree.integrations.unpadded import Unpadded
 from padfree.model.wrappers import unwrap_model
@@ -91,6 +92,8 @@ class RewardConfig(trl.RewardConfig):
         padding_free: True: padding-free batching (refused, naming why, where it cannot be exact); False: TRL's
             padded batches; None (default): padfree decides (on when safe, see the module docstring).
         auto_padding_free: False turns the automatic choice off (as ``PADFREE_DISABLE_AUTO_PADDING_FREE=1`` does).
+        padfree_telemetry: add :class:`~padfree.PackingTelemetryCallback`'s ``padfree/*`` metrics to the training
+            logs when padding-free is on, measured on the packed rows the model ran.
 
     Every other argument is ``trl.RewardConfig``'s.
 
@@ -103,6 +106,8 @@ class RewardConfig(trl.RewardConfig):
         default=None, metadata={"help": "True: padding-free batching; False: off; None: padfree decides."})
     auto_padding_free: bool = dataclasses.field(
         default=True, metadata={"help": "Let padfree turn padding-free batching on when it is safe."})
+    padfree_telemetry: bool = dataclasses.field(
+        default=True, metadata={"help": "Log packing telemetry (padfree/*) when padding-free is on."})
 
 
 # --------------------------------------------------------------------------------------------------
@@ -309,6 +314,7 @@ class RewardMixin:
     """What :class:`RewardTrainer` adds to ``trl.RewardTrainer``: the decision and the packed scoring forward."""
 
     _padfree_decision: Decision | None = None
+    _padfree_telemetry: PackingTelemetryCallback | None = None
 
     def __init__(self, model: Any, args: Any = None, data_collator: Any = None, train_dataset: Any = None,
                  eval_dataset: Any = None, processing_class: Any = None, *rest: Any, **kwargs: Any) -> None:
@@ -335,6 +341,9 @@ class RewardMixin:
         self._padfree_status = PackingStatus(mode=decision.mode, reason=decision.reason, auto=decision.auto,
                                              packing=False, padding_free=on, **facts)
         logger.info("%s", self._padfree_status)
+        if on and getattr(args, "padfree_telemetry", True):
+            self._padfree_telemetry = PackingTelemetryCallback()
+            self.callback_handler.callbacks.insert(0, self._padfree_telemetry)
         if decision.auto and decision.mode == STANDARD and _model_reason(decision.reason):
             warn_once(f"padfree: {decision.reason}; training the reward model with standard batching")
 
@@ -347,9 +356,16 @@ class RewardMixin:
         if not self._padfree_on:
             return super().compute_loss(model, inputs, return_outputs=return_outputs,
                                         num_items_in_batch=num_items_in_batch)
+        if self._padfree_telemetry is not None and self.model.training:
+            self._padfree_telemetry.observe_unpadded(inputs["attention_mask"])
         with unpadded_scores(self.model, ignore=("margin",)):  # TRL's loss and metrics, on one packed row's rewards
             return super().compute_loss(model, inputs, return_outputs=return_outputs,
                                         num_items_in_batch=num_items_in_batch)
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        if self._padfree_telemetry is not None and is_train_log(logs):
+            logs.update(self._padfree_telemetry.pop_metrics())
+        super().log(logs, start_time)
 
 
 class RewardTrainer(RewardMixin, trl.RewardTrainer):

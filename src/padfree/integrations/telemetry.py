@@ -93,6 +93,22 @@ class PackingTelemetryCallback(TrainerCallback):
         stats = _batch_stats(inputs, self.pad_token_ids)
         self._acc = stats if self._acc is None else self._acc + stats
 
+    def observe_unpadded(self, attention_mask: torch.Tensor) -> None:
+        """Count a padded micro-batch that padfree ran as ONE packed row (:mod:`padfree.integrations.unpadded`, as
+        the DPO, reward and GRPO trainers do): one row of its real tokens, each ``(N, L)`` mask row a sequence.
+
+        >>> cb = PackingTelemetryCallback()
+        >>> cb.observe_unpadded(torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0]]))
+        >>> m = cb.pop_metrics()  # 3² + 2² of attention work, against 2 · 3² padded to the longest
+        >>> m["padfree/real_token_fraction"], m["padfree/sequences_per_row"], m["padfree/attention_flops_saved"]
+        (1.0, 2.0, 0.2777777777777778)
+        """
+        lens = attention_mask.ne(0).sum(1).to(torch.float64)
+        lens = lens[lens > 0]
+        total = lens.sum().reshape(1)
+        stats = torch.cat([torch.ones(1, dtype=torch.float64, device=lens.device), total, _packed_stats(lens)])
+        self._acc = stats if self._acc is None else self._acc + stats
+
     def pop_metrics(self) -> dict[str, Any]:
         """The metrics since the previous call (empty if no batch was observed), then start counting afresh."""
         now = time.perf_counter()
