@@ -257,6 +257,8 @@ def test_one_grpo_step_end_to_end(tok, records, tmp_path):
     assert any(not no_mask for _, no_mask, _ in seen["policy"])  # generation ran TRL's padded forward, untouched
     logs = trainer.state.log_history[0]
     assert "kl" in logs and torch.isfinite(torch.tensor(logs["kl"])) and logs["grad_norm"] > 0
+    # the telemetry counted the policy's packed training row: no padding, the 4 sequences in it
+    assert logs["padfree/real_token_fraction"] == 1.0 and logs["padfree/sequences_per_row"] == 4.0
 
     # the same step with TRL's padded forward: same generations (same seed), same loss, same update
     padded = trainer_for(str(tmp_path / "model"), tok, tmp_path / "out2", records, beta=0.1, num_iterations=2,

@@ -276,6 +276,10 @@ def test_one_step_with_accumulation_equals_padded(kind, tok, tokenized, tmp_path
     assert grad_gap <= 1e-4
     assert float(want_grads["score.weight"].abs().max()) > 1e-3  # the step moves the head
     assert rel(trainer.state.log_history[0]["loss"], padded.state.log_history[0]["loss"]) <= 1e-5
+    # the telemetry counted the packed rows the backbone ran: no padding, 4 sequences a row
+    assert trainer.state.log_history[0]["padfree/real_token_fraction"] == 1.0
+    assert trainer.state.log_history[0]["padfree/sequences_per_row"] == 4.0
+    assert "padfree/real_token_fraction" not in padded.state.log_history[0]
 
 
 # --------------------------------------------------------------------------------------------------
