@@ -203,6 +203,39 @@ def test_packed_row_log_probs_equal_padded_and_a_leaking_row_is_caught(model_typ
         assert (unconfigured - want).abs().max().item() > 1e-2
 
 
+def test_bf16_autocast_is_as_close_to_fp32_as_trl_padded(tok, tmp_path):
+    """TRL's configs train under bf16 autocast by default: there padfree's packed micro-batch must be as close to the
+    fp32 values as TRL's padded one (rounding), and the leaking row is not."""
+    fp32, _ = _trainers("llama", tok, tmp_path / "fp32")
+    padded, ours = _trainers("llama", tok, tmp_path, trl_kw={"bf16": True}, pf_kw={"bf16": True})
+    batch = padded.data_collator([padded.train_dataset[i] for i in range(4)])
+    truth = _loss_and_metrics(fp32, batch)[1]
+
+    def error(trainer) -> float:
+        with trainer.accelerator.autocast():  # what training_step runs the loss under
+            got = _loss_and_metrics(trainer, batch)[1]
+        return max(abs(got[k] - truth[k]) / abs(truth[k]) for k in ("logps/chosen", "logps/rejected"))
+
+    padded_error, our_error = error(padded), error(ours)
+    assert 0 < padded_error < 2e-2 and our_error <= 2 * padded_error, (padded_error, our_error)
+    layout = Unpadded.from_attention_mask(batch["attention_mask"])
+    with torch.no_grad(), ours.accelerator.autocast():
+        leak = ours.model(input_ids=layout.pack(batch["input_ids"]), fused_lm_head=True,
+                          labels=layout.labels(batch["input_ids"].masked_fill(batch["completion_mask"] == 0, -100)))
+    sums = layout.unpack_shifted(leak.log_probs).sum(1).chunk(2)
+    leak_error = max(abs(s.mean().item() - truth[k]) / abs(truth[k])
+                     for s, k in zip(sums, ("logps/chosen", "logps/rejected"), strict=True))
+    assert leak_error > 5 * max(padded_error, our_error), (leak_error, padded_error, our_error)
+
+
+def test_enable_gives_the_padfree_dpo_trainer():
+    class Mine(trl.DPOTrainer):
+        pass
+
+    assert padfree.enable(trl.DPOTrainer) is DPOTrainer and padfree.enable(DPOTrainer) is DPOTrainer
+    assert [c.__name__ for c in padfree.enable(Mine).__mro__[:3]] == ["PadfreeMine", "DPOMixin", "Mine"]
+
+
 # --------------------------------------------------------------------------------------------------
 # evaluate(), precomputed reference log-probs
 # --------------------------------------------------------------------------------------------------
