@@ -138,3 +138,15 @@ def test_the_table_covers_llama_without_certifying(monkeypatch):
     model = transformers.LlamaForCausalLM(shrink_config(transformers.LlamaConfig()))
     report = configure_packing(model)
     assert report.supported and report.proof.startswith("support table: LlamaForCausalLM proven exact by the sweep")
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen3_5_text"])
+def test_a_base_model_is_certified_through_the_causal_lm_around_it(model_type):
+    """A backbone without a head (what a reward model's score head sits on) has no logits to compare: its twin is the
+    causal LM of the same config, which runs exactly that backbone; a certification then says so by the base's name."""
+    from padfree.model.sweep import build_tiny
+
+    base = build_tiny(model_type).base_model
+    verdict = certify.certify(base, "padfree_sdpa", cache=False)
+    assert verdict.ok, verdict
+    assert f"a tiny twin of {type(base).__name__}" in verdict.how

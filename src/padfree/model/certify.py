@@ -126,8 +126,22 @@ def _write(key: str, verdict: Verdict, model: Any) -> None:
         log.debug("padfree: could not cache the certification in %s (%s)", folder, exc)
 
 
+def _twin_class(model: Any) -> type:
+    """``type(model)``, or for a base ``*Model`` without a head (the backbone a reward model or another head sits on)
+    the causal LM of its config: the proof compares logits, and that LM runs exactly this backbone under its head."""
+    import transformers
+
+    cls = type(model)
+    if getattr(model, "get_output_embeddings", lambda: None)() is not None:
+        return cls
+    causal = transformers.MODEL_FOR_CAUSAL_LM_MAPPING.get(type(model.config), None)
+    return causal if causal is not None and getattr(causal, "base_model_prefix", None) == getattr(
+        cls, "base_model_prefix", None) else cls
+
+
 def _twin(model: Any, device: torch.device) -> Any:
-    """A tiny fp32 model of ``type(model)`` from a shrunk copy of its config, deterministic weights."""
+    """A tiny fp32 model of ``type(model)`` (:func:`_twin_class`) from a shrunk copy of its config, deterministic
+    weights."""
     from padfree.model.shrink import shrink_config
     from padfree.model.state import packing_state
 
@@ -143,8 +157,8 @@ def _twin(model: Any, device: torch.device) -> Any:
     try:
         with torch.device(device):
             kwargs = {"attn_implementation": base} if base else {}
-            twin = type(model)._from_config(config, **kwargs) if hasattr(type(model), "_from_config") \
-                else type(model)(config)
+            cls = _twin_class(model)
+            twin = cls._from_config(config, **kwargs) if hasattr(cls, "_from_config") else cls(config)
     finally:
         transformers.logging.set_verbosity(verbosity)
     from padfree.model.proof import perturb
