@@ -350,13 +350,16 @@ def test_packed_pairs_one_step_equals_trl_padded_step_over_the_same_pairs(tok, t
     probe, _ = pack_pairs(_tokenized(train, tok, tmp_path), capacity=250, max_length=160)
     rows = len(probe)
     assert 2 < rows < 8  # micro-batches of different pair counts
-    padded, ours = _trainers("llama", tok, tmp_path, train=train,
+    padded, ours = _trainers("llama", tok, tmp_path, train=train, eval_=_pairs(4, offset=20),
                              trl_kw={"per_device_train_batch_size": 8, "max_steps": 1},
                              pf_kw={"packing": True, "packing_length": 250, "per_device_train_batch_size": 1,
                                     "gradient_accumulation_steps": rows, "max_steps": 1})
     status = padfree.packing_status(ours)
     assert status.mode == "sample packing" and status.rows == rows
     assert len({len(b) for b in ours.train_dataset["prompt_ids"]}) > 1
+    # the eval set is not packed: its pairs run padding-free, batch by batch, as TRL's padded eval batches
+    want, got = _eval_metrics(padded.evaluate()), _eval_metrics(ours.evaluate())
+    assert set(want) == set(got) and all(_close(want[k], got[k]) for k in want), (want, got)
     assert _same_update(_step(padded), _step(ours)) <= RTOL
     logged = ours.state.log_history[0]  # the telemetry measured the packed rows: no padding, 16 sequences in 5 rows
     assert logged["padfree/real_token_fraction"] == 1.0 and logged["padfree/sequences_per_row"] == 16 / rows
