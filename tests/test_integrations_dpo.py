@@ -352,8 +352,8 @@ def test_packed_pairs_one_step_equals_trl_padded_step_over_the_same_pairs(tok, t
     assert 2 < rows < 8  # micro-batches of different pair counts
     padded, ours = _trainers("llama", tok, tmp_path, train=train, eval_=_pairs(4, offset=20),
                              trl_kw={"per_device_train_batch_size": 8, "max_steps": 1},
-                             pf_kw={"packing": True, "packing_length": 250, "per_device_train_batch_size": 1,
-                                    "gradient_accumulation_steps": rows, "max_steps": 1})
+                             pf_kw={"packing": True, "packing_length": 250, "gradient_accumulation_steps": rows,
+                                    "max_steps": 1})  # per_device_train_batch_size 2: still one bin a micro-batch
     status = padfree.packing_status(ours)
     assert status.mode == "sample packing" and status.rows == rows
     assert len({len(b) for b in ours.train_dataset["prompt_ids"]}) > 1

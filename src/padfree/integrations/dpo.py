@@ -7,14 +7,15 @@ each forward runs:
 ``"padding-free batching"`` (automatic when safe, or ``padding_free=True``)
     Each micro-batch — every pair's chosen and rejected sequence — runs as one packed row: the real tokens back to
     back, ``position_ids`` restarting at every sequence, no padding. The reference model's pass (and the precompute
-    of reference log-probs) runs the same row. TRL's fused LM head scores only the completion tokens, so no logits
-    over the vocabulary are built for the prompts; the per-token log-probs, entropies and top-1 hits come back in the
-    padded ``(2B, L - 1)`` layout, and TRL's own loss and metric code runs on them unchanged — so every loss type
-    gives what TRL's padded trainer gives on the same micro-batches.
+    of reference log-probs) runs the same row. TRL's fused LM head builds no ``(tokens, vocab)`` logits tensor (it
+    scores in chunks; with Triton, on CUDA, only the completion tokens); the per-token log-probs, entropies and
+    top-1 hits come back in the padded ``(2B, L - 1)`` layout, and TRL's own loss and metric code runs on them
+    unchanged — so every loss type gives what TRL's padded trainer gives on the same micro-batches.
 ``"sample packing"`` (``packing=True``)
     The train set's pairs are packed across the dataset (best fit decreasing) into micro-batches of at most
     ``packing_length`` tokens (default: the padded micro-batch's positions, ``2 · max_length ·
-    per_device_train_batch_size``), each pair whole in one micro-batch, each micro-batch one packed row as above.
+    per_device_train_batch_size``), each pair whole in one micro-batch, each micro-batch one packed row as above
+    (so ``per_device_train_batch_size`` only sizes the default ``packing_length``).
     A micro-batch now holds a varying number of pairs, so padfree weighs the loss by pairs over the optimizer step
     (across gradient accumulation and ranks): the step's loss is the mean over its pairs, as a padded step's is; the
     logged per-pair metrics (``rewards/*``, ``logps/*``) are pair-weighted means. Loss types that couple the pairs of
@@ -353,6 +354,8 @@ class DPOMixin:
         self.train_dataset, plan = pack_pairs(self.train_dataset, capacity, args.max_length, seed=args.seed)
         self._padfree_pair_collator = self.data_collator
         self.data_collator = PairBinsCollator(self.data_collator)
+        # a micro-batch is one packed bin of <= packing_length tokens (per_device_train_batch_size sized the bins)
+        self._train_batch_size = 1
         logger.info("padfree: packed %d pairs into %d micro-batches of packing_length=%d (efficiency %.2f%%)",
                     plan.num_sequences, plan.num_bins, capacity, 100 * plan.efficiency)
         return plan
