@@ -208,11 +208,6 @@ def trainers(policy: Any, ref: Any, tok: Any, train: Any, args: argparse.Namespa
             return _inner(model, inputs, *a, **k)
 
         trainer.compute_loss = compute_loss
-        if mode == "packing" and trainer._train_batch_size != 1:
-            # padfree (at this commit) leaves the Trainer's batch size at B, so its dataloader would put B packed
-            # bins (up to B * packing_length tokens) into one micro-batch; the documented micro-batch is one bin
-            trainer._train_batch_size = 1
-            args.bins_workaround = True
         built[mode] = trainer
     return built
 
@@ -408,11 +403,6 @@ def render(args: argparse.Namespace, info: dict[str, str], before: str, after: s
         "(~99%), but each of its micro-batches is one row of up to packing_length tokens holding a few dozen "
         "pairs; its rate per real token against `padding_free`'s (the `real tokens/s` column) shows whether "
         "those larger rows cost more per token than the padded micro-batch's one row of 2·B sequences.",
-        *(["- Workaround: at this commit `padfree.DPOTrainer(packing=True)` leaves the Trainer's batch size at "
-           "`per_device_train_batch_size`, so its dataloader collates B packed bins (up to B · packing_length "
-           "tokens) into one micro-batch instead of the documented one bin of ≤ packing_length tokens; the "
-           "benchmark sets the trainer's `_train_batch_size` to 1 so that `packing` runs the documented "
-           "micro-batches."] if args.bins_workaround else []),
         "- The hybrid's GatedDeltaNet runs transformers' pure-PyTorch chunked fallback in the padded modes and "
         "padfree's boundary-resetting PyTorch implementation in the padfree modes, so its ratios include that "
         "difference, not only padding.",
@@ -445,7 +435,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.steps = args.steps or (1 if args.quick else 2)
     args.repetitions = args.repetitions or (1 if args.quick else 3)
     args.packing_length = args.packing_length or 2 * args.max_length * args.batch_size
-    args.bins_workaround = False
     if args.quick and "--no-write" not in (sys.argv[1:] if argv is None else argv):
         args.no_write = True  # a smoke run never replaces the measured section
     return args
