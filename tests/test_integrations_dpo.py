@@ -415,14 +415,16 @@ def _ddp_worker(rank: int, world: int, tmp: str, port: int, vocab_dir: str, kw: 
     trainer = DPOTrainer(model=policy, ref_model=ref, args=_args(DPOConfig, Path(tmp) / f"out{rank}", **kw),
                          train_dataset=_pairs(8), processing_class=tok)
     assert trainer.accelerator.num_processes == world
+    balance = padfree.packing_status(trainer).balance
     delta = _step(trainer)
-    (Path(tmp) / f"rank{rank}.pkl").write_bytes(pickle.dumps([d.cpu() for d in delta]))
+    (Path(tmp) / f"rank{rank}.pkl").write_bytes(pickle.dumps(([d.cpu() for d in delta], balance)))
 
 
 @pytest.mark.parametrize("mode", ["padding_free", "packing"])
 def test_two_gloo_ranks_equal_the_padded_step_over_the_same_pairs(mode, tok, tmp_path):
     """2 ranks x 2 micro-batches cover the 8 pairs in one step; TRL's padded step over all 8 in one micro-batch is the
-    reference (with packing, each rank's micro-batches hold different numbers of pairs)."""
+    reference (with packing, each rank's micro-batches hold different numbers of pairs, dealt by the balanced
+    sampler)."""
     vocab_dir = str(Path(tok.vocab_file).parent)
     kw = {"padding_free": True, "gradient_accumulation_steps": 2, "max_steps": 1}
     if mode == "packing":
@@ -432,5 +434,7 @@ def test_two_gloo_ranks_equal_the_padded_step_over_the_same_pairs(mode, tok, tmp
     padded, _ = _trainers("llama", tok, tmp_path, trl_kw={"per_device_train_batch_size": 8, "max_steps": 1})
     want = _step(padded)
     ranks = run_ranks(_ddp_worker, tmp_path, free_port(), vocab_dir, kw, deadline=240)
-    for got in ranks:
+    for got, balance in ranks:
         assert _same_update(want, got) <= RTOL
+        # packed micro-batches are dealt to the ranks by load (tokens and attention cost), not sharded by count
+        assert (balance or "").startswith("balanced across 2 ranks") == (mode == "packing"), balance

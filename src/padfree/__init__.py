@@ -1,10 +1,10 @@
 """padfree: exact padding-free (packed-sequence) training for causal language models.
 
 The top level holds the seed-compatible names (SeqPacker's packing API, LLaMA-Factory's helpers), the routes to
-packed rows, the model and trainer entry points (SFT, DPO, reward, GRPO and the plain Trainer), and the errors users catch — 46 names. Everything else is reachable
-from its module (``padfree.packing``, ``padfree.rows``, ``padfree.samples``, ``padfree.model.*``,
-``padfree.integrations.*``). ``import padfree`` stays free of torch and datasets: the names that need them are
-imported on first use.
+packed rows, the model and trainer entry points (SFT, DPO, reward, GRPO and the plain Trainer), and the errors users
+catch — 46 names. Everything else is reachable from its module (``padfree.packing``, ``padfree.rows``,
+``padfree.samples``, ``padfree.model.*``, ``padfree.integrations.*``). ``import padfree`` stays free of torch and
+datasets: the names that need them are imported on first use.
 
 >>> import padfree
 >>> len(padfree.__all__)

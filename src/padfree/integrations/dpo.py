@@ -63,6 +63,7 @@ from padfree.integrations.decide import (
 )
 from padfree.integrations.status import PACKING, PADDING_FREE, STANDARD, PackingStatus, model_facts
 from padfree.integrations.telemetry import PackingTelemetryCallback, is_train_log
+from padfree.integrations.trainer import SamplerEpoch, batch_sampler_dataloader
 from padfree.integrations.unpadded import unpadded_forwards
 from padfree.packing.inputs import as_flag
 from padfree.packing.strategies import DEFAULT_STRATEGY, pack_sequences
@@ -78,7 +79,7 @@ except ImportError as exc:  # pragma: no cover - trl is installed wherever this 
         "padfree.integrations.dpo needs trl, transformers and datasets; pip install 'padfree[trl]'"
     ) from exc
 
-__all__ = ["DPOConfig", "DPOMixin", "DPOTrainer", "PairBinsCollator", "pack_pairs"]
+__all__ = ["DPOConfig", "DPOMixin", "DPOTrainer", "PairBinsCollator", "bin_sequence_lengths", "pack_pairs"]
 
 logger = logging.getLogger("padfree")
 
@@ -104,6 +105,9 @@ class DPOConfig(trl.DPOConfig):
         auto_padding_free: False turns the automatic choice off (as ``PADFREE_DISABLE_AUTO_PADDING_FREE=1`` does).
         padfree_telemetry: add :class:`~padfree.PackingTelemetryCallback`'s ``padfree/*`` metrics to the training
             logs when a padfree mode is on, measured on the packed rows the model ran.
+        padfree_balance: with ``packing=True`` under data parallelism, deal the packed micro-batches to the ranks in
+            steps balanced in tokens and Σ len² (:class:`~padfree.DistributedPackedBatchSampler`) instead of
+            sharding them by count; no effect in one process.
 
     Every other argument is ``trl.DPOConfig``'s.
     """
@@ -118,6 +122,9 @@ class DPOConfig(trl.DPOConfig):
         default=True, metadata={"help": "Let padfree turn padding-free batching on when it is safe."})
     padfree_telemetry: bool = dataclasses.field(
         default=True, metadata={"help": "Log packing telemetry (padfree/*) when a padfree mode is on."})
+    padfree_balance: bool = dataclasses.field(
+        default=True, metadata={"help": "Data-parallel packing: deal the packed micro-batches to the ranks in steps "
+                                        "balanced in tokens and sum of len^2."})
 
 
 # --------------------------------------------------------------------------------------------------
@@ -169,6 +176,25 @@ def pack_pairs(dataset: datasets.Dataset, capacity: int, max_length: int | None 
     columns = {name: pa.ListArray.from_arrays(offsets, table.column(name).combine_chunks().take(order))
                for name in table.column_names}
     return datasets.Dataset(datasets.table.InMemoryTable(pa.table(columns))), plan
+
+
+def bin_sequence_lengths(bins: datasets.Dataset, max_length: int | None = None) -> list[np.ndarray]:
+    """The sequences of each micro-batch of :func:`pack_pairs`, as their lengths: ``prompt + chosen`` and ``prompt +
+    rejected`` of every pair (each at most ``max_length``), what a balanced sampler weighs a micro-batch by.
+
+    >>> pairs = datasets.Dataset.from_dict({"prompt_ids": [[1, 2], [3]], "chosen_ids": [[4], [5, 6]],
+    ...                                     "rejected_ids": [[7, 8, 9], [1]]})
+    >>> [b.tolist() for b in bin_sequence_lengths(pack_pairs(pairs, capacity=20)[0])]
+    [[3, 5, 3, 2]]
+    """
+    table = bins.with_format("arrow")[:]
+    offsets = table.column("prompt_ids").combine_chunks().offsets.to_numpy()
+    flat = {name: pc.list_value_length(pc.list_flatten(table.column(name))).to_numpy(zero_copy_only=False)
+            for name in _PAIR_COLUMNS}
+    lengths = np.stack([flat["prompt_ids"] + flat["chosen_ids"], flat["prompt_ids"] + flat["rejected_ids"]], axis=1)
+    if max_length is not None:
+        lengths = np.minimum(lengths, max_length)
+    return np.split(lengths.reshape(-1).astype(np.int64), 2 * offsets[1:-1].astype(np.int64))
 
 
 class PairBinsCollator:
@@ -291,6 +317,7 @@ class DPOMixin:
     _padfree_decision: Decision | None = None
     _padfree_step_pairs: torch.Tensor | None = None
     _padfree_telemetry: PackingTelemetryCallback | None = None
+    _padfree_sampler: Any = None
 
     def __init__(self, model: Any, ref_model: Any = None, args: Any = None, data_collator: Any = None,
                  train_dataset: Any = None, eval_dataset: Any = None, processing_class: Any = None, *rest: Any,
@@ -328,10 +355,19 @@ class DPOMixin:
             padding_free=on, loss="pair" if decision.mode == PACKING else None,
             efficiency=None if plan is None else float(plan.efficiency),
             rows=None if plan is None else int(plan.num_bins),
-            sequences=None if plan is None else 2 * int(plan.num_pieces), balance=None, **model_facts(self.model))
+            sequences=None if plan is None else 2 * int(plan.num_pieces), balance=self._padfree_balance_note(),
+            **model_facts(self.model))
         logger.info("%s", self._padfree_status)
         if decision.auto and decision.mode == STANDARD and "not supported because" in decision.reason:
             warn_once(f"padfree: {decision.reason}; training with standard batching")
+
+    def _padfree_balance_note(self) -> str | None:
+        sampler = self._padfree_balanced_sampler()
+        if sampler is None:
+            return None
+        steps = sampler.schedule
+        return (f"balanced across {steps.num_ranks} ranks: {steps.num_steps} steps, token idle "
+                f"{100 * steps.token_imbalance:.1f}%, attention-cost idle {100 * steps.cost_imbalance:.1f}%")
 
     @property
     def _padfree_on(self) -> bool:
@@ -359,6 +395,31 @@ class DPOMixin:
         logger.info("padfree: packed %d pairs into %d micro-batches of packing_length=%d (efficiency %.2f%%)",
                     plan.num_sequences, plan.num_bins, capacity, 100 * plan.efficiency)
         return plan
+
+    def _padfree_balanced_sampler(self) -> Any:
+        """The all-ranks balanced sampler over the packed micro-batches, or None (one process, another mode, or
+        ``padfree_balance=False``): each rank's share of a step has nearly equal tokens and Σ len²."""
+        if (self._padfree_decision is None or self._padfree_decision.mode != PACKING
+                or self.accelerator.num_processes < 2 or not as_flag(getattr(self.args, "padfree_balance", True),
+                                                                      "padfree_balance")):
+            return None
+        if self._padfree_sampler is None:
+            from padfree.integrations.distributed import DistributedPackedBatchSampler
+
+            args = self.args
+            seed = args.data_seed if getattr(args, "data_seed", None) is not None else args.seed
+            self._padfree_sampler = DistributedPackedBatchSampler.from_rows(
+                bin_sequence_lengths(self.train_dataset, args.max_length), num_replicas=self.accelerator.num_processes,
+                all_ranks=True, micro_batch_size=1, seed=seed, remainder="drop" if args.dataloader_drop_last else
+                "repeat")
+            epochs = SamplerEpoch()
+            epochs.sampler = self._padfree_sampler
+            self.add_callback(epochs)
+        return self._padfree_sampler
+
+    def get_train_dataloader(self) -> Any:
+        sampler = self._padfree_balanced_sampler()
+        return super().get_train_dataloader() if sampler is None else batch_sampler_dataloader(self, sampler)
 
     def get_eval_dataloader(self, eval_dataset: Any = None) -> Any:
         if self._padfree_decision is None or self._padfree_decision.mode != PACKING:

@@ -43,7 +43,9 @@ except ImportError as exc:  # pragma: no cover - transformers is installed where
         "padfree.integrations.trainer needs torch and transformers; pip install 'padfree[torch,hf]'"
     ) from exc
 
-__all__ = ["PadfreeTrainerMixin", "Trainer", "TrainerMixin", "configure_model"]
+__all__ = [
+    "PadfreeTrainerMixin", "SamplerEpoch", "Trainer", "TrainerMixin", "batch_sampler_dataloader", "configure_model",
+]
 
 logger = logging.getLogger("padfree")
 
@@ -83,12 +85,12 @@ class PadfreeTrainerMixin:
     _padfree_status: PackingStatus | None = None
     _padfree_telemetry: PackingTelemetryCallback | None = None
     _padfree_step: tuple[torch.Tensor, torch.Tensor] | None = None
-    _padfree_epoch: _SamplerEpoch
+    _padfree_epoch: SamplerEpoch
     _padfree_eval_sums: torch.Tensor | None = None
 
     def _padfree_setup(self, loss: str | None, telemetry: bool) -> None:
         self.padfree_loss = None if loss is None else as_choice(loss, "padfree_loss", LOSS_MODES)
-        self._padfree_epoch = _SamplerEpoch()
+        self._padfree_epoch = SamplerEpoch()
         self.callback_handler.add_callback(self._padfree_epoch)
         if self.padfree_loss is not None:
             # compute_loss normalises over the whole optimizer step; the Trainer must not divide by the
@@ -355,27 +357,7 @@ class PadfreeTrainerMixin:
         sampler = self._padfree_balanced_sampler()
         if sampler is None:
             return super().get_train_dataloader()
-        from functools import partial
-
-        from torch.utils.data import DataLoader
-        from transformers.trainer_utils import seed_worker
-
-        args = self.args
-        # what Trainer._get_dataloader passes, with the balanced batch sampler in place of batch_size / sampler;
-        # accelerate's prepare re-shards it (process p keeps micro-batches p, p + W, ...: rank p's own)
-        dataset = self._remove_unused_columns(self.train_dataset, description="Training")
-        params = {
-            "batch_sampler": sampler,
-            "collate_fn": self.data_collator,
-            "num_workers": args.dataloader_num_workers,
-            "pin_memory": args.dataloader_pin_memory,
-            "persistent_workers": args.dataloader_persistent_workers,
-            "multiprocessing_context": args.dataloader_multiprocessing_context,
-            "prefetch_factor": args.dataloader_prefetch_factor,
-            "in_order": args.dataloader_in_order,
-            "worker_init_fn": partial(seed_worker, num_workers=args.dataloader_num_workers, rank=args.process_index),
-        }
-        return self.accelerator.prepare(DataLoader(dataset, **params))
+        return batch_sampler_dataloader(self, sampler)
 
     # ---- telemetry -------------------------------------------------------------------------------------
 
@@ -390,7 +372,33 @@ class PadfreeTrainerMixin:
         super().log(logs, start_time)
 
 
-class _SamplerEpoch(TrainerCallback):
+def batch_sampler_dataloader(trainer: Any, sampler: Any) -> Any:
+    """The train ``DataLoader`` the ``Trainer`` would build, with ``sampler`` as its ``batch_sampler`` (a balanced
+    :class:`~padfree.DistributedPackedBatchSampler` with ``all_ranks=True``), prepared by accelerate."""
+    from functools import partial
+
+    from torch.utils.data import DataLoader
+    from transformers.trainer_utils import seed_worker
+
+    args = trainer.args
+    # what Trainer._get_dataloader passes, with the balanced batch sampler in place of batch_size / sampler;
+    # accelerate's prepare re-shards it (process p keeps micro-batches p, p + W, ...: rank p's own)
+    dataset = trainer._remove_unused_columns(trainer.train_dataset, description="Training")
+    params = {
+        "batch_sampler": sampler,
+        "collate_fn": trainer.data_collator,
+        "num_workers": args.dataloader_num_workers,
+        "pin_memory": args.dataloader_pin_memory,
+        "persistent_workers": args.dataloader_persistent_workers,
+        "multiprocessing_context": args.dataloader_multiprocessing_context,
+        "prefetch_factor": args.dataloader_prefetch_factor,
+        "in_order": args.dataloader_in_order,
+        "worker_init_fn": partial(seed_worker, num_workers=args.dataloader_num_workers, rank=args.process_index),
+    }
+    return trainer.accelerator.prepare(DataLoader(dataset, **params))
+
+
+class SamplerEpoch(TrainerCallback):
     """Checks at the start of training that every rank scheduled the same data, and tells the balanced sampler its
     epoch at the start of every epoch, resumed ones included.
 
