@@ -18,6 +18,15 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
+@pytest.fixture(scope="module")
+def tok(tmp_path_factory):
+    """mistral-common's 32k SentencePiece tokenizer through transformers, offline (:func:`zoo.mistral_tokenizer`):
+    one per test module, which may set its padding token as TRL's trainers do."""
+    from zoo import mistral_tokenizer
+
+    return mistral_tokenizer(tmp_path_factory.mktemp("spm"))
+
+
 @pytest.fixture(scope="session")
 def shared_data():
     """The real data directory, ``../shared/data`` beside the repository (:mod:`realdata`)."""

@@ -25,15 +25,9 @@ from padfree.integrations.step_loss import token_losses  # noqa: E402
 from padfree.integrations.trainer import Trainer  # noqa: E402
 from padfree.integrations.trainer_data import PackedRowsCollator, pack_for_trainer  # noqa: E402
 from realdata import gsm8k_records  # noqa: E402
-from zoo import mistral_tokenizer  # noqa: E402
 
 datasets.disable_progress_bars()
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-@pytest.fixture(scope="module")
-def tok(tmp_path_factory):
-    return mistral_tokenizer(tmp_path_factory.mktemp("spm"))
 
 
 @pytest.fixture(scope="module")

@@ -34,7 +34,6 @@ from padfree.errors import InvalidArgumentError  # noqa: E402
 from padfree.integrations.dpo import DPOConfig, DPOTrainer, pack_pairs  # noqa: E402
 from padfree.integrations.unpadded import Unpadded  # noqa: E402
 from realdata import gsm8k_records  # noqa: E402
-from zoo import mistral_tokenizer  # noqa: E402
 
 datasets.disable_progress_bars()
 
@@ -61,11 +60,6 @@ _ATTRS = {"loss_type": "loss_types", "loss_weights": "loss_weights", "label_smoo
 
 def _close(a: float, b: float) -> bool:
     return abs(a - b) <= RTOL * max(abs(a), abs(b)) + ATOL
-
-
-@pytest.fixture(scope="module")
-def tok(tmp_path_factory):
-    return mistral_tokenizer(tmp_path_factory.mktemp("tok"))
 
 
 def _pairs(n: int, offset: int = 0) -> datasets.Dataset:

@@ -22,7 +22,7 @@ import padfree.integrations.trl as ptrl  # noqa: E402
 from padfree.errors import InvalidArgumentError  # noqa: E402
 from padfree.integrations.step_loss import token_losses  # noqa: E402
 from realdata import gsm8k_records  # noqa: E402
-from zoo import mistral_tokenizer, tiny_model  # noqa: E402
+from zoo import tiny_model  # noqa: E402
 
 datasets.disable_progress_bars()
 
@@ -39,11 +39,6 @@ SHORT, LONG = 22, (9, 17)
 def _clean_env(monkeypatch):
     for name in (ptrl.ENV_DISABLE_AUTO, *ptrl.ENV_RETURN_LOGITS):
         monkeypatch.delenv(name, raising=False)
-
-
-@pytest.fixture(scope="module")
-def tok(tmp_path_factory):
-    return mistral_tokenizer(tmp_path_factory.mktemp("spm"))
 
 
 def prompt_completion(records):

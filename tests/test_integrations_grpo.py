@@ -31,7 +31,7 @@ from padfree.integrations.decide import ENV_DISABLE_AUTO, ENV_RETURN_LOGITS  # n
 from padfree.integrations.unpadded import Unpadded  # noqa: E402
 from padfree.model.sweep import build_tiny  # noqa: E402
 from realdata import gsm8k_records  # noqa: E402
-from zoo import mistral_tokenizer, with_unknown_mixer  # noqa: E402
+from zoo import with_unknown_mixer  # noqa: E402
 
 datasets.disable_progress_bars()
 
@@ -44,11 +44,6 @@ LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo", "cispo", "sapo", "vesp
 def _clean_env(monkeypatch):
     for name in (ENV_DISABLE_AUTO, *ENV_RETURN_LOGITS):
         monkeypatch.delenv(name, raising=False)
-
-
-@pytest.fixture(scope="module")
-def tok(tmp_path_factory):
-    return mistral_tokenizer(tmp_path_factory.mktemp("spm"))
 
 
 @pytest.fixture(scope="module")

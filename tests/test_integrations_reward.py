@@ -34,7 +34,6 @@ from padfree.integrations.reward import (  # noqa: E402
 from padfree.integrations.status import packing_status  # noqa: E402
 from padfree.integrations.unpadded import Unpadded  # noqa: E402
 from realdata import gsm8k_records  # noqa: E402
-from zoo import mistral_tokenizer  # noqa: E402
 
 datasets.disable_progress_bars()
 
@@ -48,11 +47,6 @@ METRICS = ("loss", "accuracy", "margin", "min_reward", "mean_reward", "max_rewar
 def _clean_env(monkeypatch):
     for name in (ENV_DISABLE_AUTO, *ENV_RETURN_LOGITS):
         monkeypatch.delenv(name, raising=False)
-
-
-@pytest.fixture(scope="module")
-def tok(tmp_path_factory):
-    return mistral_tokenizer(tmp_path_factory.mktemp("spm"))
 
 
 @pytest.fixture(scope="module")

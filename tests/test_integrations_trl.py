@@ -28,7 +28,7 @@ from padfree.integrations.step_loss import token_losses  # noqa: E402
 from padfree.integrations.telemetry import PackingTelemetryCallback  # noqa: E402
 from padfree.integrations.trainer_data import PackedRowsCollator  # noqa: E402
 from realdata import gsm8k_records  # noqa: E402
-from zoo import mistral_tokenizer, with_unknown_mixer  # noqa: E402
+from zoo import with_unknown_mixer  # noqa: E402
 
 datasets.disable_progress_bars()
 
@@ -40,11 +40,6 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 def _clean_env(monkeypatch):
     for name in (ptrl.ENV_DISABLE_AUTO, *ptrl.ENV_RETURN_LOGITS):
         monkeypatch.delenv(name, raising=False)
-
-
-@pytest.fixture(scope="module")
-def tok(tmp_path_factory):
-    return mistral_tokenizer(tmp_path_factory.mktemp("spm"))
 
 
 @pytest.fixture(scope="module")

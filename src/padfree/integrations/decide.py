@@ -17,7 +17,8 @@ import logging
 import os
 from typing import Any
 
-from padfree.errors import InvalidArgumentError, UnsupportedModelError
+from padfree.errors import InvalidArgumentError, UnsupportedModelError, describe
+from padfree.integrations.status import PADDING_FREE, STANDARD
 from padfree.integrations.trainer import configure_model
 from padfree.model.wrappers import unwrap_model
 from padfree.packing.strategies import DEFAULT_STRATEGY
@@ -32,12 +33,17 @@ except ImportError as exc:  # pragma: no cover - transformers is installed where
 __all__ = [
     "ENV_DISABLE_AUTO",
     "ENV_RETURN_LOGITS",
+    "PROMPT_LEARNING_SKIP",
     "Decision",
+    "as_tri_state",
+    "auto_decision",
     "configure_for",
+    "default_output_dir",
     "env_flag",
     "first_sample",
     "model_config",
     "prompt_learning",
+    "refuse_prompt_learning",
     "refuse_unsafe",
     "skip_reason",
     "support_reason",
@@ -144,11 +150,44 @@ def first_sample(dataset: Any) -> Any:
 
 
 
+def as_tri_state(value: Any, name: str) -> bool | None:
+    """``value`` of a ``True`` / ``False`` / ``None`` ("padfree decides") setting such as ``padding_free``, checked."""
+    if value is not None and not isinstance(value, bool):
+        raise InvalidArgumentError(f"{name} must be True, False or None (padfree decides), got {describe(value)}")
+    return value
+
+
+def auto_decision(skip: str | None, config: Any) -> Decision:
+    """The automatic choice once the skip reasons are in: standard batching naming ``skip``, else padding-free."""
+    if skip is not None:
+        return Decision(STANDARD, f"auto padding-free skipped: {skip}", auto=True)
+    return Decision(PADDING_FREE, f"auto: model type {config.model_type!r} is packing-exact under configure_packing",
+                    auto=True)
+
+
+def default_output_dir(model: Any, suffix: str) -> str:
+    """The output folder TRL's trainers name when no config is given: the model's name, then ``-{suffix}``."""
+    name = model if isinstance(model, str) else getattr(getattr(model, "config", None), "_name_or_path", "") or (
+        type(model).__name__)
+    return f"{str(name).split('/')[-1]}-{suffix}"
+
+
 def prompt_learning(model: Any) -> bool:
     """The model carries a prompt-learning PEFT adapter (prefix / prompt tuning): its virtual tokens are prepended to
     every sequence, which a packed row of several sequences cannot do."""
     config = getattr(model, "peft_config", None)
     return isinstance(config, dict) and any(getattr(c, "is_prompt_learning", False) for c in config.values())
+
+
+PROMPT_LEARNING_SKIP = "the model has a prompt-learning PEFT adapter (its virtual tokens belong to every sequence)"
+
+
+def refuse_prompt_learning(setting: str, model: Any, instead: str) -> None:
+    """Raise for ``setting`` on a model with a prompt-learning adapter (:func:`prompt_learning`)."""
+    if prompt_learning(model):
+        raise UnsupportedModelError(f"{setting}: the model has a prompt-learning PEFT adapter, whose virtual tokens "
+                                    f"are prepended to every sequence and cannot be placed in a packed row; "
+                                    f"{instead}")
 
 
 def refuse_unsafe(setting: str, model: Any, config: Any, processing_class: Any, data_collator: Any, sample: Any

@@ -50,19 +50,24 @@ from typing import Any
 
 import numpy as np
 
-from padfree.errors import BackendUnavailableError, InvalidArgumentError, UnsupportedModelError, describe
+from padfree.errors import BackendUnavailableError, InvalidArgumentError, describe
 from padfree.integrations.decide import (
+    PROMPT_LEARNING_SKIP,
     Decision,
+    as_tri_state,
+    auto_decision,
     configure_for,
+    default_output_dir,
     first_sample,
     model_config,
     prompt_learning,
+    refuse_prompt_learning,
     refuse_unsafe,
     skip_reason,
     warn_once,
 )
 from padfree.integrations.status import PACKING, PADDING_FREE, STANDARD, PackingStatus, model_facts
-from padfree.integrations.telemetry import PackingTelemetryCallback, is_train_log
+from padfree.integrations.telemetry import PackingTelemetryCallback, attach_telemetry, is_train_log
 from padfree.integrations.trainer import SamplerEpoch, batch_sampler_dataloader
 from padfree.integrations.unpadded import unpadded_forwards
 from padfree.packing.inputs import as_flag
@@ -223,10 +228,8 @@ class PairBinsCollator:
 
 def _decide(args: Any, model: Any, ref_model: Any, config: Any, processing_class: Any, data_collator: Any,
             train_dataset: Any) -> Decision:
-    padding_free, packing = args.padding_free, as_flag(getattr(args, "packing", False), "packing")
-    if padding_free is not None and not isinstance(padding_free, bool):
-        raise InvalidArgumentError(f"padding_free must be True, False or None (padfree decides), got "
-                                   f"{describe(padding_free)}")
+    padding_free = as_tri_state(args.padding_free, "padding_free")
+    packing = as_flag(getattr(args, "packing", False), "packing")
     explicit = isinstance(args, DPOConfig)  # a plain trl.DPOConfig cannot tell False from its default
     sample = first_sample(train_dataset) if train_dataset is not None else None
     if packing:
@@ -250,31 +253,23 @@ def _decide(args: Any, model: Any, ref_model: Any, config: Any, processing_class
     else:
         skip = skip_reason(args, model, config, processing_class, data_collator, sample, returns_logits=False)
         if skip is None and prompt_learning(model):
-            skip = "the model has a prompt-learning PEFT adapter (its virtual tokens belong to every sequence)"
+            skip = PROMPT_LEARNING_SKIP
         if skip is None and ref_model is not None and not isinstance(ref_model, str):
             skip = skip_reason(args, ref_model, getattr(ref_model, "config", None), processing_class, None, sample,
                                returns_logits=False)
             skip = None if skip is None else f"the reference model: {skip}"
-        if skip is not None:
-            return Decision(STANDARD, f"auto padding-free skipped: {skip}", auto=True)
-        return Decision(PADDING_FREE, f"auto: model type {config.model_type!r} is packing-exact under "
-                                      f"configure_packing", auto=True)
+        return auto_decision(skip, config)
     refuse_unsafe(setting, model, config, processing_class, data_collator, sample)
     if ref_model is not None and not isinstance(ref_model, str):
         refuse_unsafe(setting, ref_model, getattr(ref_model, "config", None), processing_class, None, sample)
-    if prompt_learning(model):
-        raise UnsupportedModelError(f"{setting}: the model has a prompt-learning PEFT adapter, whose virtual tokens "
-                                    f"are prepended to every sequence and cannot be placed in a packed row; unset "
-                                    f"{setting}")
+    refuse_prompt_learning(setting, model, f"unset {setting}")
     reason = setting if mode == PADDING_FREE else f"{setting}: pairs packed across the train set"
     return Decision(mode, reason, auto=False)
 
 
 def _as_config(args: Any, model: Any) -> Any:
     if args is None:
-        name = model if isinstance(model, str) else getattr(getattr(model, "config", None), "_name_or_path", "") or (
-            type(model).__name__)
-        return DPOConfig(f"{str(name).split('/')[-1]}-DPO")
+        return DPOConfig(default_output_dir(model, "DPO"))
     if isinstance(args, trl.DPOConfig):
         return args
     raise InvalidArgumentError(f"args must be a DPOConfig (padfree's or trl's), got {describe(args)}")
@@ -346,10 +341,8 @@ class DPOMixin:
                     configure_for(m, decision)
         if decision.mode == PACKING:
             plan = self._padfree_pack_train()
-        self._padfree_telemetry = None
         if on and as_flag(getattr(args, "padfree_telemetry", True), "padfree_telemetry"):
-            self._padfree_telemetry = PackingTelemetryCallback()
-            self.callback_handler.callbacks.insert(0, self._padfree_telemetry)
+            self._padfree_telemetry = attach_telemetry(self)
         self._padfree_status = PackingStatus(
             mode=decision.mode, reason=decision.reason, auto=decision.auto, packing=decision.mode == PACKING,
             padding_free=on, loss="pair" if decision.mode == PACKING else None,
@@ -443,7 +436,8 @@ class DPOMixin:
         if not self._padfree_on:
             return super().compute_loss(model, inputs, return_outputs=return_outputs,
                                         num_items_in_batch=num_items_in_batch)
-        uneven = self._padfree_decision.mode == PACKING and self.accelerator.num_processes > 1
+        packed = self._padfree_decision.mode == PACKING
+        uneven = packed and self.accelerator.num_processes > 1
         with unpadded_forwards(model, self.ref_model), _uneven_gathers(self.accelerator, uneven):
             out = super().compute_loss(model, inputs, return_outputs=return_outputs,
                                        num_items_in_batch=num_items_in_batch)
@@ -451,10 +445,10 @@ class DPOMixin:
         mode = "train" if self.model.training else "eval"
         if mode == "train" and self._padfree_telemetry is not None:  # the row the model ran, not the padded batch
             self._padfree_telemetry.observe_unpadded(inputs["attention_mask"])
-        # TRL's per-pair metrics are means over every rank's pairs of the micro-batch: weigh them by that count
-        self._padfree_pairs[mode].append(pairs if not uneven else int(self.accelerator.gather(
-            torch.tensor([pairs], device=inputs["input_ids"].device)).sum()))
-        if self._padfree_decision.mode == PACKING and mode == "train" and self._padfree_step_pairs is not None:
+        if packed:  # TRL's per-pair metrics are means over every rank's pairs of the micro-batch: weigh them by it
+            self._padfree_pairs[mode].append(pairs if not uneven else int(self.accelerator.gather(
+                torch.tensor([pairs], device=inputs["input_ids"].device)).sum()))
+        if packed and mode == "train" and self._padfree_step_pairs is not None:
             # TRL's loss is this micro-batch's pair mean and the Trainer divides it by the accumulation steps (and
             # DDP averages the ranks): rescale so that the step's gradient is that of the mean over its pairs
             scale = (pairs * self.current_gradient_accumulation_steps * self.accelerator.num_processes

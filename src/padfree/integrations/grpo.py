@@ -37,19 +37,24 @@ import dataclasses
 import logging
 from typing import Any
 
-from padfree.errors import BackendUnavailableError, InvalidArgumentError, UnsupportedModelError, describe
+from padfree.errors import BackendUnavailableError, InvalidArgumentError, describe
 from padfree.integrations.decide import (
+    PROMPT_LEARNING_SKIP,
     Decision,
+    as_tri_state,
+    auto_decision,
     configure_for,
+    default_output_dir,
     first_sample,
     model_config,
     prompt_learning,
+    refuse_prompt_learning,
     refuse_unsafe,
     skip_reason,
     warn_once,
 )
 from padfree.integrations.status import PADDING_FREE, STANDARD, PackingStatus, model_facts
-from padfree.integrations.telemetry import PackingTelemetryCallback, is_train_log
+from padfree.integrations.telemetry import PackingTelemetryCallback, attach_telemetry, is_train_log
 from padfree.integrations.unpadded import unpadded_forwards
 
 try:
@@ -97,27 +102,18 @@ class GRPOConfig(trl.GRPOConfig):
 
 
 def _decide(args: Any, model: Any, config: Any, processing_class: Any, train_dataset: Any) -> Decision:
-    padding_free = getattr(args, "padding_free", None)
-    if padding_free is not None and not isinstance(padding_free, bool):
-        raise InvalidArgumentError(f"padding_free must be True, False or None (padfree decides), got "
-                                   f"{describe(padding_free)}")
+    padding_free = as_tri_state(getattr(args, "padding_free", None), "padding_free")
     sample = first_sample(train_dataset) if train_dataset is not None else None
     if padding_free:
         refuse_unsafe("padding_free=True", model, config, processing_class, None, sample)
-        if prompt_learning(model):
-            raise UnsupportedModelError("padding_free=True: the model has a prompt-learning PEFT adapter, whose "
-                                        "virtual tokens are prepended to every sequence and cannot be placed in a "
-                                        "packed row; use padding_free=False")
+        refuse_prompt_learning("padding_free=True", model, "use padding_free=False")
         return Decision(PADDING_FREE, "padding_free=True", auto=False)
     if padding_free is False:
         return Decision(STANDARD, "padding_free=False", auto=False)
     skip = skip_reason(args, model, config, processing_class, None, sample, returns_logits=False)
     if skip is None and prompt_learning(model):
-        skip = "the model has a prompt-learning PEFT adapter (its virtual tokens belong to every sequence)"
-    if skip is not None:
-        return Decision(STANDARD, f"auto padding-free skipped: {skip}", auto=True)
-    return Decision(PADDING_FREE, f"auto: model type {config.model_type!r} is packing-exact under "
-                                   f"configure_packing", auto=True)
+        skip = PROMPT_LEARNING_SKIP
+    return auto_decision(skip, config)
 
 
 class GRPOMixin:
@@ -142,8 +138,7 @@ class GRPOMixin:
     def __init__(self, model: Any, reward_funcs: Any = None, args: Any = None, train_dataset: Any = None,
                  eval_dataset: Any = None, processing_class: Any = None, *rest: Any, **kwargs: Any) -> None:
         if args is None:
-            name = model if isinstance(model, str) else getattr(getattr(model, "config", None), "_name_or_path", "")
-            args = GRPOConfig(f"{str(name or type(model).__name__).split('/')[-1]}-GRPO")
+            args = GRPOConfig(default_output_dir(model, "GRPO"))
         elif not isinstance(args, trl.GRPOConfig):
             raise InvalidArgumentError(f"args must be a GRPOConfig (padfree's or trl's), got {describe(args)}")
         decision = _decide(args, model, model_config(model, args), processing_class, train_dataset)
@@ -163,8 +158,7 @@ class GRPOMixin:
             **model_facts(self.model))
         logger.info("%s", self._padfree_status)
         if on and getattr(args, "padfree_telemetry", True):
-            self._padfree_telemetry = PackingTelemetryCallback()
-            self.callback_handler.callbacks.insert(0, self._padfree_telemetry)
+            self._padfree_telemetry = attach_telemetry(self)
         if decision.auto and not on and "not supported because" in decision.reason:
             warn_once(f"padfree: {decision.reason}; GRPO scores completions with TRL's padded forward")
 

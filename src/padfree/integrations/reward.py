@@ -54,8 +54,12 @@ from typing import Any
 
 from padfree.errors import BackendUnavailableError, InvalidArgumentError, UnsupportedModelError, describe
 from padfree.integrations.decide import (
+    PROMPT_LEARNING_SKIP,
     Decision,
+    as_tri_state,
+    auto_decision,
     configure_for,
+    default_output_dir,
     first_sample,
     model_config,
     prompt_learning,
@@ -64,7 +68,7 @@ from padfree.integrations.decide import (
     warn_once,
 )
 from padfree.integrations.status import PADDING_FREE, STANDARD, PackingStatus, model_facts
-from padfree.integrations.telemetry import PackingTelemetryCallback, is_train_log
+from padfree.integrations.telemetry import PackingTelemetryCallback, attach_telemetry, is_train_log
 from padfree.integrations.trainer import configure_model
 from padfree.integrations.unpadded import Unpadded
 from padfree.model.wrappers import unwrap_model
@@ -261,16 +265,14 @@ def _head_or_adapter(model: Any) -> str | None:
     if isinstance(model, str):  # judged once TRL has loaded it
         return None
     if prompt_learning(model):
-        return "the model has a prompt-learning PEFT adapter (its virtual tokens belong to every sequence)"
+        return PROMPT_LEARNING_SKIP
     return score_head_reason(model)
 
 
 def _decide(args: Any, model: Any, config: Any, processing_class: Any, data_collator: Any, train_dataset: Any
             ) -> Decision:
-    padding_free = getattr(args, "padding_free", None)  # a plain trl.RewardConfig has none: padfree decides
-    if padding_free is not None and not isinstance(padding_free, bool):
-        raise InvalidArgumentError(f"padding_free must be True, False or None (padfree decides), got "
-                                   f"{describe(padding_free)}")
+    # a plain trl.RewardConfig has none: padfree decides
+    padding_free = as_tri_state(getattr(args, "padding_free", None), "padding_free")
     if padding_free is False:
         return Decision(STANDARD, "padding_free=False", auto=False)
     sample = first_sample(train_dataset) if train_dataset is not None else None
@@ -284,17 +286,12 @@ def _decide(args: Any, model: Any, config: Any, processing_class: Any, data_coll
         refuse_unsafe("padding_free=True", target, config, processing_class, data_collator, sample)
         return Decision(PADDING_FREE, "padding_free=True", auto=False)
     skip = skip_reason(args, target, config, processing_class, data_collator, sample, returns_logits=False) or head
-    if skip is not None:
-        return Decision(STANDARD, f"auto padding-free skipped: {skip}", auto=True)
-    return Decision(PADDING_FREE, f"auto: model type {config.model_type!r} is packing-exact under configure_packing",
-                    auto=True)
+    return auto_decision(skip, config)
 
 
 def _as_config(args: Any, model: Any) -> Any:
     if args is None:
-        name = model if isinstance(model, str) else getattr(getattr(model, "config", None), "_name_or_path", "") or (
-            type(model).__name__)
-        return RewardConfig(f"{str(name).split('/')[-1]}-Reward")
+        return RewardConfig(default_output_dir(model, "Reward"))
     if isinstance(args, trl.RewardConfig):
         return args
     raise InvalidArgumentError(f"args must be a RewardConfig (padfree's or trl's), got {describe(args)}")
@@ -330,7 +327,7 @@ class RewardMixin:
                 raise UnsupportedModelError(f"padding_free=True: {head}; unset padding_free to train with standard "
                                             f"batching")
             if head is not None:
-                decision = Decision(STANDARD, f"auto padding-free skipped: {head}", auto=True)
+                decision = auto_decision(head, self.model.config)
             else:
                 configure_for(_backbone(self.model), decision)
         self._padfree_decision = decision
@@ -342,8 +339,7 @@ class RewardMixin:
                                              packing=False, padding_free=on, **facts)
         logger.info("%s", self._padfree_status)
         if on and getattr(args, "padfree_telemetry", True):
-            self._padfree_telemetry = PackingTelemetryCallback()
-            self.callback_handler.callbacks.insert(0, self._padfree_telemetry)
+            self._padfree_telemetry = attach_telemetry(self)
         if decision.auto and decision.mode == STANDARD and _model_reason(decision.reason):
             warn_once(f"padfree: {decision.reason}; training the reward model with standard batching")
 

@@ -29,7 +29,7 @@ except ImportError as exc:  # pragma: no cover - transformers is installed where
         "padfree.integrations.telemetry needs torch and transformers; pip install 'padfree[torch,hf]'"
     ) from exc
 
-__all__ = ["PackingTelemetryCallback", "is_train_log"]
+__all__ = ["PackingTelemetryCallback", "attach_telemetry", "is_train_log"]
 
 logger = logging.getLogger("padfree")
 
@@ -151,6 +151,14 @@ class PackingTelemetryCallback(TrainerCallback):
         # they are added here, for the callbacks after this one
         if logs is not None and is_train_log(logs) and "padfree/real_token_fraction" not in logs:
             logs.update(self.pop_metrics())
+
+
+def attach_telemetry(trainer: Any, **kwargs: Any) -> PackingTelemetryCallback:
+    """A :class:`PackingTelemetryCallback` (``kwargs`` its arguments) put first among ``trainer``'s callbacks, so the
+    reporting callbacks (TensorBoard, W&B, the console) see its keys."""
+    callback = PackingTelemetryCallback(**kwargs)
+    trainer.callback_handler.callbacks.insert(0, callback)
+    return callback
 
 
 def _batch_stats(inputs: Mapping[str, Any], pad_ids: tuple[int, ...]) -> torch.Tensor:

@@ -30,7 +30,7 @@ from padfree.integrations.step_loss import (
     sequence_weights,
     token_losses,
 )
-from padfree.integrations.telemetry import PackingTelemetryCallback, is_train_log
+from padfree.integrations.telemetry import PackingTelemetryCallback, attach_telemetry, is_train_log
 from padfree.model.wrappers import unwrap_model
 from padfree.packing.inputs import as_choice, as_flag
 
@@ -97,10 +97,7 @@ class PadfreeTrainerMixin:
             # accumulation steps again
             self.loss_is_scaled_for_ga = True
         if telemetry:
-            callback = PackingTelemetryCallback(pad_token_ids=_pad_ids(self))
-            # first in line: the reporting callbacks (TensorBoard, W&B, the console) see its keys
-            self.callback_handler.callbacks.insert(0, callback)
-            self._padfree_telemetry = callback
+            self._padfree_telemetry = attach_telemetry(self, pad_token_ids=_pad_ids(self))
 
     # ---- counting the step ---------------------------------------------------------------------------
 

@@ -84,7 +84,10 @@ from padfree.integrations.decide import (
     ENV_DISABLE_AUTO,
     ENV_RETURN_LOGITS,
     Decision,
+    as_tri_state,
+    auto_decision,
     configure_for,
+    default_output_dir,
     first_sample,
     model_config,
     refuse_unsafe,
@@ -217,10 +220,7 @@ def _strategy(args: Any) -> tuple[str, str]:
 
 def _decide(args: Any, model: Any, config: Any, processing_class: Any, data_collator: Any, train_dataset: Any,
             formatting_func: Any) -> Decision:
-    packing, padding_free = args.packing, args.padding_free
-    for name, value in (("packing", packing), ("padding_free", padding_free)):
-        if value is not None and not isinstance(value, bool):
-            raise InvalidArgumentError(f"{name} must be True, False or None (padfree decides), got {describe(value)}")
+    packing, padding_free = as_tri_state(args.packing, "packing"), as_tri_state(args.padding_free, "padding_free")
     explicit = isinstance(args, SFTConfig)  # a plain trl.SFTConfig cannot tell False from its default
     _check_columns(train_dataset, args, formatting_func)
     sample = first_sample(train_dataset) if train_dataset is not None else None
@@ -245,11 +245,7 @@ def _decide(args: Any, model: Any, config: Any, processing_class: Any, data_coll
         return Decision(PADDING_FREE, "padding_free=True", auto=False)
     if explicit and padding_free is False:
         return Decision(STANDARD, "padding_free=False", auto=False)
-    skip = skip_reason(args, model, config, processing_class, data_collator, sample)
-    if skip is not None:
-        return Decision(STANDARD, f"auto padding-free skipped: {skip}", auto=True)
-    return Decision(PADDING_FREE, f"auto: model type {config.model_type!r} is packing-exact under "
-                                   f"configure_packing", auto=True)
+    return auto_decision(skip_reason(args, model, config, processing_class, data_collator, sample), config)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -261,9 +257,7 @@ def _as_config(args: Any, model: Any) -> Any:
     """``args`` as a TRL config, built the way ``trl.SFTTrainer`` builds it (a padfree :class:`SFTConfig` when
     none is given, so that padfree decides)."""
     if args is None:
-        name = model if isinstance(model, str) else getattr(getattr(model, "config", None), "_name_or_path", "") or (
-            type(model).__name__)
-        return SFTConfig(f"{str(name).split('/')[-1]}-SFT")
+        return SFTConfig(default_output_dir(model, "SFT"))
     if isinstance(args, trl.SFTConfig):
         return args
     if isinstance(args, transformers.TrainingArguments):
