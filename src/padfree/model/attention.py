@@ -48,8 +48,9 @@ import torch.nn.functional as F
 
 from padfree.errors import BackendUnavailableError, PackingDisabledError
 from padfree.model.packed import PackedLayout
+from padfree.model.sharded import ShardedLayout
 
-__all__ = ["BACKENDS", "LAYOUT_KWARG", "Backend", "packed_forward", "register_backends"]
+__all__ = ["BACKENDS", "LAYOUT_KWARG", "Backend", "packed_forward", "register_backends", "sharded_forward"]
 
 LAYOUT_KWARG = "padfree_layout"
 """Name of the keyword argument that carries the :class:`PackedLayout` from the model's forward hook to attention."""
@@ -207,11 +208,36 @@ def packed_forward(
     return _bucketed(module, query, key, value, lay, math=backend == "padfree_eager", **opts)
 
 
+def sharded_forward(
+    backend: str, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+    lay: ShardedLayout, *, s_aux: torch.Tensor | None = None, **kwargs: Any,
+) -> torch.Tensor:
+    """:func:`packed_forward` for this rank's slice of a row split across a sequence-parallel group (Ulysses):
+    ``(B, H, S, D)`` query and ``(B, Hkv, S, D)`` key/value in, ``(B, S, H, D)`` out.
+
+    The slices are exchanged for heads — each rank gets the whole row for ``H / P`` of the heads — the row's exact
+    packed attention runs on them with the row's layout, and the outputs are exchanged back. Key/value heads the
+    group size does not divide are repeated per query head first (each query head reads its own group's); sinks
+    are per head and go with them.
+    """
+    who = type(module).__name__
+    lay.check_tokens(query.transpose(1, 2), f"{who} attention")
+    heads, kv_heads = query.shape[1], key.shape[1]
+    lay.heads_of(heads, who, "query heads")
+    if kv_heads % lay.sp.size:
+        key, value = _repeat_kv(key, heads // kv_heads), _repeat_kv(value, heads // kv_heads)
+    q, k, v = (lay.to_heads(x, seq_dim=2, head_dim=1) for x in (query, key, value))
+    if s_aux is not None:
+        s_aux = lay.head_slice(s_aux)
+    out = packed_forward(backend, module, q, k, v, lay.full, s_aux=s_aux, **kwargs)  # (B, T, H/P, D)
+    return lay.to_tokens(out, seq_dim=1, head_dim=2)
+
+
 # keyword arguments that route or describe the batch, never change what one sequence computes (transformers'
 # TransformersKwargs among them: the loss normaliser the Trainer passes down, the output switches)
 _ROUTING = frozenset({"position_ids", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx",
                       "cache_position", "output_attentions", "output_hidden_states", "output_router_logits",
-                      "use_cache", "layer_idx", "target_dtype", "num_items_in_batch"})
+                      "use_cache", "layer_idx", "target_dtype", "num_items_in_batch", "shift_labels"})
 
 
 def _unapplied(kwargs: dict[str, Any]) -> str | None:
@@ -269,6 +295,8 @@ def _attention_function(backend: Backend) -> Callable:
                     f"{type(module).__name__}"
                 )
             return _base_attention(backend, module)(module, query, key, value, attention_mask, **kwargs)
+        if isinstance(lay, ShardedLayout):
+            return sharded_forward(backend.name, module, query, key, value, lay, **kwargs), None
         return packed_forward(backend.name, module, query, key, value, lay, **kwargs), None
 
     attention.__name__ = attention.__qualname__ = f"{backend.name}_attention"

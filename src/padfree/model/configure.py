@@ -78,7 +78,8 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-def configure_packing(model: Any, *, backend: str = "auto", strict: bool = True) -> PackingReport:
+def configure_packing(model: Any, *, backend: str = "auto", strict: bool = True, sequence_parallel: Any = None
+                      ) -> PackingReport:
     """Make ``model`` compute exactly, for a packed batch, what it computes for each sequence alone.
 
     Args:
@@ -89,6 +90,13 @@ def configure_packing(model: Any, *, backend: str = "auto", strict: bool = True)
         strict: refuse (:class:`UnsupportedModelError`) a model that is not proven packing-exact — by the support
             table, or by certifying a tiny twin of its class on the spot — or that holds a sequence mixer padfree
             cannot make exact; with False, warn and configure what can be configured.
+        sequence_parallel: split every forward across a group of ranks (Ulysses): an int ``P`` (the world cut into
+            groups of ``P`` consecutive ranks; a collective call), a ``torch.distributed`` process group, or a 1-D
+            ``DeviceMesh``. Each rank then passes its slice of the rows (:func:`padfree.split_for_sequence_parallel`)
+            and gets its slice's outputs; attention and every boundary-aware mixer run over the whole row, exactly.
+            Refused with the module named: query / value / SSM heads the group size does not divide, a
+            boundary-aware module with no sharded path, a MoE router loss, ``backend="flash_attention_2"``.
+            None or 1: no sequence parallelism. See ``docs/sequence_parallel.md``.
 
     Returns:
         A :class:`PackingReport`; ``report.proof`` says what proved the model exact. Calling again replaces the
@@ -99,7 +107,7 @@ def configure_packing(model: Any, *, backend: str = "auto", strict: bool = True)
     mask (:class:`PackingDisabledError`). Unpacked batches, and generation, run transformers' own code under the
     base backend (``sdpa`` for ``padfree_sdpa``, ...).
     """
-    report = install_packing(model, backend=backend, strict=strict)
+    report = install_packing(model, backend=backend, strict=strict, sequence_parallel=sequence_parallel)
     if report.unsupported:  # strict=False: some modules stay as they are; nothing to prove
         report.proof = "none: some modules could not be made exact"
         return report

@@ -48,8 +48,10 @@ from padfree.layout import position_ids_to_segment_ids
 from padfree.model import guards
 from padfree.model.attention import BACKENDS, LAYOUT_KWARG, OWNER_ATTR, PACKED_FORWARD, register_backends
 from padfree.model.packed import PackedLayout
+from padfree.model.sharded import ShardedLayout, gather_boundaries, refuse_together
 from padfree.model.state import PackingState, current_layout, packing_state
 from padfree.packing.inputs import as_flag
+from padfree.sequence_parallel.groups import sequence_parallel_group
 
 __all__ = [
     "BACKEND_CHOICES",
@@ -138,6 +140,7 @@ class PackingReport:
         cache_disabled: ``config.use_cache`` was switched off (packed training never uses a cache).
         proof: what proved the model exact (the support table of a sweep, or an on-the-spot certification, and
             where it is cached), or why nothing could.
+        sequence_parallel: the group every forward is split across, described ("" without sequence parallelism).
     """
 
     model_type: str
@@ -150,6 +153,7 @@ class PackingReport:
     supported: bool
     cache_disabled: bool
     proof: str = ""
+    sequence_parallel: str = ""
 
     @property
     def mixer_kinds(self) -> dict[str, list[str]]:
@@ -170,6 +174,8 @@ class PackingReport:
         for impl, quals in self.mixer_kinds.items():  # one line per kind of mixer, not per layer
             where = quals[0] if len(quals) == 1 else f"{len(quals)} layers ({quals[0]}, ...)"
             lines.append(f"mixers          {where}: {impl}")
+        if self.sequence_parallel:
+            lines.append(f"sequence par.   {self.sequence_parallel}")
         if self.proof:
             lines.append(f"proof           {self.proof}")
         lines += [f"UNSUPPORTED     {name}: {why}" for name, why in self.unsupported.items()]
@@ -320,21 +326,30 @@ def _choose_backend(requested: str, device: torch.device, feats: dict[str, bool]
     return name, f"requested: {backend.doc}"
 
 
-def install_packing(model: Any, *, backend: str = "auto", strict: bool = True) -> PackingReport:
+def install_packing(model: Any, *, backend: str = "auto", strict: bool = True, sequence_parallel: Any = None
+                    ) -> PackingReport:
     """:func:`configure_packing`'s machinery without its support decision: backend, boundary-aware modules, cache
-    off, forward hooks. Refuses (``strict``) only what it cannot install: a sequence mixer no family handles.
-    This is what the support sweep and certification measure; users call :func:`configure_packing`."""
+    off, forward hooks. Refuses (``strict``) only what it cannot install: a sequence mixer no family handles, and
+    under ``sequence_parallel`` (see :func:`configure_packing`) what has no sharded path. This is what the support
+    sweep and certification measure; users call :func:`configure_packing`."""
     config, model_type = _check_model(model)
     if not isinstance(backend, str) or backend not in BACKEND_CHOICES:
         raise InvalidArgumentError(f"backend must be one of {', '.join(BACKEND_CHOICES)}; got {describe(backend)}")
     strict = as_flag(strict, "strict")
+    sp = sequence_parallel_group(sequence_parallel)
+    if sp is not None and backend == "flash_attention_2":
+        raise InvalidArgumentError(
+            "backend='flash_attention_2' with sequence_parallel: transformers' flash-attn function cannot be split "
+            "across ranks by padfree; use backend='varlen' (torch's flash varlen kernel, CUDA) or 'sdpa'")
     unconfigure_packing(model)
 
     attention, handled, mixers = _scan(model)
     kernels = _kernels()
     device = next(model.parameters()).device
     if attention:
-        name, reason = _choose_backend(backend, device, _features(model, attention, config), kernels)
+        # under sequence parallelism padfree's own functions run attention (they split it); never flash_attention_2
+        choice_kernels = kernels if sp is None else {**kernels, "flash_attn": False}
+        name, reason = _choose_backend(backend, device, _features(model, attention, config), choice_kernels)
     else:  # no softmax attention through padfree's backends: the families' modules do all the token mixing
         name, reason = "none", ("no attention layer runs through padfree's backends (the boundary-aware modules "
                                 "make every sequence mixer exact)")
@@ -349,6 +364,8 @@ def install_packing(model: Any, *, backend: str = "auto", strict: bool = True) -
             f"{type(module).__name__} carries state, a causal convolution or a token shift across tokens and "
             f"padfree has no boundary-resetting implementation for it (needs a reset at every sequence start)"
         )
+    if sp is not None:
+        unsupported.update(_unsharded(model, config, attention, handled, sp))
     impls: dict[str, str] = {}
     if not unsupported or not strict:
         handlers = families()
@@ -362,6 +379,7 @@ def install_packing(model: Any, *, backend: str = "auto", strict: bool = True) -
         model_type=model_type, backend=name, reason=reason, kernels=kernels,
         attention_modules=[qual for qual, _ in attention], mixers=impls, unsupported=unsupported,
         supported=not unsupported, cache_disabled=bool(getattr(config, "use_cache", False)),
+        sequence_parallel="" if sp is None else str(sp),
     )
     if unsupported:
         what = "; ".join(f"{k}: {v}" for k, v in unsupported.items())
@@ -374,6 +392,7 @@ def install_packing(model: Any, *, backend: str = "auto", strict: bool = True) -
     for _, module in attention:  # the layout of the forward in flight, for layers that drop their kwargs
         setattr(module, OWNER_ATTR, state)
     state.report = report
+    state.sp = sp
     state.previous = (config._attn_implementation if attention else None, getattr(config, "use_cache", None))
     if attention:
         model.set_attn_implementation(name)
@@ -403,6 +422,36 @@ def install_packing(model: Any, *, backend: str = "auto", strict: bool = True) -
         ]
     model._padfree_state = state
     return report
+
+
+def _unsharded(model: Any, config: Any, attention: list[tuple[str, torch.nn.Module]],
+               handled: list[tuple[str, torch.nn.Module]], sp: Any) -> dict[str, str]:
+    """Qualified name -> why it cannot run split across the ``sp.size`` ranks of a sequence-parallel group: a
+    module whose family has no sharded path, query / value heads the group size does not divide, a MoE router loss
+    (a mean over the tokens of the forward: each rank would see its slice only)."""
+    problems: dict[str, str] = {}
+    for qual, module in handled:
+        family = families()[type(module).__name__]
+        if type(module).__name__ not in getattr(family, "SEQUENCE_PARALLEL", ()):
+            problems[qual] = (f"{type(module).__name__} ({family.CLASSES[type(module).__name__]}) has no "
+                              f"sequence-parallel path: padfree cannot split it across ranks")
+        else:
+            check = getattr(family, "sharding_problem", None)
+            why = None if check is None else check(module, sp.size)
+            if why is not None:
+                problems[qual] = why
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    for qual, module in attention:
+        heads = getattr(module, "num_heads", None) or getattr(text, "num_attention_heads", None)
+        if isinstance(heads, int) and heads % sp.size:
+            problems[qual] = (f"{type(module).__name__} has {heads} query heads, which sequence parallelism over "
+                              f"{sp.size} ranks cannot split evenly; use a group size that divides {heads}")
+    if getattr(text, "output_router_logits", False):
+        problems[type(model).__name__] = (
+            "output_router_logits=True: the MoE router's load-balancing loss is a mean over the tokens of a forward, "
+            "and split across ranks each would see its slice only; set output_router_logits=False to train with "
+            "sequence parallelism")
+    return problems
 
 
 def _uninstall_families(model: torch.nn.Module) -> None:
@@ -446,12 +495,22 @@ def _fix(what: str) -> str:
             f"PackedBatch.model_inputs() builds exactly that")
 
 
-def _layout(named: dict[str, Any]) -> PackedLayout | None:
+def _tokens(named: dict[str, Any]) -> tuple[int, int] | None:
+    """``(B, T)`` of the call's tokens (``input_ids`` or ``inputs_embeds``), None without them."""
     ids = named.get("input_ids")
     ref = ids if isinstance(ids, torch.Tensor) else named.get("inputs_embeds")
     if not isinstance(ref, torch.Tensor) or ref.dim() < 2:
         return None
-    batch, seq_len = ref.shape[:2]
+    return tuple(ref.shape[:2])
+
+
+def _layout(named: dict[str, Any], shape: tuple[int, int] | None = None) -> PackedLayout | None:
+    """The packed layout of a call (None: an ordinary batch), read from its boundary arguments; ``shape``: the
+    tokens' ``(B, T)`` when they are not in ``named`` (a sequence-parallel row, gathered from its slices)."""
+    shape = shape or _tokens(named)
+    if shape is None:
+        return None
+    batch, seq_len = shape
     mask, pos, cu = named.get("attention_mask"), named.get("position_ids"), named.get("cu_seq_lens_q")
     if isinstance(mask, dict) and all(v is None for v in mask.values()):
         mask = None  # a multimodal model's per-layer-type mapping, built empty for a packed forward
@@ -501,25 +560,15 @@ def _before(state: _State, config: Any, module: torch.nn.Module, args: tuple, kw
     named = guards.bind(forward_fn, (module, *args), kwargs)
     if named is not None:
         named.pop(next(iter(guards.parameters(forward_fn))), None)  # self
-    lay = None if named is None else _layout(named)
-    if lay is None or (not lay.is_packed and lay.source != "attention_mask"):
-        state.layout = None
-        state.tokens.append(PACKED_FORWARD.set(False))
-        return args, kwargs
-    cache = guards.find_cache(named, forward_fn)
-    if cache is not None:
-        raise PackingDisabledError(_fix(f"{cache} (a cache)"))
-    dense = guards.find_dense_mask(named, lay.shape)
-    if dense is not None:
-        raise PackingDisabledError(_fix(dense))
-    if named.get("encoder_hidden_states") is not None:
-        raise PackingDisabledError(
-            "encoder_hidden_states with a packed batch: cross-attention would give every token of a row that row's "
-            "one encoder output, not one per packed sequence; pass these batches unpacked")
-    use_cache = named.get("use_cache")
-    if use_cache or (use_cache is None and getattr(config, "use_cache", False)):
-        raise PackingDisabledError(_fix("use_cache=True (transformers then builds plain causal masks over the row)")
-                                   + "; pass use_cache=False")
+    if state.sp is not None:
+        lay = _sharded_layout(state, config, named, forward_fn)
+    else:
+        lay = None if named is None else _layout(named)
+        if lay is None or (not lay.is_packed and lay.source != "attention_mask"):
+            state.layout = None
+            state.tokens.append(PACKED_FORWARD.set(False))
+            return args, kwargs
+        _refuse_leaks(config, named, forward_fn, lay.shape)
     # everything by name from here on: a positional argument and a keyword for the same parameter would clash
     kwargs = {name: value for name, value in named.items() if "[" not in name}
     args = tuple(named[name] for name in named if "[" in name)
@@ -539,6 +588,70 @@ def _before(state: _State, config: Any, module: torch.nn.Module, args: tuple, kw
     state.layout = lay
     state.tokens.append(PACKED_FORWARD.set(True))
     return args, kwargs
+
+
+def _refuse_leaks(config: Any, named: dict[str, Any], forward_fn: Any, shape: tuple[int, int]) -> None:
+    """PackingDisabledError for what would let the packed sequences of a ``shape`` batch see each other."""
+    cache = guards.find_cache(named, forward_fn)
+    if cache is not None:
+        raise PackingDisabledError(_fix(f"{cache} (a cache)"))
+    dense = guards.find_dense_mask(named, shape)
+    if dense is not None:
+        raise PackingDisabledError(_fix(dense))
+    if named.get("encoder_hidden_states") is not None:
+        raise PackingDisabledError(
+            "encoder_hidden_states with a packed batch: cross-attention would give every token of a row that row's "
+            "one encoder output, not one per packed sequence; pass these batches unpacked")
+    use_cache = named.get("use_cache")
+    if use_cache or (use_cache is None and getattr(config, "use_cache", False)):
+        raise PackingDisabledError(_fix("use_cache=True (transformers then builds plain causal masks over the row)")
+                                   + "; pass use_cache=False")
+
+
+def _sharded_layout(state: _State, config: Any, named: dict[str, Any] | None, forward_fn: Any) -> ShardedLayout:
+    """The layout of a forward under sequence parallelism: every call is this rank's slice of a row, whether the
+    row holds one sequence or many. The slices' boundaries are gathered from the group into the row's layout; what
+    would leak (a cache, a dense mask, a 0/1 mask with padding) is refused as for a packed batch."""
+    sp = state.sp
+    shape = None if named is None else _tokens(named)
+    refusal = None  # found on this rank; every rank of the group must learn of it before anyone raises
+    try:
+        if shape is None:
+            raise PackingDisabledError(
+                "a forward of a model configured with sequence_parallel got no input_ids / inputs_embeds of shape "
+                "(B, S): every call must pass this rank's slice of the rows (split_for_sequence_parallel)")
+        for key in ("cu_seq_lens_q", "cu_seq_lens_k", "seq_idx"):
+            if named.get(key) is not None:
+                raise PackingDisabledError(
+                    f"{key} with sequence_parallel: it describes a whole row, not this rank's slice; pass the "
+                    f"slice's position_ids (split_for_sequence_parallel gives them) and leave {key} out")
+        if named.get("output_router_logits"):
+            raise PackingDisabledError(
+                "output_router_logits=True with sequence_parallel: the MoE load-balancing loss is a mean over the "
+                "tokens of a forward, and each rank holds a slice of them; pass output_router_logits=False")
+        _refuse_leaks(config, named, forward_fn, shape)
+    except PackingDisabledError as exc:
+        refusal = str(exc)
+    batch, width = shape or (0, 0)
+    row = gather_boundaries(named or {}, sp, batch, width, refusal=refusal)
+    total = width * sp.size
+    mask = row["attention_mask"]
+    if mask is not None and int(mask.max()) <= 1:
+        if int(mask.min()) == 0:
+            raise PackingDisabledError(
+                "a 0/1 attention_mask with padding reached a model configured with sequence_parallel: padded tokens "
+                "would share a segment with real ones; pass the slices split_for_sequence_parallel makes (it turns "
+                "right padding into a segment of its own) instead of a mask")
+        row["attention_mask"] = None  # every token real: a mask of ones marks no boundary
+    row_named = {k: v for k, v in row.items() if v is not None}
+    lay = _layout(row_named, (batch, total))
+    if lay is None:  # no boundary inside any row: one sequence per row, positions as given (or counted)
+        pos = row["position_ids"]
+        if pos is None:
+            ref = named["input_ids"] if isinstance(named.get("input_ids"), torch.Tensor) else named["inputs_embeds"]
+            pos = torch.arange(total, device=ref.device).expand(batch, total)
+        lay = PackedLayout.from_position_ids(pos)
+    return ShardedLayout(lay, sp)
 
 
 # module names on the paths that only non-text inputs take (vision and audio towers, their projectors): a text-only
@@ -561,22 +674,31 @@ def _before_multimodal(state: _State, module: torch.nn.Module, args: tuple, kwar
     named.pop(next(iter(guards.parameters(type(module).forward)), "self"), None)
     pos = named.get("position_ids")
     mask = named.get("attention_mask")
-    packed = (isinstance(pos, torch.Tensor) and pos.dim() == 2 and _restarts(pos, None)) or (
+    packed = state.sp is not None or (isinstance(pos, torch.Tensor) and pos.dim() == 2 and _restarts(pos, None)) or (
         isinstance(mask, torch.Tensor) and mask.dim() == 2 and mask.numel() > 0 and bool(mask.max() > 1))
     if packed:
+        problem = None
         extra = [k for k, v in named.items() if v is not None and _MODALITY_INPUT.search(k)
                  and not isinstance(v, bool)]
-        if extra:
-            raise PackingDisabledError(
-                f"a packed batch reached {type(module).__name__} with non-text inputs ({', '.join(extra)}): padfree "
-                f"packs text-only batches through a multimodal model (its image and audio paths are not "
-                f"boundary-aware); pass these batches unpacked")
-        # the model turns its attention_mask into per-layer-type masks, which a packed forward builds empty: the
-        # language model's own hook would never see a 0/1 or dense mask, so it is refused here, by the same rule
-        _layout(named)
         cache = guards.find_cache(named, type(module).forward)
-        if cache is not None:
-            raise PackingDisabledError(_fix(f"{cache} (a cache)"))
+        if extra:
+            problem = (f"a packed batch reached {type(module).__name__} with non-text inputs ({', '.join(extra)}): "
+                       f"padfree packs text-only batches through a multimodal model (its image and audio paths are "
+                       f"not boundary-aware); pass these batches unpacked")
+        elif cache is not None:
+            problem = _fix(f"{cache} (a cache)")
+        elif state.sp is not None and isinstance(mask, torch.Tensor) and mask.numel() and not bool((mask == 1).all()):
+            # the model turns its mask into per-layer masks the language model's hook never sees
+            problem = ("an attention_mask with a model configured with sequence_parallel: pass the slices "
+                       "split_for_sequence_parallel makes (boundaries as position_ids) instead")
+        if state.sp is not None:
+            refuse_together(state.sp, problem)  # every rank of the group raises, none waits in a collective
+        elif problem is not None:
+            raise PackingDisabledError(problem)
+        else:
+            # the model turns its attention_mask into per-layer-type masks, which a packed forward builds empty:
+            # the language model's own hook would never see a 0/1 or dense mask, so it is refused here
+            _layout(named)
     state.tokens.append(PACKED_FORWARD.set(packed))
 
 

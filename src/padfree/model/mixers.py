@@ -48,12 +48,15 @@ from padfree.model.scans import (
     segment_selective_scan,
     segment_ssd_scan,
 )
+from padfree.model.sharded import ShardedLayout
 from padfree.model.state import current_layout, hooks_live
 
 __all__ = [
     "CLASSES",
     "MIXER_CLASSES",
+    "SEQUENCE_PARALLEL",
     "install",
+    "sharding_problem",
     "uninstall",
 ]
 
@@ -85,12 +88,17 @@ def current_call(what: str) -> _Call:
 @torch.compiler.disable
 def packed_conv1d(hidden_states, weight, bias=None, activation=None, **kwargs):
     call = current_call("causal_conv1d_fn")
+    lay, x, cut = call.lay, hidden_states, 0
+    if isinstance(lay, ShardedLayout):  # a slice of the row: its first outputs read the taps before it
+        x, lay, cut = lay.with_history(hidden_states, weight.shape[-1] - 1, seq_dim=2)
+    out = None
     if call.mixer.use_conv_kernel:
-        out = kernels.causal_conv1d_kernel(hidden_states, weight, bias, activation, call.lay)
-        if out is not None:
-            return out
-        _fall_back(call.mixer, "causal_conv1d")
-    return segment_causal_conv1d(hidden_states, weight, bias, activation, call.lay)
+        out = kernels.causal_conv1d_kernel(x, weight, bias, activation, lay)
+        if out is None:
+            _fall_back(call.mixer, "causal_conv1d")
+    if out is None:
+        out = segment_causal_conv1d(x, weight, bias, activation, lay)
+    return out[..., cut:] if cut else out
 
 
 @torch.compiler.disable
@@ -100,14 +108,24 @@ def _packed_gated_delta_rule(query, key, value, g, beta, chunk_size=64, initial_
     if initial_state is not None:
         raise PackingDisabledError("a packed batch reached a GatedDeltaNet with a recurrent state from a cache; "
                                    "packed training never uses a cache (pass use_cache=False)")
+    lay = call.lay
+    sharded = isinstance(lay, ShardedLayout)
+    if sharded:  # this rank's value heads over the whole row (a key head goes with the value heads that read it)
+        lay.heads_of(value.shape[2], call.mixer.owner, "value heads")
+        if key.shape[2] % lay.sp.size:
+            query, key = (x.repeat_interleave(value.shape[2] // key.shape[2], dim=2) for x in (query, key))
+        query, key, value, g, beta = (lay.to_heads(x) for x in (query, key, value, g, beta))
+        lay = lay.full
+    out = None
     if call.mixer.use_scan_kernel:
-        out = kernels.gated_delta_rule_kernel(query, key, value, g, beta, call.lay, use_qk_l2norm_in_kernel)
-        if out is not None:
-            return out, None
-        _fall_back(call.mixer, "fla")
-    out = segment_gated_delta_rule(query, key, value, g, beta, call.lay, chunk_size=chunk_size,
-                                   use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, formulation=call.mixer.formulation)
-    return out, None
+        out = kernels.gated_delta_rule_kernel(query, key, value, g, beta, lay, use_qk_l2norm_in_kernel)
+        if out is None:
+            _fall_back(call.mixer, "fla")
+    if out is None:
+        out = segment_gated_delta_rule(query, key, value, g, beta, lay, chunk_size=chunk_size,
+                                       use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+                                       formulation=call.mixer.formulation)
+    return (call.lay.to_tokens(out) if sharded else out), None
 
 
 @torch.compiler.disable
@@ -117,13 +135,27 @@ def _packed_ssd(hidden_states, dt, A, B, C, chunk_size, D=None, dt_bias=None, in
     if initial_states is not None or return_final_states:
         raise PackingDisabledError("a packed batch reached a Mamba-2 mixer with a cache; packed training never uses "
                                    "a cache (pass use_cache=False)")
+    lay = call.lay
+    sharded = isinstance(lay, ShardedLayout)
+    if sharded:  # this rank's SSM heads over the whole row, with the B/C groups they read
+        heads, groups = hidden_states.shape[2], B.shape[2]
+        lay.heads_of(heads, call.mixer.owner, "SSM heads")
+        hidden_states, dt = lay.to_heads(hidden_states), lay.to_heads(dt)
+        A, D, dt_bias = (None if t is None else lay.head_slice(t) for t in (A, D, dt_bias))
+        if groups % lay.sp.size == 0:
+            B, C = lay.to_heads(B), lay.to_heads(C)
+        else:  # the groups do not split with the heads: the whole row of B/C, one group per head of this rank
+            B, C = (lay.head_slice(lay.whole_row(t).repeat_interleave(heads // groups, dim=2), dim=2) for t in (B, C))
+        lay = lay.full
+    out = None
     if call.mixer.use_scan_kernel:
-        out = kernels.ssd_kernel(hidden_states, dt, A, B, C, chunk_size, D, dt_bias, dt_softplus, dt_limit, call.lay)
-        if out is not None:
-            return out
-        _fall_back(call.mixer, "mamba_ssm")
-    return segment_ssd_scan(hidden_states, dt, A, B, C, chunk_size, call.lay, D=D, dt_bias=dt_bias,
-                            dt_softplus=dt_softplus, dt_limit=dt_limit)
+        out = kernels.ssd_kernel(hidden_states, dt, A, B, C, chunk_size, D, dt_bias, dt_softplus, dt_limit, lay)
+        if out is None:
+            _fall_back(call.mixer, "mamba_ssm")
+    if out is None:
+        out = segment_ssd_scan(hidden_states, dt, A, B, C, chunk_size, lay, D=D, dt_bias=dt_bias,
+                               dt_softplus=dt_softplus, dt_limit=dt_limit)
+    return call.lay.to_tokens(out) if sharded else out
 
 
 @torch.compiler.disable
@@ -133,8 +165,18 @@ def _packed_selective_scan(hidden_states, dt, A, B, C, D=None, z=None, delta_bia
     if return_last_state:
         raise PackingDisabledError("a packed batch reached a Mamba mixer with a cache; packed training never uses a "
                                    "cache (pass use_cache=False)")
-    return segment_selective_scan(hidden_states, dt, A, B, C, call.lay, D=D, z=z, delta_bias=delta_bias,
-                                  delta_softplus=delta_softplus)
+    lay = call.lay
+    sharded = isinstance(lay, ShardedLayout)
+    if sharded:  # this rank's channels over the whole row; B and C are shared by every channel
+        lay.heads_of(hidden_states.shape[1], call.mixer.owner, "channels")
+        hidden_states, dt, z = (None if t is None else lay.to_heads(t, seq_dim=2, head_dim=1)
+                                for t in (hidden_states, dt, z))
+        A, D, delta_bias = (None if t is None else lay.head_slice(t) for t in (A, D, delta_bias))
+        B, C = lay.whole_row(B, seq_dim=2), lay.whole_row(C, seq_dim=2)
+        lay = lay.full
+    out = segment_selective_scan(hidden_states, dt, A, B, C, lay, D=D, z=z, delta_bias=delta_bias,
+                                 delta_softplus=delta_softplus)
+    return call.lay.to_tokens(out, seq_dim=2, head_dim=1) if sharded else out
 
 
 def _no_fused_path(*args, **kwargs):
@@ -222,6 +264,25 @@ MIXER_CLASSES: dict[str, str] = {
 }
 #: the classes this module makes boundary-exact (read by :func:`padfree.configure_packing`)
 CLASSES = MIXER_CLASSES
+#: the classes that also run split across a sequence-parallel group: all of them, since their token mixing is the
+#: primitives above, each of which exchanges a slice of tokens for heads (or reads a convolution's history)
+SEQUENCE_PARALLEL = frozenset(MIXER_CLASSES)
+
+# family -> (the module attribute holding what the scan splits across ranks, what it is)
+_SHARDED_BY = {"gated-delta-net": ("num_v_heads", "value heads"), "mamba2": ("num_heads", "SSM heads"),
+               "mamba": ("intermediate_size", "channels")}
+
+
+def sharding_problem(module: torch.nn.Module, size: int, key: str | None = None) -> str | None:
+    """Why ``module`` cannot run split across ``size`` ranks (None: it can): the heads its scan splits are not a
+    multiple of ``size``. Read from the module where it says (the scan checks again on every call)."""
+    key = key or MIXER_CLASSES[type(module).__name__]
+    attr, what = _SHARDED_BY.get(key, (None, None))
+    count = getattr(module, attr, None) if attr else None
+    if isinstance(count, int) and count % size:
+        return (f"{type(module).__name__} has {count} {what}, which sequence parallelism over {size} ranks cannot "
+                f"split evenly; use a group size that divides {count}")
+    return None
 
 def unwrap_function(fn: Callable) -> Callable:
     """The function inside ``fn``'s decorators (``functools.wraps`` chains, followed through ``__wrapped__``)."""
@@ -306,6 +367,7 @@ class Mixer:
     formulation: str
     description: str
     on_cuda: bool
+    owner: str = "a mixer"
 
 
 _TRIVIAL_BOUNDARY_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx")
@@ -399,7 +461,7 @@ def install(module: torch.nn.Module, state: Any, *, formulation: str = "auto") -
     conv_on, scan_on, description = describe_mixer(key, formulation, on_cuda)
     module._padfree_mixer = Mixer(state=state, packed=packed, kind=key, family=FAMILIES[key], use_conv_kernel=conv_on,
                                    use_scan_kernel=scan_on, formulation=formulation, description=description,
-                                   on_cuda=on_cuda)
+                                   on_cuda=on_cuda, owner=name)
     module.forward = types.MethodType(mixer_forward, module)
     return description
 

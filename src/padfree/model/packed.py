@@ -246,6 +246,19 @@ class PackedLayout:
         return self._cached(("flex", sliding_window, block_size), lambda: _segment_block_mask(
             self.segment_ids, sliding_window, block_size))
 
+    def columns(self, start: int, stop: int) -> PackedLayout:
+        """The layout of tokens ``[start, stop)`` of every row, built once: the boundaries the rows have there, and
+        the window's first token starting a segment (a sequence cut there continues as one inside the window).
+
+        >>> lay = PackedLayout.from_position_ids(torch.tensor([[0, 1, 2, 0, 1, 2, 3]]))
+        >>> lay.columns(1, 5).lengths.tolist(), lay.columns(1, 5).position_ids.tolist()
+        ([2, 2], [[1, 2, 0, 1]])
+        """
+        def build() -> PackedLayout:
+            seg = self.segment_ids[:, start:stop]
+            return PackedLayout._build(seg, self.position_ids[:, start:stop], self.source)
+        return self._cached(("columns", start, stop), build)
+
     def check_tokens(self, hidden: torch.Tensor, who: str) -> None:
         """Refuse a tensor whose ``(B, T)`` is not the layout's: the layout belongs to another forward."""
         if tuple(hidden.shape[:2]) != self.shape:

@@ -28,6 +28,7 @@ class PackingState:
         layout: the :class:`~padfree.model.packed.PackedLayout` of the packed forward in flight (None otherwise).
         tokens: context tokens of the hook that marks a forward as packed.
         previous: ``(attention implementation, use_cache)`` before configuring.
+        sp: the sequence-parallel group every forward is split across (None: each rank runs whole rows).
     """
 
     backend: str
@@ -36,6 +37,7 @@ class PackingState:
     layout: PackedLayout | None = None
     tokens: list = dataclasses.field(default_factory=list)
     previous: tuple = (None, None)
+    sp: Any = None
 
 
 def packing_state(model: torch.nn.Module) -> PackingState | None:
@@ -46,8 +48,9 @@ def packing_state(model: torch.nn.Module) -> PackingState | None:
 def current_layout(state: PackingState, hidden: torch.Tensor, who: str) -> PackedLayout | None:
     """The layout of the forward in flight for a module that receives no keyword arguments (None: unpacked batch).
 
-    The layout stays set after the forward so that activation checkpointing can recompute a layer during backward;
-    its shape is checked against ``hidden`` so a stale layout is an error, never a silent wrong boundary.
+    Under sequence parallelism it is a :class:`~padfree.model.sharded.ShardedLayout` (checked against this rank's
+    slice). The layout stays set after the forward so that activation checkpointing can recompute a layer during
+    backward; its shape is checked against ``hidden`` so a stale layout is an error, never a silent wrong boundary.
     """
     lay = state.layout
     if lay is not None:

@@ -31,7 +31,8 @@ import torch
 from padfree.errors import UnsupportedModelError
 from padfree.model import mixers, versions
 
-__all__ = ["CLASSES", "install", "install_mixer", "packed_forward", "uninstall"]
+__all__ = ["CLASSES", "SEQUENCE_PARALLEL", "install", "install_mixer", "packed_forward", "sharding_problem",
+           "uninstall"]
 
 #: transformers class name -> the mixers.py family whose primitives its forward calls
 _GDN_CLASSES = {"LaraMiniGatedDeltaNet": "gated-delta-net"}
@@ -40,6 +41,15 @@ _GDN_CLASSES = {"LaraMiniGatedDeltaNet": "gated-delta-net"}
 CLASSES: dict[str, str] = {
     "LaraMiniGatedDeltaNet": "GatedDeltaNet (Qwen3.5's): conv taps and delta-rule state reset at every segment start",
 }
+
+
+#: the classes that also run split across a sequence-parallel group: their token mixing is mixers.py's primitives
+SEQUENCE_PARALLEL = frozenset(_GDN_CLASSES)
+
+
+def sharding_problem(module: torch.nn.Module, size: int) -> str | None:
+    """Why ``module`` cannot be split across ``size`` ranks (None: it can), as :func:`mixers.sharding_problem`."""
+    return mixers.sharding_problem(module, size, _GDN_CLASSES[type(module).__name__])
 
 
 def packed_forward(cls: type, replace: Mapping[str, Callable], signatures: Mapping[str, tuple[str, ...]],
@@ -85,7 +95,8 @@ def install_mixer(module: torch.nn.Module, state: Any, *, kind: str, family: Any
     on_cuda = any(p.is_cuda for p in module.parameters())
     module._padfree_mixer = mixers.Mixer(
         state=state, packed=packed, kind=kind, family=family, use_conv_kernel=conv_kernel,
-        use_scan_kernel=scan_kernel, formulation="auto", description=description, on_cuda=on_cuda)
+        use_scan_kernel=scan_kernel, formulation="auto", description=description, on_cuda=on_cuda,
+        owner=type(module).__name__)
     module.forward = types.MethodType(mixers.mixer_forward, module)
     return description
 
