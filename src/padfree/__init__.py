@@ -1,14 +1,14 @@
 """padfree: exact padding-free (packed-sequence) training for causal language models.
 
 The top level holds the seed-compatible names (SeqPacker's packing API, LLaMA-Factory's helpers), the routes to
-packed rows, the model and trainer entry points (SFT, DPO, reward, GRPO and the plain Trainer), and the errors users
-catch — 46 names. Everything else is reachable from its module (``padfree.packing``, ``padfree.rows``,
-``padfree.samples``, ``padfree.model.*``, ``padfree.integrations.*``). ``import padfree`` stays free of torch and
-datasets: the names that need them are imported on first use.
+packed rows (and to a rank's slice of them under sequence parallelism), the model and trainer entry points (SFT, DPO,
+reward, GRPO and the plain Trainer), and the errors users catch — 47 names. Everything else is reachable from its
+module (``padfree.packing``, ``padfree.rows``, ``padfree.samples``, ``padfree.model.*``, ``padfree.integrations.*``).
+``import padfree`` stays free of torch and datasets: the names that need them are imported on first use.
 
 >>> import padfree
 >>> len(padfree.__all__)
-46
+47
 >>> padfree.pack_sequences([3, 2, 2], capacity=4).bins
 [[0], [1, 2]]
 """
@@ -64,6 +64,7 @@ _LAZY = {
     "PackedRowsCollator": "padfree.integrations.trainer_data",
     "pack_for_trainer": "padfree.integrations.trainer_data",
     "DistributedPackedBatchSampler": "padfree.integrations.distributed",
+    "split_for_sequence_parallel": "padfree.sequence_parallel",
 }
 
 # names that were top-level before the public surface shrank to 40: where they live now
@@ -152,6 +153,7 @@ __all__ = [
     "pack_sequences",
     "packed_collate_fn",
     "packing_status",
+    "split_for_sequence_parallel",
     "unconfigure_packing",
     "verify",
 ]

@@ -239,9 +239,9 @@ def skip_reason(args: Any, model: Any, config: Any, processing_class: Any, data_
     return support_reason(model, config)
 
 
-def configure_for(model: Any, decision: Decision) -> None:
+def configure_for(model: Any, decision: Decision, sequence_parallel: int | None = None) -> None:
     try:
-        configure_model(model)
+        configure_model(model, sequence_parallel=sequence_parallel)
     except UnsupportedModelError as exc:
         how = (f"set {ENV_DISABLE_AUTO}=1 or auto_padding_free=False to train with standard batching"
                if decision.auto else "unset packing / padding_free to train with standard batching")

@@ -53,6 +53,7 @@ class PackingStatus:
             None when padfree's loss rule is off.
         efficiency: real tokens / row slots of the packed training set (sample packing only).
         rows, sequences: packed rows and the sequences in them (sample packing only).
+        sequence_parallel: the group every row is split across (None: no sequence parallelism).
         balance: how the packed rows are dealt to data-parallel ranks (``world_size > 1`` with a train dataset of
             packed rows only, else None): ``"balanced across W ranks: ..."`` with the idle time left by the
             imbalance of tokens and of attention cost (Σ len²), or why the Trainer's own sampler is used.
@@ -71,6 +72,7 @@ class PackingStatus:
     rows: int | None = None
     sequences: int | None = None
     balance: str | None = None
+    sequence_parallel: str | None = None
 
     @property
     def enabled(self) -> bool:
@@ -85,6 +87,8 @@ class PackingStatus:
             text += f"; attention {self.attention}"
             if self.mixers:
                 text += f", mixers {'; '.join(f'{k}: {v}' for k, v in self.mixers.items())}"
+        if self.sequence_parallel:
+            text += f"; sequence parallel over {self.sequence_parallel}"
         if self.loss is not None:
             text += f"; loss = {self.loss} mean over the optimizer step"
         if self.balance is not None:
@@ -124,7 +128,8 @@ def model_facts(model: Any) -> dict[str, Any]:
     state = packing_state(base) if base is not None else None
     facts: dict[str, Any] = {"model_type": getattr(config, "model_type", None)}
     if state is not None:
-        facts.update(attention=state.report.backend, mixers=dict(state.report.mixers))
+        facts.update(attention=state.report.backend, mixers=dict(state.report.mixers),
+                     sequence_parallel=state.report.sequence_parallel or None)
     elif config is not None:
         facts["attention"] = getattr(config, "_attn_implementation", None)
     return facts

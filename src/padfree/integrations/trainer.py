@@ -20,7 +20,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from padfree.data.batch import PackedCollator, PaddingFreeCollator
-from padfree.errors import BackendUnavailableError
+from padfree.errors import BackendUnavailableError, InvalidArgumentError
 from padfree.integrations.status import PACKING, PADDING_FREE, STANDARD, PackingStatus, model_facts
 from padfree.integrations.step_loss import (
     LOSS_MODES,
@@ -45,6 +45,7 @@ except ImportError as exc:  # pragma: no cover - transformers is installed where
 
 __all__ = [
     "PadfreeTrainerMixin", "SamplerEpoch", "Trainer", "TrainerMixin", "batch_sampler_dataloader", "configure_model",
+    "setup_sequence_parallel",
 ]
 
 logger = logging.getLogger("padfree")
@@ -101,18 +102,55 @@ class PadfreeTrainerMixin:
 
     # ---- counting the step ---------------------------------------------------------------------------
 
-    def _padfree_replicas(self) -> int:
-        """Ranks that see the same batch (tensor / context / sequence parallel groups), as transformers counts."""
+    def _padfree_replicas(self, *, sequence_parallel: bool = True) -> int:
+        """Ranks that see the same batch (tensor / context / sequence parallel groups, as transformers counts, and
+        padfree's sequence-parallel group unless ``sequence_parallel=False``)."""
         n = 1
         for name in ("get_tp_size", "get_cp_size", "get_sp_size"):
             getter = getattr(self, name, None)
             if callable(getter):
                 n *= int(getter())
+        sp = self._padfree_sp()
+        if sequence_parallel and sp is not None:
+            n *= sp.size
         return max(n, 1)
 
     def _padfree_world(self) -> int:
-        """Data-parallel replicas whose gradients DDP averages."""
-        return max(self.accelerator.num_processes // self._padfree_replicas(), 1)
+        """Ranks whose gradients DDP averages: the data-parallel replicas, and within them the ranks of padfree's
+        sequence-parallel group (each holds its slice's share of the gradient; the average over all of them, times
+        this count, is the step's sum)."""
+        return max(self.accelerator.num_processes // self._padfree_replicas(sequence_parallel=False), 1)
+
+    # ---- sequence parallelism ----------------------------------------------------------------------------
+
+    def _padfree_sp(self) -> Any:
+        """The sequence-parallel group of the configured model (None: none)."""
+        from padfree.integrations.sequence_parallel import group_of
+
+        return group_of(getattr(self, "model", None))
+
+    def _prepare_inputs(self, inputs: Any) -> Any:
+        """The Trainer's device placement, then, under sequence parallelism, this rank's slice of the batch (its
+        tokens, the row's positions, labels shifted across the slice edges); a slice is never split twice."""
+        inputs = super()._prepare_inputs(inputs)
+        sp = self._padfree_sp()
+        if sp is None or not isinstance(inputs, Mapping):
+            return inputs
+        from padfree.sequence_parallel import split_for_sequence_parallel
+
+        return split_for_sequence_parallel(inputs, sp, pad_token_id=_pad_ids(self)[-1])
+
+    def get_eval_dataloader(self, eval_dataset: Any = None) -> Any:
+        from padfree.integrations.sequence_parallel import loaders_for_group
+
+        with loaders_for_group(self.accelerator, self._padfree_sp()):
+            return super().get_eval_dataloader(eval_dataset)
+
+    def get_total_train_batch_size(self, args: Any) -> int:
+        """The Trainer's count of samples per optimizer step, over padfree's sequence-parallel group too."""
+        total = super().get_total_train_batch_size(args)
+        sp = self._padfree_sp()
+        return total if sp is None else max(total // sp.size, 1)
 
     def get_batch_samples(self, epoch_iterator: Any, num_batches: int, device: Any) -> tuple[list, Any]:
         if self.padfree_loss is None:
@@ -250,7 +288,8 @@ class PadfreeTrainerMixin:
         if not getattr(acc, "even_batches", True):
             return None
         rows = len(dataloader.dataset) if hasattr(getattr(dataloader, "dataset", None), "__len__") else None
-        per_round = acc.num_processes * self.args.eval_batch_size
+        sp = self._padfree_sp()  # the ranks of a sequence-parallel group share their batches
+        per_round = acc.num_processes // (1 if sp is None else sp.size) * self.args.eval_batch_size
         if rows is not None and rows % per_round == 0:
             return None
         # accelerate evens the ranks' last batches by repeating rows from the start: their losses would count twice
@@ -351,10 +390,13 @@ class PadfreeTrainerMixin:
                 f"attention-cost idle {100 * schedule.cost_imbalance:.1f}%")
 
     def get_train_dataloader(self) -> Any:
+        from padfree.integrations.sequence_parallel import loaders_for_group
+
         sampler = self._padfree_balanced_sampler()
-        if sampler is None:
-            return super().get_train_dataloader()
-        return batch_sampler_dataloader(self, sampler)
+        with loaders_for_group(self.accelerator, self._padfree_sp()):  # a group's ranks load the same batches
+            if sampler is None:
+                return super().get_train_dataloader()
+            return batch_sampler_dataloader(self, sampler)
 
     # ---- telemetry -------------------------------------------------------------------------------------
 
@@ -435,14 +477,34 @@ def _pad_ids(trainer: Any) -> tuple[int, ...]:
 # --------------------------------------------------------------------------------------------------
 
 
-def configure_model(model: Any) -> Any:
-    """``configure_packing`` on the transformers model inside ``model`` (kept if already configured): its
+def configure_model(model: Any, sequence_parallel: int | None = None) -> Any:
+    """``configure_packing`` on the transformers model inside ``model`` (kept if already configured, unless
+    ``sequence_parallel`` asks for a group size it was not configured with): its
     :class:`~padfree.model.configure.PackingReport`, or :class:`~padfree.errors.UnsupportedModelError`."""
     from padfree.model.configure import configure_packing, packing_state
 
     base = unwrap_model(model)
     state = packing_state(base)
-    return state.report if state is not None else configure_packing(base)
+    wanted = sequence_parallel if sequence_parallel is not None and sequence_parallel > 1 else None
+    if state is not None and (wanted is None or (state.sp is not None and state.sp.size == wanted)):
+        return state.report
+    return configure_packing(base, sequence_parallel=wanted)
+
+
+def setup_sequence_parallel(model: Any, args: Any, size: int, loss: str | None) -> None:
+    """Configure ``model`` to split every forward across groups of ``size`` ranks (nothing for 1): the process
+    group is set up from the launcher's environment through ``args`` first, as the Trainer would."""
+    if size <= 1:
+        return
+    if loss == "sequence":
+        raise InvalidArgumentError(
+            "padfree_loss='sequence' with sequence parallelism: a sequence's mean spans the slices of several ranks; "
+            "use padfree_loss='token'")
+    if not isinstance(args, transformers.TrainingArguments):
+        raise InvalidArgumentError(f"sequence parallelism needs the trainer's args (TrainingArguments) to set up "
+                                   f"torch.distributed, got {type(args).__name__}")
+    _ = args.device  # transformers initialises the process group from the launcher's variables here
+    configure_model(model, sequence_parallel=size)
 
 
 def _is_padfree_collator(collator: Any) -> bool:
@@ -455,8 +517,12 @@ class TrainerMixin(PadfreeTrainerMixin):
     :class:`~padfree.integrations.status.PackingStatus`."""
 
     def __init__(self, *args: Any, padfree_loss: str = "token", padfree_telemetry: bool = True,
-                 padfree_balance: bool = True, padfree_fused_loss: bool = False, **kwargs: Any) -> None:
+                 padfree_balance: bool = True, padfree_fused_loss: bool = False,
+                 padfree_sequence_parallel: int | None = None, **kwargs: Any) -> None:
+        from padfree.integrations.sequence_parallel import sequence_parallel_size
+
         as_choice(padfree_loss, "padfree_loss", LOSS_MODES)
+        sp_size = sequence_parallel_size(padfree_sequence_parallel, "padfree_sequence_parallel")
         self.padfree_balance = as_flag(padfree_balance, "padfree_balance")
         self.padfree_fused_loss = as_flag(padfree_fused_loss, "padfree_fused_loss")
         if self.padfree_fused_loss:
@@ -467,8 +533,11 @@ class TrainerMixin(PadfreeTrainerMixin):
         train = kwargs.get("train_dataset", args[3] if len(args) > 3 else None)
         packed_rows = "seq_lens" in (getattr(train, "column_names", None) or ())
         on = _is_padfree_collator(collator)
-        if on and isinstance(model, torch.nn.Module):
-            configure_model(model)
+        if isinstance(model, torch.nn.Module):
+            setup_sequence_parallel(model, kwargs.get("args", args[1] if len(args) > 1 else None), sp_size,
+                                    padfree_loss)
+            if on:
+                configure_model(model)
         super().__init__(*args, **kwargs)
         if on and isinstance(collator, PackedCollator):
             mode, why = PACKING, "data_collator is padfree's packed_collate_fn (each loader batch packed into rows)"
@@ -501,6 +570,10 @@ class Trainer(TrainerMixin, transformers.Trainer):
         padfree_fused_loss: train with :func:`padfree.causal_lm_loss` — the LM head and the cross-entropy fused, in
             chunks, over target positions only, no logits tensor — under either loss rule (default False).
             Evaluation, and any call that asks for the outputs, runs the model's own head.
+        padfree_sequence_parallel: split every row across groups of this many ranks (sequence parallelism,
+            ``configure_packing(model, sequence_parallel=...)``; default 1: none). The ranks of a group load the same
+            batches and each trains its slice; DDP / FSDP2 over all ranks reduces the gradients. Needs a launcher
+            (torchrun, accelerate launch) and the token loss rule.
 
     When ``data_collator`` is one of padfree's (:class:`~padfree.PackedRowsCollator`, ``PaddingFreeCollator``,
     ``packed_collate_fn``) the model is passed to :func:`padfree.configure_packing` first, which makes it exact

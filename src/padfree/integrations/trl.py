@@ -95,9 +95,10 @@ from padfree.integrations.decide import (
     support_reason,
     warn_once,
 )
+from padfree.integrations.sequence_parallel import sequence_parallel_size
 from padfree.integrations.status import PACKING, PADDING_FREE, STANDARD, PackingStatus, model_facts
 from padfree.integrations.step_loss import LOSS_MODES, reduce_loss, refuse_with_own_nll, scored_labels, token_losses
-from padfree.integrations.trainer import PadfreeTrainerMixin
+from padfree.integrations.trainer import PadfreeTrainerMixin, setup_sequence_parallel
 from padfree.integrations.trainer_data import PackedRowsCollator, pack_for_trainer
 from padfree.packing.inputs import as_choice, as_flag
 from padfree.packing.strategies import DEFAULT_STRATEGY, STRATEGIES, as_strategy
@@ -147,6 +148,9 @@ class SFTConfig(trl.SFTConfig):
             logits: less memory, less time, either loss rule. TRL's ``entropy`` and
             ``mean_token_accuracy`` metrics come from the fused pass's own counts; evaluation and anything that
             asks for the outputs run the model's own head.
+        padfree_sequence_parallel: split every row across groups of this many ranks (sequence parallelism,
+            ``configure_packing(model, sequence_parallel=...)``; default 1: none): the ranks of a group load the same
+            batches, each trains its slice, DDP / FSDP2 over all ranks reduces the gradients.
 
     Every other argument is ``trl.SFTConfig``'s (``max_length`` is the row length when packing).
 
@@ -171,6 +175,9 @@ class SFTConfig(trl.SFTConfig):
     padfree_fused_loss: bool = dataclasses.field(
         default=False, metadata={"help": "Training loss without logits: LM head + cross-entropy fused, in chunks, "
                                          "over target positions only (padfree.causal_lm_loss)."})
+    padfree_sequence_parallel: int = dataclasses.field(
+        default=1, metadata={"help": "Split every row across groups of this many ranks (sequence parallelism; "
+                                     "needs a launcher and padfree_loss='token')."})
 
 
 # --------------------------------------------------------------------------------------------------
@@ -278,6 +285,7 @@ class SFTMixin(PadfreeTrainerMixin):
                  eval_dataset: Any = None, processing_class: Any = None, *rest: Any, **kwargs: Any) -> None:
         args = _as_config(args, model)
         loss = as_choice(getattr(args, "padfree_loss", "token"), "padfree_loss", LOSS_MODES)
+        sp_size = sequence_parallel_size(getattr(args, "padfree_sequence_parallel", 1), "padfree_sequence_parallel")
         self.padfree_balance = as_flag(getattr(args, "padfree_balance", True), "padfree_balance")
         self.padfree_fused_loss = as_flag(getattr(args, "padfree_fused_loss", False), "padfree_fused_loss")
         for flag, what in ((loss == "sequence", "padfree_loss='sequence'"),
@@ -290,8 +298,10 @@ class SFTMixin(PadfreeTrainerMixin):
         self._padfree_decision = decision
         self._padfree_plans: dict[str, Any] = {}
         on = decision.mode != STANDARD
-        if on and not isinstance(model, str):
-            configure_for(model, decision)  # fail before tokenizing anything
+        if not isinstance(model, str):  # fail before tokenizing anything
+            setup_sequence_parallel(model, args, sp_size, loss)
+            if on:
+                configure_for(model, decision, sp_size)
         # TRL tokenizes and builds its padded pipeline; padfree packs the tokenized data and swaps the collator
         args.packing, args.padding_free = False, False
         try:
@@ -299,8 +309,10 @@ class SFTMixin(PadfreeTrainerMixin):
                              **kwargs)
         finally:
             args.packing, args.padding_free = decision.mode == PACKING, on
+        if isinstance(model, str):  # loaded by TRL; a model instance is configured already
+            setup_sequence_parallel(self.model, args, sp_size, loss)
         if on:
-            configure_for(self.model, decision)  # a model given by name was loaded by TRL; else already configured
+            configure_for(self.model, decision, sp_size)
             self.padding_free = True
             self.data_collator = PackedRowsCollator()
         self._padfree_setup(loss, telemetry=on and bool(getattr(args, "padfree_telemetry", True)))
@@ -373,7 +385,7 @@ class SFTMixin(PadfreeTrainerMixin):
     def compute_loss(self, model: Any, inputs: dict[str, Any], return_outputs: bool = False,
                      num_items_in_batch: Any = None) -> Any:
         trl_loss = super(PadfreeTrainerMixin, self).compute_loss  # TRL's (or the user's subclass's) compute_loss
-        if self.padfree_loss is None or "labels" not in inputs:
+        if self.padfree_loss is None or ("labels" not in inputs and "shift_labels" not in inputs):
             return trl_loss(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
         if self._padfree_fuses(return_outputs):
             return self._padfree_fused(model, inputs, num_items_in_batch)

@@ -1,0 +1,234 @@
+"""Sequence parallelism through the trainers, on real gloo processes: one setting, the single-process update.
+
+``padfree.SFTTrainer`` with ``padfree_sequence_parallel=2`` on 4 processes is 2 data-parallel groups of 2 ranks:
+the ranks of a group load the same packed rows of GSM8K prompt-completion records (the real TRL pipeline, the
+Mistral vocabulary, completion-only loss) and each trains its slice of them. One optimizer step (gradient
+accumulation 2, SGD with lr 1) must move every parameter by exactly minus the gradient of the single-process step —
+the same 4 packed rows run whole through a packing-configured copy, Σ token losses / targets of the step — and a
+negative control shows that the data tells that rule from each group's own mean averaged by DDP.
+
+``padfree.Trainer`` with the same setting on 2 processes trains a GatedDeltaNet hybrid (qwen3_5_text) and evaluates
+it: its update and its ``eval_loss`` equal the single-process ones.
+"""
+
+from __future__ import annotations
+
+import pickle
+
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+datasets = pytest.importorskip("datasets")
+pytest.importorskip("trl")
+pytest.importorskip("accelerate")
+pytest.importorskip("mistral_common")
+
+import padfree  # noqa: E402
+from multiproc import as_launched_rank, free_port, run_ranks  # noqa: E402
+from padfree.integrations.step_loss import count_loss_items, token_losses  # noqa: E402
+from padfree.integrations.trl import SFTConfig, SFTTrainer  # noqa: E402
+from realdata import gsm8k_records  # noqa: E402
+from zoo import tiny_model  # noqa: E402
+
+datasets.disable_progress_bars()
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+RECORDS = 24
+MAX_LENGTH = 256  # rows of two or three records of 70-110 tokens
+DEADLINE = 240
+
+
+def _dataset() -> datasets.Dataset:
+    records = [{"prompt": f"{r['instruction']}\n{r['input']}".rstrip() + "\n", "completion": r["output"]}
+               for r in gsm8k_records(300)]
+    keep = sorted(sorted(range(len(records)), key=lambda i: len(records[i]["prompt"] + records[i]["completion"]))
+                  [:RECORDS])
+    return datasets.Dataset.from_list([records[i] for i in keep])
+
+
+def _llama(vocab: int) -> transformers.LlamaForCausalLM:
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024)
+    return transformers.LlamaForCausalLM(config)
+
+
+def _recording(base):
+    class Recording(base):
+        """Notes every micro-batch this rank loads (before its slice is cut) and the step counts."""
+
+        seen: list
+
+        def training_step(self, model, inputs, num_items_in_batch=None):
+            self.seen.append({"batch": {k: v.clone() for k, v in inputs.items() if isinstance(v, torch.Tensor)},
+                              "num_items": float(num_items_in_batch)})
+            return super().training_step(model, inputs, num_items_in_batch)
+
+    return Recording
+
+
+_SGD = dict(per_device_train_batch_size=1, gradient_accumulation_steps=2, max_steps=1, optim="sgd", learning_rate=1.0,
+            weight_decay=0.0, max_grad_norm=0.0, lr_scheduler_type="constant", warmup_steps=0, bf16=False,
+            use_cpu=True, report_to="none", save_strategy="no", logging_steps=1, disable_tqdm=True, seed=0)
+
+
+def _sft_worker(rank: int, world: int, tmp: str, port: int, tok) -> None:
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    as_launched_rank(rank, world, port)
+    args = SFTConfig(output_dir=f"{tmp}/out", packing=True, max_length=MAX_LENGTH, padfree_sequence_parallel=2,
+                     activation_checkpointing=False, **_SGD)
+    model = _llama(len(tok))
+    trainer = _recording(SFTTrainer)(model=model, args=args, train_dataset=_dataset(), processing_class=tok)
+    trainer.seen = []
+    status = padfree.packing_status(trainer)
+    trainer.train()
+    out = {"seen": trainer.seen, "steps": trainer.state.global_step, "status": str(status),
+           "sp": status.sequence_parallel, "ddp": type(trainer.model_wrapped).__name__,
+           "logged": trainer.state.log_history[0]["loss"],
+           "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
+    with open(f"{tmp}/rank{rank}.pkl", "wb") as f:
+        pickle.dump(out, f)
+
+
+@pytest.fixture(scope="module")
+def sft_ranks(tmp_path_factory, tok):
+    tmp = tmp_path_factory.mktemp("sft_sp")
+    _llama(len(tok))  # warm-up that the forked children inherit
+    return run_ranks(_sft_worker, tmp, free_port(), tok, world=4, deadline=DEADLINE)
+
+
+def _step_loss(model, batches: list[dict]) -> torch.Tensor:
+    """Σ token losses / Σ targets over ``batches``, each packed row run whole in this process."""
+    total, count = 0.0, 0
+    for b in batches:
+        logits = model(input_ids=b["input_ids"], position_ids=b["position_ids"], use_cache=False).logits
+        loss, mask = token_losses(logits, b)
+        total, count = total + loss.sum(), count + int(mask.sum())
+    return total / count
+
+
+def _grads(model, loss) -> dict[str, torch.Tensor]:
+    model.zero_grad()
+    loss.backward()
+    return {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def _max_diff(a, b) -> float:
+    return max(float((a[n] - b[n]).abs().max()) for n in a)
+
+
+def _same(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.slow
+def test_sft_sequence_parallel_2_by_data_parallel_2_equals_the_single_process_step(sft_ranks, tok):
+    ranks = sft_ranks
+    for r in ranks:
+        assert r["steps"] == 1 and len(r["seen"]) == 2 and r["ddp"] == "DistributedDataParallel"
+        assert r["sp"].startswith("2 ranks"), r["status"]
+    # the ranks of a group loaded the same rows; the two groups different ones
+    for a, b in ((0, 1), (2, 3)):
+        assert all(_same(x["batch"], y["batch"]) for x, y in zip(ranks[a]["seen"], ranks[b]["seen"], strict=True))
+    groups = [[m["batch"] for m in ranks[g]["seen"]] for g in (0, 2)]
+    rows = [tuple(b["input_ids"][0].tolist()) for g in groups for b in g]
+    assert len(set(rows)) == 4
+    assert all(int((b["position_ids"][0] == 0).sum()) >= 2 for g in groups for b in g)  # several sequences a row
+    total = sum(count_loss_items(b)[0] for g in groups for b in g)
+    assert all(m["num_items"] == total for r in ranks for m in r["seen"])  # the whole step's targets, once each
+
+    model = _llama(len(tok))
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    for r in ranks[1:]:
+        assert _max_diff(r["params"], ranks[0]["params"]) == 0.0  # DDP kept the replicas identical
+    update = {n: before[n] - ranks[0]["params"][n] for n in before}
+    padfree.configure_packing(model)
+    loss = _step_loss(model, groups[0] + groups[1])
+    true = _grads(model, loss)
+    diff = _max_diff(update, true)
+    # negative control: each group's own token mean, averaged over the groups
+    naive = _grads(model, (_step_loss(model, groups[0]) + _step_loss(model, groups[1])) / 2)
+    print(f"\n[sft sp2 x dp2] max |update + grad| {diff:.2e}; naive rule off by {_max_diff(naive, true):.2e}; "
+          f"loss {float(loss.detach()):.5f}, logged {[r['logged'] for r in ranks]}")
+    assert _max_diff(update, {n: torch.zeros_like(v) for n, v in update.items()}) > 1e-3  # it did train
+    assert diff <= 1e-5, diff
+    assert _max_diff(naive, true) > 100 * max(diff, 1e-7)
+    assert all(r["logged"] == pytest.approx(float(loss.detach()), rel=1e-5) for r in ranks)
+
+
+# ---- padfree.Trainer: a hybrid, gradient accumulation, evaluation ------------------------------------------------
+
+
+def _rows(seed: int, n: int) -> datasets.Dataset:
+    """``n`` packed rows of 96 tokens: random tokens in sequences of real lengths (GSM8K answers, in characters / 8)."""
+    lengths = [max(2, len(r["output"]) // 8) for r in gsm8k_records(60)][seed * 20:seed * 20 + 20]
+    g = torch.Generator().manual_seed(seed)
+    seqs = [torch.randint(3, 96, (m,), generator=g).tolist() for m in lengths]
+    return padfree.pack_for_trainer({"input_ids": seqs}, 96).select(range(n))
+
+
+def _hybrid_worker(rank: int, world: int, tmp: str, port: int) -> None:
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    as_launched_rank(rank, world, port)
+    model = tiny_model("qwen3_5_text")
+    args = transformers.TrainingArguments(output_dir=f"{tmp}/out", per_device_eval_batch_size=1, **_SGD)
+    trainer = _recording(padfree.Trainer)(model=model, args=args, train_dataset=_rows(0, 2), eval_dataset=_rows(1, 3),
+                                          data_collator=padfree.PackedRowsCollator(), padfree_sequence_parallel=2)
+    trainer.seen = []
+    trainer.train()
+    metrics = trainer.evaluate()
+    out = {"seen": trainer.seen, "eval_loss": metrics["eval_loss"], "status": str(padfree.packing_status(trainer)),
+           "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
+    with open(f"{tmp}/rank{rank}.pkl", "wb") as f:
+        pickle.dump(out, f)
+
+
+@pytest.mark.slow
+def test_trainer_sequence_parallel_trains_and_evaluates_a_hybrid_as_one_process(tmp_path):
+    tiny_model("qwen3_5_text")  # warm-up that the forked children inherit
+    ranks = run_ranks(_hybrid_worker, tmp_path, free_port(), world=2, deadline=DEADLINE)
+    assert "sequence parallel over 2 ranks" in ranks[0]["status"]
+    assert all(_same(x["batch"], y["batch"]) for x, y in zip(ranks[0]["seen"], ranks[1]["seen"], strict=True))
+    batches = [m["batch"] for m in ranks[0]["seen"]]
+    assert len(batches) == 2
+    model = tiny_model("qwen3_5_text")
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    padfree.configure_packing(model)
+    true = _grads(model, _step_loss(model, batches))
+    update = {n: before[n] - ranks[0]["params"][n] for n in before}
+    assert _max_diff(ranks[1]["params"], ranks[0]["params"]) == 0.0
+    diff = _max_diff(update, true)
+    # the eval set's loss rule over its 3 packed rows, run whole in this process with the trained weights
+    model.load_state_dict(ranks[0]["params"])
+    collate = padfree.PackedRowsCollator()
+    with torch.no_grad():
+        evals = [collate([row]) for row in _rows(1, 3)]
+        eval_loss = float(_step_loss(model, evals))
+    print(f"\n[trainer sp2 hybrid] max |update + grad| {diff:.2e}; eval_loss {ranks[0]['eval_loss']:.6f} vs "
+          f"{eval_loss:.6f}")
+    assert diff <= 1e-5, diff
+    assert _max_diff(update, {n: torch.zeros_like(v) for n, v in update.items()}) > 1e-3
+    assert ranks[0]["eval_loss"] == pytest.approx(eval_loss, rel=1e-5)
+    assert ranks[1]["eval_loss"] == ranks[0]["eval_loss"]
+
+
+def test_sequence_parallel_settings_are_checked_before_training():
+    with pytest.raises(padfree.InvalidArgumentError, match="padfree_sequence_parallel must be an int >= 1 "):
+        padfree.Trainer(model=_llama(64), args=transformers.TrainingArguments("unused", use_cpu=True,
+                                                                            report_to="none"),
+                        padfree_sequence_parallel=0)
+    with pytest.raises(padfree.InvalidArgumentError, match="padfree_loss='sequence' with sequence parallelism"):
+        padfree.Trainer(model=_llama(64), args=transformers.TrainingArguments("unused", use_cpu=True,
+                                                                            report_to="none"),
+                        padfree_sequence_parallel=2, padfree_loss="sequence")
+    with pytest.raises(padfree.InvalidArgumentError, match=r"needs torch\.distributed initialised"):
+        padfree.Trainer(model=_llama(64), args=transformers.TrainingArguments("unused", use_cpu=True,
+                                                                            report_to="none"),
+                        padfree_sequence_parallel=2)
+
