@@ -29,7 +29,7 @@ from multiproc import as_launched_rank, free_port, run_ranks  # noqa: E402
 from padfree.integrations.step_loss import count_loss_items, token_losses  # noqa: E402
 from padfree.integrations.trl import SFTConfig, SFTTrainer  # noqa: E402
 from realdata import gsm8k_records  # noqa: E402
-from zoo import tiny_model  # noqa: E402
+from zoo import packed_case, tiny_model  # noqa: E402
 
 datasets.disable_progress_bars()
 
@@ -232,3 +232,57 @@ def test_sequence_parallel_settings_are_checked_before_training():
                                                                             report_to="none"),
                         padfree_sequence_parallel=2)
 
+
+
+# ---- FSDP2 over every rank, sequence parallel groups of 2 ------------------------------------------------------
+
+
+def _fsdp_rows(group: int) -> dict[str, torch.Tensor]:
+    ids, pos, _ = packed_case(96, [[30, 3, 40], [5, 50, 9]][group:group + 1] * 2, seed=group, filler=1)
+    return {"input_ids": ids, "position_ids": pos, "labels": ids.masked_fill(pos == 0, -100)}
+
+
+def _fsdp_worker(rank: int, world: int, tmp: str, port: int) -> None:
+    import warnings
+
+    from torch.distributed.fsdp import fully_shard
+
+    from padfree.integrations.sequence_parallel import group_of
+
+    warnings.filterwarnings("ignore")
+    as_launched_rank(rank, world, port)
+    torch.distributed.init_process_group("gloo")
+    model = tiny_model("qwen3_5_text")
+    padfree.configure_packing(model, sequence_parallel=2)
+    for layer in model.model.layers:
+        fully_shard(layer)
+    fully_shard(model)  # over all 4 ranks: FSDP2 shards the parameters and averages the gradients of every rank
+    sp = group_of(model)
+    part = padfree.split_for_sequence_parallel(_fsdp_rows(sp.dp_rank), sp)  # group g trains batch g
+    loss, mask = token_losses(model(input_ids=part["input_ids"], position_ids=part["position_ids"],
+                                    use_cache=False).logits, part)
+    count = mask.sum().to(torch.float32)
+    torch.distributed.all_reduce(count)  # the step's targets, both groups
+    (loss.sum() / count * world).backward()
+    torch.optim.SGD(model.parameters(), lr=1.0).step()
+    params = {n: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone()
+              for n, v in model.state_dict().items()}
+    with open(f"{tmp}/rank{rank}.pkl", "wb") as f:
+        pickle.dump({"params": params, "group": (sp.rank, sp.dp_rank)}, f)
+
+
+@pytest.mark.slow
+def test_fsdp2_over_every_rank_with_sequence_parallel_groups_equals_one_process(tmp_path):
+    pytest.importorskip("torch.distributed.fsdp")
+    tiny_model("qwen3_5_text")
+    ranks = run_ranks(_fsdp_worker, tmp_path, free_port(), world=4, deadline=DEADLINE)
+    assert [r["group"] for r in ranks] == [(0, 0), (1, 0), (0, 1), (1, 1)]
+    model = tiny_model("qwen3_5_text")
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    padfree.configure_packing(model)
+    true = _grads(model, _step_loss(model, [_fsdp_rows(0), _fsdp_rows(1)]))
+    update = {n: before[n] - ranks[0]["params"][n] for n in before}
+    diff = _max_diff(update, true)
+    print(f"\n[fsdp2 x sp2] max |update + grad| {diff:.2e}")
+    assert all(_max_diff(r["params"], ranks[0]["params"]) == 0.0 for r in ranks[1:])
+    assert diff <= 1e-5, diff
