@@ -1,6 +1,7 @@
 """Sequence parallelism on real gloo processes: a packed row split across 2 and 4 ranks computes what one process
 computes with the whole row — logits, loss and gradients — for attention (llama; gemma2's sliding window and
-softcapping), a GatedDeltaNet hybrid (qwen3_5_text), a Mamba-2 hybrid (bamba), Mamba-1 and short convolutions.
+softcapping), a GatedDeltaNet hybrid (qwen3_5_text), a Mamba-2 hybrid (bamba), Mamba-1 (mamba; zamba's multi-head
+Mamba-1 through its own family) and short convolutions (lfm2).
 
 The rows put slice edges everywhere it matters: inside a sequence spanning four slices (and a 64-token GatedDeltaNet
 chunk), exactly on a sequence start, inside a 3-token sequence (shorter than the 4-tap convolution) followed by a
@@ -33,20 +34,30 @@ from padfree.errors import (  # noqa: E402
 )
 from padfree.integrations.step_loss import token_losses  # noqa: E402
 from padfree.model.sharded import ShardedLayout  # noqa: E402
-from padfree.model.tiny import VOCAB  # noqa: E402
+from padfree.model.sweep import build_tiny  # noqa: E402
+from padfree.model.tiny import (
+    TINY_CONFIGS,
+    VOCAB,
+)
 from padfree.sequence_parallel import split_for_sequence_parallel  # noqa: E402
 from padfree.sequence_parallel.split import split_rows  # noqa: E402
-from zoo import packed_case, tiny_model  # noqa: E402
+from zoo import packed_case  # noqa: E402
+from zoo import tiny_model as _zoo_model  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 # row A: a 70-token sequence across every slice edge; B: a sequence starts exactly at the edge of 2 slices (43);
 # C: a 3-token sequence across it, then a 1-token one; a 2-token filler run ends the rows (width 86)
 ROWS = [[1, 3, 70, 9], [2, 41, 30, 11], [42, 3, 1, 38]]
-MODELS = {2: ("llama", "gemma2", "qwen3_5_text", "bamba", "mamba", "lfm2"), 4: ("llama", "gemma2", "qwen3_5_text",
-                                                                               "bamba")}
-CONVS = ("qwen3_5_text", "bamba", "mamba", "lfm2")  # models with a short convolution: the history control
+MODELS = {2: ("llama", "gemma2", "qwen3_5_text", "bamba", "mamba", "lfm2", "zamba"),
+          4: ("llama", "gemma2", "qwen3_5_text", "bamba")}
+CONVS = ("qwen3_5_text", "bamba", "mamba", "lfm2", "zamba")  # models with a short convolution: the history control
 DEADLINE = 300
+
+
+def tiny_model(model_type: str, **overrides) -> torch.nn.Module:
+    """The zoo's tiny model, or the sweep's for a type the zoo has no config for (zamba: multi-head Mamba-1)."""
+    return _zoo_model(model_type, **overrides) if model_type in TINY_CONFIGS else build_tiny(model_type, overrides)
 
 
 def _batch() -> dict[str, torch.Tensor]:

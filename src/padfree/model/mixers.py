@@ -48,7 +48,7 @@ from padfree.model.scans import (
     segment_selective_scan,
     segment_ssd_scan,
 )
-from padfree.model.sharded import ShardedLayout
+from padfree.model.sharded import ShardedLayout, conv_window, selective_scan_channels
 from padfree.model.state import current_layout, hooks_live
 
 __all__ = [
@@ -88,9 +88,8 @@ def current_call(what: str) -> _Call:
 @torch.compiler.disable
 def packed_conv1d(hidden_states, weight, bias=None, activation=None, **kwargs):
     call = current_call("causal_conv1d_fn")
-    lay, x, cut = call.lay, hidden_states, 0
-    if isinstance(lay, ShardedLayout):  # a slice of the row: its first outputs read the taps before it
-        x, lay, cut = lay.with_history(hidden_states, weight.shape[-1] - 1, seq_dim=2)
+    # a slice of a row split across ranks: its first outputs read the taps before it
+    x, lay, cut = conv_window(call.lay, hidden_states, weight.shape[-1])
     out = None
     if call.mixer.use_conv_kernel:
         out = kernels.causal_conv1d_kernel(x, weight, bias, activation, lay)
@@ -168,11 +167,8 @@ def _packed_selective_scan(hidden_states, dt, A, B, C, D=None, z=None, delta_bia
     lay = call.lay
     sharded = isinstance(lay, ShardedLayout)
     if sharded:  # this rank's channels over the whole row; B and C are shared by every channel
-        lay.heads_of(hidden_states.shape[1], call.mixer.owner, "channels")
-        hidden_states, dt, z = (None if t is None else lay.to_heads(t, seq_dim=2, head_dim=1)
-                                for t in (hidden_states, dt, z))
-        A, D, delta_bias = (None if t is None else lay.head_slice(t) for t in (A, D, delta_bias))
-        B, C = lay.whole_row(B, seq_dim=2), lay.whole_row(C, seq_dim=2)
+        hidden_states, dt, A, B, C, D, z, delta_bias = selective_scan_channels(
+            lay, call.mixer.owner, hidden_states, dt, A, B, C, D, z, delta_bias)
         lay = lay.full
     out = segment_selective_scan(hidden_states, dt, A, B, C, lay, D=D, z=z, delta_bias=delta_bias,
                                  delta_softplus=delta_softplus)

@@ -35,7 +35,7 @@ from padfree.model.packed import PackedLayout
 from padfree.sequence_parallel import collectives
 from padfree.sequence_parallel.groups import SequenceParallel
 
-__all__ = ["ShardedLayout", "gather_boundaries", "refuse_together"]
+__all__ = ["ShardedLayout", "conv_window", "gather_boundaries", "refuse_together", "selective_scan_channels"]
 
 
 @dataclasses.dataclass(eq=False)
@@ -121,6 +121,29 @@ class ShardedLayout:
         # graph, or its backward would wait on rank 0 for ever
         window = self.full.columns(self.start - h, self.start + self.width)
         return torch.cat([before, x], dim=seq_dim), window, h
+
+
+def conv_window(lay: PackedLayout | ShardedLayout, x: torch.Tensor, width: int
+                ) -> tuple[torch.Tensor, PackedLayout, int]:
+    """``(tokens, layout, cut)`` for a causal convolution of ``width`` taps over ``x`` ``(B, C, S)``: under
+    sequence parallelism the slice with the ``width - 1`` tokens before it and their layout (drop the first ``cut``
+    outputs), else ``x`` and its layout as they are."""
+    if isinstance(lay, ShardedLayout):
+        return lay.with_history(x, width - 1, seq_dim=2)
+    return x, lay, 0
+
+
+def selective_scan_channels(lay: ShardedLayout, who: str, hidden_states: torch.Tensor, dt: torch.Tensor,
+                            A: torch.Tensor, B: torch.Tensor, C: torch.Tensor, D: torch.Tensor | None,
+                            z: torch.Tensor | None, delta_bias: torch.Tensor | None) -> tuple:
+    """Mamba-1's selective-scan inputs for this rank's ``1/P`` of the channels over the whole row:
+    ``hidden_states``, ``dt``, ``z`` ``(b, d, S)`` → ``(b, d/P, T)``; ``A`` ``(d, n)``, ``D``, ``delta_bias``
+    ``(d,)`` sliced; ``B``, ``C`` ``(b, n, S)`` shared by every channel → ``(b, n, T)`` (the whole row)."""
+    lay.heads_of(hidden_states.shape[1], who, "channels")
+    hidden_states, dt, z = (None if t is None else lay.to_heads(t, seq_dim=2, head_dim=1)
+                            for t in (hidden_states, dt, z))
+    A, D, delta_bias = (None if t is None else lay.head_slice(t) for t in (A, D, delta_bias))
+    return hidden_states, dt, A, lay.whole_row(B, seq_dim=2), lay.whole_row(C, seq_dim=2), D, z, delta_bias
 
 
 def gather_boundaries(named: dict[str, Any], sp: SequenceParallel, batch: int, width: int, *,

@@ -41,9 +41,10 @@ import torch
 from padfree.errors import PackingDisabledError, UnsupportedModelError
 from padfree.model import guards, mixers, scans
 from padfree.model.packed import PackedLayout
+from padfree.model.sharded import ShardedLayout, conv_window, selective_scan_channels
 from padfree.model.state import current_layout, hooks_live
 
-__all__ = ["CLASSES", "install", "uninstall"]
+__all__ = ["CLASSES", "SEQUENCE_PARALLEL", "install", "sharding_problem", "uninstall"]
 
 # class name -> the mixers.py family whose primitives its forward calls (checked at install: see _packed_forward)
 _REBOUND: dict[str, str] = {
@@ -63,10 +64,26 @@ CLASSES: dict[str, str] = {
        for name in _SEQ_IDX},
 }
 
-_LAYOUT: ContextVar[PackedLayout | None] = ContextVar("padfree_conv_layout", default=None)
+#: the classes that also run split across a sequence-parallel group (their conv reads the taps before the slice,
+#: Zamba's scans run this rank's channels over the whole row); Inkling2's dynamic convolutions read seq_idx inside
+#: their own forward and have no sharded path
+SEQUENCE_PARALLEL = frozenset(_REBOUND)
 
 
-def _current(what: str) -> PackedLayout:
+def sharding_problem(module: torch.nn.Module, size: int) -> str | None:
+    """Why ``module`` cannot run split across ``size`` ranks (None: it can): a Mamba head's channels that ``size``
+    does not divide (each scan runs one head; the scan checks again on every call)."""
+    channels = getattr(module, "mamba_head_dim", None)
+    if isinstance(channels, int) and channels % size:
+        return (f"{type(module).__name__} has {channels} channels per Mamba head, which sequence parallelism over "
+                f"{size} ranks cannot split evenly; use a group size that divides {channels}")
+    return None
+
+
+_LAYOUT: ContextVar[PackedLayout | ShardedLayout | None] = ContextVar("padfree_conv_layout", default=None)
+
+
+def _current(what: str) -> PackedLayout | ShardedLayout:
     lay = _LAYOUT.get()
     if lay is None:  # only reachable if someone calls a rebound forward by hand
         raise PackingDisabledError(f"{what} ran for a packed batch outside a configured module's forward")
@@ -80,7 +97,9 @@ def _current(what: str) -> PackedLayout:
 @torch.compiler.disable
 def _conv(hidden_states: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
           activation: str | None = None, **kwargs: Any) -> torch.Tensor:
-    return scans.segment_causal_conv1d(hidden_states, weight, bias, activation, _current("causal_conv1d_fn"))
+    x, lay, cut = conv_window(_current("causal_conv1d_fn"), hidden_states, weight.shape[-1])
+    out = scans.segment_causal_conv1d(x, weight, bias, activation, lay)
+    return out[..., cut:] if cut else out
 
 
 @torch.compiler.disable
@@ -90,8 +109,15 @@ def _scan(hidden_states: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: tor
     if return_last_state:
         raise PackingDisabledError("a packed batch reached a Mamba mixer with a cache; packed training never uses a "
                                    "cache (pass use_cache=False)")
-    return scans.segment_selective_scan(hidden_states, dt, A, B, C, _current("mamba_selective_scan"), D=D, z=z,
-                                         delta_bias=delta_bias, delta_softplus=delta_softplus)
+    lay = _current("mamba_selective_scan")
+    if isinstance(lay, ShardedLayout):  # this rank's channels over the whole row
+        hidden_states, dt, A, B, C, D, z, delta_bias = selective_scan_channels(
+            lay, "a multi-head Mamba-1 mixer", hidden_states, dt, A, B, C, D, z, delta_bias)
+        out = scans.segment_selective_scan(hidden_states, dt, A, B, C, lay.full, D=D, z=z, delta_bias=delta_bias,
+                                           delta_softplus=delta_softplus)
+        return lay.to_tokens(out, seq_dim=2, head_dim=1)
+    return scans.segment_selective_scan(hidden_states, dt, A, B, C, lay, D=D, z=z, delta_bias=delta_bias,
+                                        delta_softplus=delta_softplus)
 
 
 def _no_decode(*args: Any, **kwargs: Any) -> Any:
@@ -174,7 +200,7 @@ def _forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
 
 
 @torch.compiler.disable
-def _layout(state: Any, hidden: Any, who: str) -> PackedLayout | None:
+def _layout(state: Any, hidden: Any, who: str) -> PackedLayout | ShardedLayout | None:
     if hooks_live(state) and isinstance(hidden, torch.Tensor) and hidden.dim() >= 2:
         return current_layout(state, hidden, who)
     return None
