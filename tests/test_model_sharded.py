@@ -261,6 +261,17 @@ def _refusal_worker(rank: int, world: int, tmp: str, port: int) -> None:
     attempt("cu_seq_lens", lambda: model(input_ids=ids, position_ids=pos,
                                          cu_seq_lens_q=torch.tensor([0, ids.numel()], dtype=torch.int32)))
     attempt("after", lambda: model(input_ids=ids, position_ids=pos))  # the group still works after the refusals
+    # the group as a process group or a 1-D DeviceMesh: the same slices, the same outputs
+    from torch.distributed.device_mesh import init_device_mesh
+
+    with torch.no_grad():
+        want = model(input_ids=ids, position_ids=pos).logits
+        for name, spec in (("process group", dist.new_group([0, 1])), ("mesh", init_device_mesh("cpu", (2,)))):
+            other = tiny_model("llama")
+            report = padfree.configure_packing(other, sequence_parallel=spec)
+            seen[name] = (report.sequence_parallel, _diff(other(input_ids=ids, position_ids=pos).logits, want))
+    attempt("2-D mesh", lambda: padfree.configure_packing(
+        tiny_model("llama"), sequence_parallel=init_device_mesh("cpu", (1, 2), mesh_dim_names=("dp", "sp"))))
     with open(f"{tmp}/rank{rank}.pkl", "wb") as f:
         pickle.dump(seen, f)
 
@@ -280,9 +291,12 @@ def test_what_cannot_be_split_is_refused_by_name_on_every_rank(tmp_path):
         "uneven slices": (InvalidLayoutError, r"rank 0: 3 x 43 tokens.*rank 1: 3 x 42 tokens"),
         "padding mask": (PackingDisabledError, r"0/1 attention_mask with padding"),
         "cu_seq_lens": (PackingDisabledError, r"cu_seq_lens_q with sequence_parallel"),
+        "2-D mesh": (InvalidArgumentError, r"2-D DeviceMesh; pass its sequence-parallel dimension"),
     }
     for rank, seen in enumerate(ranks):
         assert seen["after"] is None
+        for name in ("process group", "mesh"):
+            assert seen[name] == (f"2 ranks (ranks 0-1; this rank holds slice {rank}), 1 data-parallel group", 0.0)
         for name, (cls, pattern) in expected.items():
             assert seen[name] is not None, (rank, name)
             kind, message = seen[name]
