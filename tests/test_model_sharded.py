@@ -15,13 +15,15 @@ dropped, must all fail the comparison. Refusals happen on every rank together, n
 
 from __future__ import annotations
 
+import os
 import pickle
 import re
+from pathlib import Path
 
 import pytest
 
 torch = pytest.importorskip("torch")
-pytest.importorskip("transformers")
+transformers = pytest.importorskip("transformers")
 dist = pytest.importorskip("torch.distributed")
 
 import padfree  # noqa: E402
@@ -261,6 +263,12 @@ def _refusal_worker(rank: int, world: int, tmp: str, port: int) -> None:
     attempt("cu_seq_lens", lambda: model(input_ids=ids, position_ids=pos,
                                          cu_seq_lens_q=torch.tensor([0, ids.numel()], dtype=torch.int32)))
     attempt("after", lambda: model(input_ids=ids, position_ids=pos))  # the group still works after the refusals
+    # an attention module that does not call the attention function (computes its own, here none at all): the
+    # configure-time check cannot see it, the guard on the module refuses the forward on every rank
+    bypass = tiny_model("llama")
+    padfree.configure_packing(bypass, sequence_parallel=world)
+    bypass.model.layers[0].self_attn.forward = lambda hidden_states, *a, **k: (hidden_states, None)
+    attempt("bypass", lambda: bypass(input_ids=ids, position_ids=pos))
     # the group as a process group or a 1-D DeviceMesh: the same slices, the same outputs
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -292,6 +300,7 @@ def test_what_cannot_be_split_is_refused_by_name_on_every_rank(tmp_path):
         "padding mask": (PackingDisabledError, r"0/1 attention_mask with padding"),
         "cu_seq_lens": (PackingDisabledError, r"cu_seq_lens_q with sequence_parallel"),
         "2-D mesh": (InvalidArgumentError, r"2-D DeviceMesh; pass its sequence-parallel dimension"),
+        "bypass": (UnsupportedModelError, r"LlamaAttention ran its attention without padfree's split attention"),
     }
     for rank, seen in enumerate(ranks):
         assert seen["after"] is None
@@ -305,3 +314,91 @@ def test_what_cannot_be_split_is_refused_by_name_on_every_rank(tmp_path):
                 continue
             assert kind == cls.__name__, (rank, name, kind, message)
             assert re.search(pattern, message), (rank, name, message)
+
+
+# ---- every type the support table proves exact: split exactly, or refused by name ------------------------------
+
+SWEEP_ROWS = [[5, 9, 3, 14, 1, 8], [20, 2, 18]]  # 40 tokens a row: slice edge at 20, inside a sequence and on one
+DOC = Path(__file__).resolve().parents[1] / "docs" / "sequence_parallel.md"
+UPDATE = os.environ.get("PADFREE_UPDATE_DOCS") == "1"
+
+
+def _sweep_step(model, batch, size: int | None) -> tuple[torch.Tensor, dict]:
+    """Logits and gradients of the token-mean loss: the whole row (``size`` None) or this rank's slice of it."""
+    if size is None:
+        ref = _whole(model, batch)
+        return ref["logits"], ref["grads"]
+    got = _sharded_step(model, batch, size)
+    return got["logits"], got["grads"]
+
+
+def _sweep_worker(rank: int, world: int, tmp: str, port: int, types: list[str]) -> None:
+    import logging
+
+    _init(rank, world, port)
+    logging.disable(logging.WARNING)  # the sweep's own models warn about their tiny configs
+    out = {}
+    for model_type in types:
+        try:
+            vocab = build_tiny(model_type).config.get_text_config().vocab_size
+            ids, pos, _ = packed_case(vocab, SWEEP_ROWS, seed=0)
+            batch = {"input_ids": ids, "position_ids": pos, "labels": ids.masked_fill(pos == 0, -100)}
+            if rank == 0:  # the reference, one process, the whole row (rank 1 waits in the next collective)
+                whole = build_tiny(model_type)
+                padfree.configure_packing(whole)
+                ref = _sweep_step(whole, batch, None)
+            model = build_tiny(model_type)
+            padfree.configure_packing(model, sequence_parallel=world)
+            logits, grads = _sweep_step(model, batch, world)
+            if rank == 0:
+                out[model_type] = ("exact", _diff(logits, ref[0]), _grad_diff(grads, ref[1]))
+        except Exception as exc:
+            out[model_type] = ("refused" if isinstance(exc, UnsupportedModelError) else "error",
+                               type(exc).__name__, str(exc))
+    with open(f"{tmp}/rank{rank}.pkl", "wb") as f:
+        pickle.dump(out, f)
+
+
+def _render(results: dict[str, tuple]) -> str:
+    """The docs' block: the types split exactly, and the refused ones grouped by the module named first."""
+    exact = sorted(t for t, r in results.items() if r[0] == "exact")
+    refused: dict[str, list[str]] = {}
+    for model_type, (verdict, _, message) in sorted(results.items()):
+        if verdict == "refused":
+            found = re.search(r"packing-exact: [\w.]+: (\w+)", message)
+            refused.setdefault(found.group(1) if found else message[:60], []).append(model_type)
+    lines = [f"Generated by `tests/test_model_sharded.py` (`PADFREE_UPDATE_DOCS=1`) on transformers "
+             f"{transformers.__version__}, 2 gloo ranks, fp32, every type the support table proves exact: "
+             f"**{len(exact)} split exactly** (logits and gradients within 1e-5 of one process running the whole "
+             f"row), **{sum(map(len, refused.values()))} refused** naming the module.", "",
+             "Split exactly: " + ", ".join(f"`{t}`" for t in exact) + ".", "", "| refused: the module | types |",
+             "|---|---|"]
+    lines += [f"| `{cls}` | {', '.join(f'`{t}`' for t in types)} |" for cls, types in sorted(refused.items())]
+    return "\n".join(lines)
+
+
+@pytest.mark.slow
+def test_every_type_the_table_proves_exact_splits_exactly_or_is_refused_by_name(tmp_path):
+    from padfree.model import registry
+
+    table = registry.load()
+    if table["transformers"] != transformers.__version__:
+        pytest.skip("the support table was proven on another transformers")
+    types = sorted(t for t, entry in table["types"].items() if entry.get("verdict") == "exact")
+    results = run_ranks(_sweep_worker, tmp_path, free_port(), types, world=2, deadline=600)[0]
+    errors = {t: r for t, r in results.items() if r[0] == "error"}
+    assert not errors, errors  # anything but a named refusal is a bug
+    worst = {t: r for t, r in results.items() if r[0] == "exact" and max(r[1], r[2]) > 1e-5}
+    assert not worst, worst
+    for model_type, (verdict, _, message) in results.items():
+        if verdict == "refused":  # named: the module and what it lacks
+            assert re.search(r"sequence-parallel path|computes attention itself|cannot split|sequence parallelism",
+                             message), (model_type, message)
+    assert sum(r[0] == "exact" for r in results.values()) >= 120
+    begin, end = "<!-- sp-sweep:begin -->", "<!-- sp-sweep:end -->"
+    block = f"{begin}\n{_render(results)}\n{end}"
+    text = DOC.read_text()
+    if UPDATE:
+        DOC.write_text(re.sub(re.escape(begin) + ".*?" + re.escape(end), lambda _: block, text, flags=re.S))
+    else:
+        assert block in text, "docs/sequence_parallel.md's sweep is stale: rerun with PADFREE_UPDATE_DOCS=1"

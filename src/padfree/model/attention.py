@@ -262,6 +262,11 @@ def _base_attention(backend: Backend, module: torch.nn.Module) -> Callable:
     return ALL_ATTENTION_FUNCTIONS[backend.base]
 
 
+SHARDED_CALLS = "_padfree_sharded_calls"
+"""Attribute counting an attention module's calls of padfree's split attention: under sequence parallelism, a
+module whose forward ends without one computed attention over its slice alone (see
+:func:`padfree.model.install.install_packing`)."""
+
 OWNER_ATTR = "_padfree_owner"
 """Attribute ``configure_packing`` sets on every attention module: the :class:`~padfree.model.state.PackingState` of
 its model, from which the layout of the forward in flight is read when a decoder layer does not hand its keyword
@@ -296,6 +301,7 @@ def _attention_function(backend: Backend) -> Callable:
                 )
             return _base_attention(backend, module)(module, query, key, value, attention_mask, **kwargs)
         if isinstance(lay, ShardedLayout):
+            module.__dict__[SHARDED_CALLS] = module.__dict__.get(SHARDED_CALLS, 0) + 1
             return sharded_forward(backend.name, module, query, key, value, lay, **kwargs), None
         return packed_forward(backend.name, module, query, key, value, lay, **kwargs), None
 

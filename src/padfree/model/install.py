@@ -46,7 +46,14 @@ from padfree.errors import (
 )
 from padfree.layout import position_ids_to_segment_ids
 from padfree.model import guards
-from padfree.model.attention import BACKENDS, LAYOUT_KWARG, OWNER_ATTR, PACKED_FORWARD, register_backends
+from padfree.model.attention import (
+    BACKENDS,
+    LAYOUT_KWARG,
+    OWNER_ATTR,
+    PACKED_FORWARD,
+    SHARDED_CALLS,
+    register_backends,
+)
 from padfree.model.packed import PackedLayout
 from padfree.model.sharded import ShardedLayout, gather_boundaries, refuse_together
 from padfree.model.state import PackingState, current_layout, packing_state
@@ -391,11 +398,23 @@ def install_packing(model: Any, *, backend: str = "auto", strict: bool = True, s
     register_backends()
     for _, module in attention:  # the layout of the forward in flight, for layers that drop their kwargs
         setattr(module, OWNER_ATTR, state)
+        if sp is not None:  # a slice's attention must go through padfree's split function, or it sees the slice only
+            state.handles += _sharded_attention_guard(module)
     state.report = report
     state.sp = sp
     state.previous = (config._attn_implementation if attention else None, getattr(config, "use_cache", None))
     if attention:
         model.set_attn_implementation(name)
+        if sp is not None and config._attn_implementation != name:
+            for handle in state.handles:
+                handle.remove()
+            for _, module in attention:
+                module.__dict__.pop(OWNER_ATTR, None)
+            _uninstall_families(model)
+            raise UnsupportedModelError(
+                f"cannot split {type(model).__name__} across ranks: its attention implementation cannot be switched "
+                f"to padfree's (it stays {config._attn_implementation!r}), so attention would run over each rank's "
+                f"slice alone")
     config.use_cache = False
     # The hook goes on the decoder, which receives position_ids from every registered *ForCausalLM and hands its
     # keyword arguments down to the attention layers (see _route for the models hooked at the top instead).
@@ -408,7 +427,7 @@ def install_packing(model: Any, *, backend: str = "auto", strict: bool = True, s
     before = torch.compiler.disable(lambda m, a, k: _before(state, config, m, a, k, forward=forward,
                                                             positions=positions))
     after = torch.compiler.disable(lambda m, a, k, o: _after(state))
-    state.handles = [
+    state.handles += [
         target.register_forward_pre_hook(before, with_kwargs=True),
         target.register_forward_hook(after, with_kwargs=True, always_call=True),
     ]
@@ -422,6 +441,27 @@ def install_packing(model: Any, *, backend: str = "auto", strict: bool = True, s
         ]
     model._padfree_state = state
     return report
+
+
+def _sharded_attention_guard(module: torch.nn.Module) -> list:
+    """Hooks that make ``module`` refuse a sequence-parallel forward in which it never called padfree's split
+    attention (it computed attention itself, over its slice alone). Every rank runs the same modules, so every rank
+    raises at the same point."""
+    def before(mod: torch.nn.Module, args: tuple) -> None:
+        mod.__dict__["_padfree_calls_before"] = mod.__dict__.get(SHARDED_CALLS, 0)
+
+    def after(mod: torch.nn.Module, args: tuple, output: Any) -> None:
+        state = mod.__dict__.get(OWNER_ATTR)
+        if state is None or not isinstance(state.layout, ShardedLayout) or not PACKED_FORWARD.get():
+            return
+        if mod.__dict__.get(SHARDED_CALLS, 0) == mod.__dict__.get("_padfree_calls_before", 0):
+            raise UnsupportedModelError(
+                f"{type(mod).__name__} ran its attention without padfree's split attention function (it computes "
+                f"attention itself, not through transformers' attention interface), so under sequence parallelism "
+                f"it attended over this rank's slice alone; this model cannot be split across ranks")
+
+    return [module.register_forward_pre_hook(torch.compiler.disable(before)),
+            module.register_forward_hook(torch.compiler.disable(after))]
 
 
 def _unsharded(model: Any, config: Any, attention: list[tuple[str, torch.nn.Module]],
@@ -443,7 +483,10 @@ def _unsharded(model: Any, config: Any, attention: list[tuple[str, torch.nn.Modu
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     for qual, module in attention:
         heads = getattr(module, "num_heads", None) or getattr(text, "num_attention_heads", None)
-        if isinstance(heads, int) and heads % sp.size:
+        if not _dispatches_attention(type(module)):
+            problems[qual] = (f"{type(module).__name__} computes attention itself, not through transformers' "
+                              f"attention interface, so padfree cannot split it across ranks")
+        elif isinstance(heads, int) and heads % sp.size:
             problems[qual] = (f"{type(module).__name__} has {heads} query heads, which sequence parallelism over "
                               f"{sp.size} ranks cannot split evenly; use a group size that divides {heads}")
     if getattr(text, "output_router_logits", False):

@@ -154,6 +154,8 @@ def gather_boundaries(named: dict[str, Any], sp: SequenceParallel, batch: int, w
     rank raises — :class:`PackingDisabledError` for a refusal, :class:`InvalidLayoutError` for slices that are not
     of one row — and none is left waiting in a collective."""
     pos, mask = named.get("position_ids"), named.get("attention_mask")
+    if isinstance(mask, dict) and all(v is None for v in mask.values()):
+        mask = None  # a multimodal model's per-layer-type mapping, built empty for a packed forward
     if isinstance(pos, torch.Tensor) and pos.dim() == 1:
         pos = pos.unsqueeze(0)
     if isinstance(pos, torch.Tensor) and pos.dim() == 2 and pos.shape[0] == 1 and batch > 1:
