@@ -66,6 +66,10 @@ class ShardedLayout:
         return self.full.shape[0], self.width
 
     @property
+    def device(self) -> torch.device:
+        return self.full.device
+
+    @property
     def local(self) -> PackedLayout:
         """The layout of this rank's own columns (a sequence cut at the slice's start begins a segment there)."""
         return self.full.columns(self.start, self.start + self.width)

@@ -47,7 +47,7 @@ from padfree.model import guards
 from padfree.model.packed import Buckets, PackedLayout, bucket_length
 from padfree.model.state import hooks_live
 
-__all__ = ["CLASSES", "bucketed", "install", "uninstall"]
+__all__ = ["CLASSES", "SEQUENCE_PARALLEL", "bucketed", "install", "uninstall"]
 
 # nn.Embedding subclasses whose forward returns ``weight[arange(cache_length, cache_length + T) + offset]``
 _TABLES = (
@@ -72,6 +72,11 @@ CLASSES: dict[str, str] = {
     "ProphetNetDecoder": "main and n-gram streams over the whole row: run per group of equal-length sequences",
     "ReformerModel": "LSH / chunked local attention over the whole row: run per group of equal-length sequences",
 }
+
+
+#: the classes that also run on a slice of a row split across a sequence-parallel group: a position table reads the
+#: positions of its tokens, which the slice's layout carries (the row's own, not counted from the slice's start)
+SEQUENCE_PARALLEL = frozenset({*_TABLES, "XGLMSinusoidalPositionalEmbedding"})
 
 
 @dataclasses.dataclass(eq=False)
