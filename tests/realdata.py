@@ -27,3 +27,13 @@ def gsm8k_records(n: int | None = None) -> list[dict]:
     """The first ``n`` GSM8K training records (all 7,473 with None): dicts with instruction, input and output."""
     records = _load(GSM8K)
     return [dict(r) for r in (records if n is None else records[:n])]
+
+
+def gsm8k_shortest_prompt_completions(count: int, among: int = 300) -> list[dict]:
+    """The ``count`` shortest of the first ``among`` GSM8K records as TRL prompt-completion records
+    (``prompt``: instruction and input, ``completion``: the answer), in their original order."""
+    records = [{"prompt": f"{r['instruction']}\n{r['input']}".rstrip() + "\n", "completion": r["output"]}
+               for r in gsm8k_records(among)]
+    keep = sorted(sorted(range(len(records)), key=lambda i: len(records[i]["prompt"] + records[i]["completion"]))
+                  [:count])
+    return [records[i] for i in keep]

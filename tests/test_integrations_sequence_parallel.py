@@ -28,8 +28,8 @@ import padfree  # noqa: E402
 from multiproc import as_launched_rank, free_port, run_ranks  # noqa: E402
 from padfree.integrations.step_loss import count_loss_items, token_losses  # noqa: E402
 from padfree.integrations.trl import SFTConfig, SFTTrainer  # noqa: E402
-from realdata import gsm8k_records  # noqa: E402
-from zoo import packed_case, tiny_model  # noqa: E402
+from realdata import gsm8k_records, gsm8k_shortest_prompt_completions  # noqa: E402
+from zoo import packed_case, tiny_model, vocab_llama  # noqa: E402
 
 datasets.disable_progress_bars()
 
@@ -41,18 +41,7 @@ DEADLINE = 240
 
 
 def _dataset() -> datasets.Dataset:
-    records = [{"prompt": f"{r['instruction']}\n{r['input']}".rstrip() + "\n", "completion": r["output"]}
-               for r in gsm8k_records(300)]
-    keep = sorted(sorted(range(len(records)), key=lambda i: len(records[i]["prompt"] + records[i]["completion"]))
-                  [:RECORDS])
-    return datasets.Dataset.from_list([records[i] for i in keep])
-
-
-def _llama(vocab: int) -> transformers.LlamaForCausalLM:
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024)
-    return transformers.LlamaForCausalLM(config)
+    return datasets.Dataset.from_list(gsm8k_shortest_prompt_completions(RECORDS))
 
 
 def _recording(base):
@@ -81,7 +70,7 @@ def _sft_worker(rank: int, world: int, tmp: str, port: int, tok) -> None:
     as_launched_rank(rank, world, port)
     args = SFTConfig(output_dir=f"{tmp}/out", packing=True, max_length=MAX_LENGTH, padfree_sequence_parallel=2,
                      activation_checkpointing=False, **_SGD)
-    model = _llama(len(tok))
+    model = vocab_llama(len(tok))
     trainer = _recording(SFTTrainer)(model=model, args=args, train_dataset=_dataset(), processing_class=tok)
     trainer.seen = []
     status = padfree.packing_status(trainer)
@@ -97,7 +86,7 @@ def _sft_worker(rank: int, world: int, tmp: str, port: int, tok) -> None:
 @pytest.fixture(scope="module")
 def sft_ranks(tmp_path_factory, tok):
     tmp = tmp_path_factory.mktemp("sft_sp")
-    _llama(len(tok))  # warm-up that the forked children inherit
+    vocab_llama(len(tok))  # warm-up that the forked children inherit
     return run_ranks(_sft_worker, tmp, free_port(), tok, world=4, deadline=DEADLINE)
 
 
@@ -141,7 +130,7 @@ def test_sft_sequence_parallel_2_by_data_parallel_2_equals_the_single_process_st
     total = sum(count_loss_items(b)[0] for g in groups for b in g)
     assert all(m["num_items"] == total for r in ranks for m in r["seen"])  # the whole step's targets, once each
 
-    model = _llama(len(tok))
+    model = vocab_llama(len(tok))
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     for r in ranks[1:]:
         assert _max_diff(r["params"], ranks[0]["params"]) == 0.0  # DDP kept the replicas identical
@@ -220,15 +209,15 @@ def test_trainer_sequence_parallel_trains_and_evaluates_a_hybrid_as_one_process(
 
 def test_sequence_parallel_settings_are_checked_before_training():
     with pytest.raises(padfree.InvalidArgumentError, match="padfree_sequence_parallel must be an int >= 1 "):
-        padfree.Trainer(model=_llama(64), args=transformers.TrainingArguments("unused", use_cpu=True,
+        padfree.Trainer(model=vocab_llama(64), args=transformers.TrainingArguments("unused", use_cpu=True,
                                                                             report_to="none"),
                         padfree_sequence_parallel=0)
     with pytest.raises(padfree.InvalidArgumentError, match="padfree_loss='sequence' with sequence parallelism"):
-        padfree.Trainer(model=_llama(64), args=transformers.TrainingArguments("unused", use_cpu=True,
+        padfree.Trainer(model=vocab_llama(64), args=transformers.TrainingArguments("unused", use_cpu=True,
                                                                             report_to="none"),
                         padfree_sequence_parallel=2, padfree_loss="sequence")
     with pytest.raises(padfree.InvalidArgumentError, match=r"needs torch\.distributed initialised"):
-        padfree.Trainer(model=_llama(64), args=transformers.TrainingArguments("unused", use_cpu=True,
+        padfree.Trainer(model=vocab_llama(64), args=transformers.TrainingArguments("unused", use_cpu=True,
                                                                             report_to="none"),
                         padfree_sequence_parallel=2)
 

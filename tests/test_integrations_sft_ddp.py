@@ -28,8 +28,8 @@ import padfree  # noqa: E402
 from multiproc import as_launched_rank, free_port, run_ranks  # noqa: E402
 from padfree.integrations.step_loss import count_loss_items, token_losses  # noqa: E402
 from padfree.integrations.trl import SFTConfig, SFTTrainer  # noqa: E402
-from realdata import gsm8k_records  # noqa: E402
-from zoo import mistral_tokenizer  # noqa: E402
+from realdata import gsm8k_shortest_prompt_completions  # noqa: E402
+from zoo import mistral_tokenizer, vocab_llama  # noqa: E402
 
 datasets.disable_progress_bars()
 
@@ -43,19 +43,7 @@ DEADLINE = 120
 
 
 def _dataset() -> datasets.Dataset:
-    records = [{"prompt": f"{r['instruction']}\n{r['input']}".rstrip() + "\n", "completion": r["output"]}
-               for r in gsm8k_records(300)]
-    # the shortest records (about 70 to 110 tokens), in their original order: rows pack two or three of them
-    keep = sorted(sorted(range(len(records)), key=lambda i: len(records[i]["prompt"] + records[i]["completion"]))
-                  [:RECORDS])
-    return datasets.Dataset.from_list([records[i] for i in keep])
-
-
-def _llama(vocab: int) -> transformers.LlamaForCausalLM:
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024)
-    return transformers.LlamaForCausalLM(config)
+    return datasets.Dataset.from_list(gsm8k_shortest_prompt_completions(RECORDS))
 
 
 def _worker(rank: int, world: int, tmp: str, port: int, tok) -> None:
@@ -81,7 +69,7 @@ def _worker(rank: int, world: int, tmp: str, port: int, tok) -> None:
                      max_grad_norm=0.0, lr_scheduler_type="constant", warmup_steps=0, bf16=False,
                      activation_checkpointing=False, use_cpu=True, report_to="none", save_strategy="no",
                      logging_steps=1, disable_tqdm=True, seed=0)
-    model = _llama(len(tok))
+    model = vocab_llama(len(tok))
     trainer = Recording(model=model, args=args, train_dataset=_dataset(), processing_class=tok)
     trainer.seen = []
     status = padfree.packing_status(trainer)
@@ -101,7 +89,7 @@ def _worker(rank: int, world: int, tmp: str, port: int, tok) -> None:
 def two_ranks(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("sft_ddp")
     tok = mistral_tokenizer(tmp_path_factory.mktemp("spm"))
-    _llama(len(tok))  # warm-up (transformers' Llama modules) that both forked children inherit
+    vocab_llama(len(tok))  # warm-up (transformers' Llama modules) that both forked children inherit
     return tmp, tok, run_ranks(_worker, tmp, free_port(), tok, deadline=DEADLINE)
 
 
@@ -176,7 +164,7 @@ def test_both_ranks_pack_balance_and_step_together(two_ranks):
 def test_ddp_sft_step_equals_the_unpacked_step(two_ranks):
     """SGD, lr 1, one step: the update is minus the gradient of Σ token losses / targets of the whole step."""
     tmp, tok, ranks = two_ranks
-    model = _llama(len(tok))
+    model = vocab_llama(len(tok))
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     saved = torch.load(tmp / "params.pt")
     assert saved.keys() == before.keys()

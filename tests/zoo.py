@@ -34,6 +34,15 @@ def tiny_model(model_type: str, *, seed: int = 0, attn: str | None = None, **ove
     return _library_tiny_model(model_type, seed=seed, attn_implementation=attn, **overrides)
 
 
+def vocab_llama(vocab: int) -> transformers.LlamaForCausalLM:
+    """A tiny llama (hidden 32, 2 layers, 4 heads over 2 key/value heads) over a real tokenizer's ``vocab``, seed 0:
+    the trainer tests' model."""
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024)
+    return transformers.LlamaForCausalLM(config)
+
+
 class ToyRecurrentMixer(torch.nn.Module):
     """A stateful token mixer no padfree family knows: a running sum over the row, which would carry across the
     sequences of a packed row. Put into a real model, it makes that model one padfree must refuse."""
