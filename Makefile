@@ -15,11 +15,13 @@ test: setup
 	.venv/bin/python -m pytest -q -n 2
 
 # the exactness matrix and the trainers (transformers, TRL, accelerate), the data layer (datasets, pyarrow), the
-# CLI (tokenizers, matplotlib) and the packing kernels (numpy, numba): about 11 minutes on a 2-core machine
+# CLI (tokenizers, matplotlib), the packing kernels (numpy, numba) and sequence parallelism (accelerate's loaders,
+# gloo): about 13 minutes on a 2-core machine
 FLOOR_TESTS = tests/test_model_sweep.py tests/test_model_certify.py tests/test_integrations_bf16.py \
 	tests/test_model_matrix.py tests/test_model_mixers.py tests/test_model_configure.py \
 	tests/test_integrations_trainer.py tests/test_integrations_trl.py tests/test_data_hf.py \
-	tests/test_data_datasets.py tests/test_cli.py tests/test_packing.py tests/test_rows.py
+	tests/test_data_datasets.py tests/test_cli.py tests/test_packing.py tests/test_rows.py \
+	tests/test_sequence_parallel.py tests/test_model_sharded.py tests/test_integrations_sequence_parallel.py
 
 test-floor:
 	@PADFREE_VENV=.venv-floor PADFREE_CONSTRAINTS=constraints/floor.txt PADFREE_SYSTEM_SITE=0 bash scripts/bootstrap.sh

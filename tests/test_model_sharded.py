@@ -142,7 +142,7 @@ def _whole(model, batch, **forward) -> dict:
     loss, mask = token_losses(logits, batch)
     mean = loss.sum() / mask.sum()
     mean.backward()
-    return {"logits": logits.detach(), "loss": float(mean),
+    return {"logits": logits.detach(), "loss": float(mean.detach()),
             "grads": {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}}
 
 
