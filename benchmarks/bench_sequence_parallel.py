@@ -17,7 +17,9 @@ over loopback TCP):
   batch, before the first step (the peak cannot be reset, so the growth is what the steps added: activations,
   gradients, communication buffers);
 - *step time*: forward + backward + gradient all-reduce, one warm-up step then ``--steps`` timed, median;
-- *exactness*: the group's loss (all-reduced) and gradient norm (after the all-reduce) against one rank's.
+- *exactness*: the group's loss (all-reduced) and gradient norm (after the all-reduce) against one rank's;
+- *others' CPU*: the share of the cores that other processes used during the launch (the machine's busy CPU time
+  less this script's and its ranks'), since the machine may be shared.
 
 Models (random weights, seed 0, fp32, sdpa): a Llama and a hybrid ``qwen3_5_text`` (3 GatedDeltaNet + 1 attention
 layers), both hidden 256, 4 layers, 8 heads over 4 KV heads, vocabulary 32000.
@@ -25,7 +27,7 @@ layers), both hidden 256, 4 layers, 8 heads over 4 KV heads, vocabulary 32000.
 Run it (from the repository root, in the project's virtual environment)::
 
     python benchmarks/bench_sequence_parallel.py            # ~5-8 min on 2 cores
-    python benchmarks/bench_sequence_parallel.py --quick    # a smoke run (~1-2 min): T = 2048, 1 timed step
+    python benchmarks/bench_sequence_parallel.py --quick    # a smoke run (~2 min): T = 1024, 1 timed step
 
 Only the section between ``<!-- bench_sequence_parallel:start -->`` and ``<!-- bench_sequence_parallel:end -->`` is
 replaced; ``--quick`` prints its section instead of writing it (unless ``--write``).
@@ -191,16 +193,20 @@ def worker(rank: int, world: int, port: int, kind: str, seqs: list[list[int]], s
     labels = part["shift_labels"]
     params = [p for p in model.parameters() if p.requires_grad]
 
-    def step(record: dict[int, int] | None = None) -> tuple[float, float, float, float]:
+    def step(record: dict[str, int] | None = None) -> tuple[float, float, float, float]:
         model.zero_grad(set_to_none=True)
-        hooks, seen = _saved_bytes(model) if record is not None else (contextlib.nullcontext(), {})
+        measure = record is not None
+        hooks, seen = _saved_bytes(model) if measure else (contextlib.nullcontext(), {})
+        loss_hooks, loss_seen = _saved_bytes(model) if measure else (contextlib.nullcontext(), {})
         t0 = time.perf_counter()
         with hooks:
             logits = model(**inputs, use_cache=False).logits
+        with loss_hooks:
             local = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), labels.flatten(),
                                                       ignore_index=-100, reduction="sum")
-        if record is not None:
-            record.update(seen)
+        if measure:
+            record["model"] = sum(seen.values())
+            record["loss"] = sum(n for ptr, n in loss_seen.items() if ptr not in seen)
         count = (labels != -100).sum()
         if world > 1:
             dist.all_reduce(count)
@@ -219,14 +225,15 @@ def worker(rank: int, world: int, port: int, kind: str, seqs: list[list[int]], s
         return t1 - t0, t2 - t1, t3 - t2, float(value)
 
     before = rss()
-    saved: dict[int, int] = {}
+    saved: dict[str, int] = {}
     _, _, _, loss = step(saved)
     grad_norm = float(torch.linalg.vector_norm(torch.stack([p.grad.double().norm() for p in params])))
     times = [step() for _ in range(steps)]
     peak = peak_rss()
     result = {
         "rank": rank, "world": world, "tokens": int(part["input_ids"].shape[1]), "padding": int(part.padding),
-        "labels": int((labels != -100).sum()), "saved": sum(saved.values()), "rss_before": before, "peak": peak,
+        "labels": int((labels != -100).sum()), "saved": saved["model"] + saved["loss"],
+        "saved_loss": saved["loss"], "rss_before": before, "peak": peak,
         "forward": statistics.median(t[0] for t in times), "backward": statistics.median(t[1] for t in times),
         "allreduce": statistics.median(t[2] for t in times),
         "step": statistics.median(t[0] + t[1] + t[2] for t in times), "loss": loss, "grad_norm": grad_norm,
@@ -243,12 +250,26 @@ def worker(rank: int, world: int, port: int, kind: str, seqs: list[list[int]], s
 # ---------------------------------------------------------------------------------------------------------------
 
 
+def busy_seconds() -> float:
+    """CPU seconds the whole machine has been busy (all cores, steal time left out)."""
+    import psutil
+
+    t = psutil.cpu_times()
+    return t.user + t.nice + t.system + t.irq + t.softirq
+
+
+def own_seconds() -> float:
+    """CPU seconds of this process and its waited-for children (the ranks of finished launches)."""
+    t = os.times()
+    return t.user + t.system + t.children_user + t.children_system
+
+
 def launch(kind: str, world: int, seqs: list[list[int]], args: argparse.Namespace) -> list[dict[str, Any]]:
     """``world`` fresh processes training ``kind`` on the row; their results, rank by rank."""
     import torch.multiprocessing as mp
 
     with tempfile.TemporaryDirectory() as out:
-        start = time.perf_counter()
+        start, busy0, own0 = time.perf_counter(), busy_seconds(), own_seconds()
         context = mp.start_processes(worker, args=(world, free_port(), kind, seqs, args.steps, out), nprocs=world,
                                      join=False, start_method="spawn")
         while not context.join(timeout=5):
@@ -259,9 +280,14 @@ def launch(kind: str, world: int, seqs: list[list[int]], args: argparse.Namespac
                 raise TimeoutError(f"{kind} on {world} ranks ran past --timeout {args.timeout} s; its processes "
                                    "were terminated")
         results = [json.loads(Path(out, f"{r}.json").read_text(encoding="utf-8")) for r in range(world)]
-    log(f"{kind} on {world} rank(s): {time.perf_counter() - start:.0f} s; step "
+    wall = time.perf_counter() - start
+    others = (busy_seconds() - busy0 - (own_seconds() - own0)) / (wall * (os.cpu_count() or 1))
+    for r in results:
+        r["others"] = max(0.0, others)
+    log(f"{kind} on {world} rank(s): {wall:.0f} s; step "
         f"{max(r['step'] for r in results):.2f} s, saved {max(r['saved'] for r in results) / MiB:.0f} MiB, peak RSS "
-        f"{max(r['peak'] for r in results) / MiB:.0f} MiB, loss {results[0]['loss']:.6f}")
+        f"{max(r['peak'] for r in results) / MiB:.0f} MiB, loss {results[0]['loss']!r}, grad norm "
+        f"{results[0]['grad_norm']!r}; other processes used {others:.0%} of the cores")
     return results
 
 
@@ -269,6 +295,13 @@ def render(args: argparse.Namespace, info: dict[str, str], before: str, after: s
            results: dict[str, dict[int, list[dict[str, Any]]]], elapsed: float) -> str:
     now = dt.datetime.now().strftime("%Y-%m-%d %H:%M")
     cmd = "python benchmarks/bench_sequence_parallel.py" + (" " + " ".join(args.argv) if args.argv else "")
+    others = [ranks[0]["others"] for by_world in results.values() for ranks in by_world.values()]
+    shared = ""
+    if max(others) > 0.05:
+        shared = (f" **A shared machine**: other processes used {min(others):.0%}-{max(others):.0%} of the "
+                  "cores during the launches (the column *others' CPU*: the machine's busy CPU time less this "
+                  "script's and its ranks', over the launch's wall time and the cores), so the step times carry "
+                  "their noise; the saved-activation bytes and the losses do not depend on it.")
     lines = [
         START,
         "## Sequence parallelism on the CPU (`benchmarks/bench_sequence_parallel.py`)",
@@ -286,7 +319,7 @@ def render(args: argparse.Namespace, info: dict[str, str], before: str, after: s
         "",
         f"- CPU: {info['cpu']}, {info['cores']}, {info['memory']} RAM; {info['os']}",
         f"- Versions: {info['versions']}; {allocator()}",
-        f"- Load at start: {before}. At end: {after}.",
+        f"- Load at start: {before}. At end: {after}.{shared}",
         "- Ranks: fresh processes (`torch.multiprocessing`, `spawn`), one torch thread each, gloo backend over "
         "loopback TCP (127.0.0.1): the all-to-alls and all-reduces are socket copies between processes of one "
         f"machine. **{os.cpu_count()} cores: 4 ranks oversubscribe them** (2 ranks per core), so the 4-rank step "
@@ -300,56 +333,55 @@ def render(args: argparse.Namespace, info: dict[str, str], before: str, after: s
         "gradient over the group (none on 1 rank); no optimizer step.",
         "- *Saved activations*: bytes of the tensors autograd saves for backward during one forward "
         "(`torch.autograd.graph.saved_tensors_hooks` around the model's forward and the cross-entropy, each "
-        "storage counted once, parameters left out) — exact and the same on any machine. *Peak RSS growth*: `VmHWM` after the steps minus the RSS after building the model and the "
-        "batch (activations, gradients, the loss's logits and communication buffers; the absolute peak is given too).",
+        "storage counted once, parameters left out) — exact and the same on any machine; *of which the loss*: "
+        "what the cross-entropy saves beyond the model (its log-probabilities over the 32k vocabulary).",
+        "- *Peak RSS growth*: `VmHWM` after the steps minus the RSS after building the model and the batch "
+        "(activations, gradients, the loss's logits and communication buffers; the absolute peak is given too).",
         "",
     ]
-    facts = []
+    facts, diffs = [], []
     for kind, by_world in results.items():
         base = by_world[1][0]
-        rows = []
+        base_growth = base["peak"] - base["rss_before"]
+        rows, ratios = [], []
         for world, ranks in by_world.items():
             saved = max(r["saved"] for r in ranks)
             growth = max(r["peak"] - r["rss_before"] for r in ranks)
-            peak = max(r["peak"] for r in ranks)
             step = max(r["step"] for r in ranks)
             loss = ranks[0]["loss"]
             diff = abs(loss - base["loss"]) / abs(base["loss"])
             gdiff = abs(ranks[0]["grad_norm"] - base["grad_norm"]) / base["grad_norm"]
+            diffs.append((diff, gdiff))
+            if world > 1:
+                ratios.append(f"{world} ranks: activations {saved / base['saved']:.3f}× (1 / {world} = "
+                              f"{1 / world:.3f}), RSS growth {growth / base_growth:.2f}×, step "
+                              f"{step / base['step']:.2f}×")
             rows.append([f"{world}", f"{ranks[0]['tokens']:,}", f"{saved / MiB:,.1f}",
-                         f"{saved / base['saved']:.3f}", f"{growth / MiB:,.0f}",
-                         f"{growth / (base['peak'] - base['rss_before']):.2f}", f"{peak / MiB:,.0f}",
-                         f"{max(r['forward'] for r in ranks):.2f}", f"{max(r['backward'] for r in ranks):.2f}",
-                         f"{max(r['allreduce'] for r in ranks):.2f}", f"{step:.2f}", f"{step / base['step']:.2f}",
-                         f"{loss:.6f}", f"{diff:.1e}", f"{gdiff:.1e}"])
-        last = by_world[max(by_world)]
-        facts.append((kind, max(by_world), max(r["saved"] for r in last) / base["saved"],
-                      max(r["peak"] - r["rss_before"] for r in last) / (base["peak"] - base["rss_before"]),
-                      max(r["step"] for r in last) / base["step"]))
+                         f"{max(r['saved_loss'] for r in ranks) / MiB:,.1f}", f"{saved / base['saved']:.3f}",
+                         f"{growth / MiB:,.0f}", f"{growth / base_growth:.2f}",
+                         f"{max(r['peak'] for r in ranks) / MiB:,.0f}", f"{max(r['forward'] for r in ranks):.2f}",
+                         f"{max(r['backward'] for r in ranks):.2f}", f"{max(r['allreduce'] for r in ranks):.2f}",
+                         f"{step:.2f}", f"{step / base['step']:.2f}", f"{loss:.6f}", f"{diff:.1e}",
+                         f"{gdiff:.1e}", f"{ranks[0]['others']:.0%}"])
+        facts.append(f"- {kind}, per rank against one rank: " + "; ".join(ratios) + ". Its gradients are "
+                     f"{base['params'] * 4 / MiB:.0f} MiB per rank whatever the rank count (inside the RSS "
+                     "growth; they do not divide).")
         lines += [f"### {kind}: {describe_model(kind, base['params'])}", "",
                   f"padfree's proof of exactness on 1 rank: {base['proof']}.", "",
-                  table(["ranks", "tokens per rank", "saved activations per rank (MiB)", "vs 1 rank",
-                         "peak RSS growth per rank (MiB)", "vs 1 rank", "peak RSS per rank (MiB)", "forward (s)",
-                         "backward (s)", "grad all-reduce (s)", "step (s)", "vs 1 rank", "loss",
-                         "loss rel. diff vs 1 rank", "grad-norm rel. diff vs 1 rank"], rows,
-                        "rrrrrrrrrrrrrrr"), ""]
-    lines += ["### What this shows", ""]
-    for kind, world, saved, growth, step in facts:
-        lines.append(f"- {kind}: on {world} ranks each rank saves {saved:.3f}× the activations of one rank "
-                     f"(1 / {world} = {1 / world:.3f}), its peak RSS grows by {growth:.2f}× as much, and a step "
-                     f"takes {step:.2f}× as long.")
+                  table(["ranks", "tokens per rank", "saved activations per rank (MiB)", "of which the loss",
+                         "vs 1 rank", "peak RSS growth per rank (MiB)", "vs 1 rank", "peak RSS per rank (MiB)",
+                         "forward (s)", "backward (s)", "grad all-reduce (s)", "step (s)", "vs 1 rank", "loss",
+                         "loss rel. diff vs 1 rank", "grad-norm rel. diff vs 1 rank", "others' CPU"],
+                        rows, "rrrrrrrrrrrrrrrrr"), ""]
+    lines += ["### What this shows", "", *facts]
     lines += [
-        "- The saved activations follow the tokens per rank: everything per token (embeddings, norms, MLPs, "
-        "projections) is held for T / P tokens; the whole-row part of attention and the GatedDeltaNet scans is "
-        "held for 1 / P of the heads. The RSS growth divides less, because the gradients (one copy of the "
-        "parameters per rank, 32k-vocabulary embedding and head included) and the gloo buffers do not shrink "
-        "with P.",
-        "- The losses and gradient norms agree with one rank's to fp32 rounding (the columns above): the split "
-        "is exact, not an approximation.",
-        f"- Step times are those of ranks sharing {os.cpu_count()} cores through loopback sockets: the ranks "
-        "compute in parallel only up to the core count, and each exchange is a copy through the kernel. They "
-        "bound the overhead of the exchanges on one machine; they are not what a group of GPUs on NVLink would "
-        "measure.",
+        f"- Exactness: over every model and rank count, the group's loss differs from one rank's by at most "
+        f"{max(d for d, _ in diffs):.1e} (relative) and the summed gradients' norm by at most "
+        f"{max(g for _, g in diffs):.1e}.",
+        f"- Step times are those of ranks sharing {os.cpu_count()} cores and exchanging through loopback TCP "
+        "sockets (gloo): the ranks compute in parallel only up to the core count, 4 ranks oversubscribe the "
+        "cores, and every all-to-all and all-reduce is a copy through the kernel. They show the division of the "
+        "memory and the cost of the exchanges on one machine, not the speed of a group of GPUs.",
         END,
     ]
     return "\n".join(lines)
@@ -357,7 +389,7 @@ def render(args: argparse.Namespace, info: dict[str, str], before: str, after: s
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="a smoke run (~1-2 min): T = 2048, 1 timed step")
+    parser.add_argument("--quick", action="store_true", help="a smoke run (~2 min): T = 1024, 1 timed step")
     parser.add_argument("--models", default=",".join(MODELS), help="comma-separated: llama,qwen3_5_text")
     parser.add_argument("--ranks", default="1,2,4", help="comma-separated rank counts; 1 comes first")
     parser.add_argument("--tokens", type=int, default=None, help="tokens of the packed row (default 8192)")
@@ -372,7 +404,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.argv = [a for a in given if a not in ("--no-write", "--write")]
     args.models = args.models.split(",")
     args.ranks = sorted({int(x) for x in args.ranks.split(",")} | {1})
-    args.tokens = args.tokens or (2048 if args.quick else 8192)
+    args.tokens = args.tokens or (1024 if args.quick else 8192)
     args.steps = args.steps or (1 if args.quick else 3)
     if args.quick and not args.write:
         args.no_write = True  # a smoke run never replaces the measured section
