@@ -37,3 +37,4 @@ bench: setup
 	.venv/bin/python benchmarks/bench_training.py
 	.venv/bin/python benchmarks/bench_mixers.py
 	.venv/bin/python benchmarks/bench_certify.py
+	.venv/bin/python benchmarks/bench_sequence_parallel.py

@@ -120,6 +120,8 @@ def test_sft_sequence_parallel_2_by_data_parallel_2_equals_the_single_process_st
     for r in ranks:
         assert r["steps"] == 1 and len(r["seen"]) == 2 and r["ddp"] == "DistributedDataParallel"
         assert r["sp"].startswith("2 ranks"), r["status"]
+        # the packed rows are dealt to the 2 data-parallel groups in balanced steps
+        assert "balanced across 2 data-parallel groups" in r["status"], r["status"]
     # the ranks of a group loaded the same rows; the two groups different ones
     for a, b in ((0, 1), (2, 3)):
         assert all(_same(x["batch"], y["batch"]) for x, y in zip(ranks[a]["seen"], ranks[b]["seen"], strict=True))

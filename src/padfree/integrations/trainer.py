@@ -73,10 +73,11 @@ class PadfreeTrainerMixin:
     per micro-batch) are balanced too, without changing what a step trains: each step takes ``world_size *
     per_device_train_batch_size`` samples of a seeded random permutation, as the Trainer's sampler would, and
     only deals them to the ranks by load (``DistributedPackedBatchSampler.from_samples``; needs
-    ``per_device_train_batch_size >= 2``). Off with ``padfree_balance=False``; skipped (reason in
-    :class:`~padfree.integrations.status.PackingStatus`) with tensor / context / sequence parallelism, a
-    ``train_sampling_strategy`` other than ``"random"``, or accelerate's ``split_batches`` / ``dispatch_batches``. One
-    process: the Trainer's own loader, unchanged.
+    ``per_device_train_batch_size >= 2``). Under padfree's sequence parallelism the micro-batches are dealt to the
+    data-parallel groups (the ranks of a group train the same ones). Off with ``padfree_balance=False``; skipped
+    (reason in :class:`~padfree.integrations.status.PackingStatus`) with tensor / context / DeepSpeed sequence
+    parallelism, a ``train_sampling_strategy`` other than ``"random"``, or accelerate's ``split_batches`` /
+    ``dispatch_batches``. One process: the Trainer's own loader, unchanged.
     """
 
     padfree_loss: str | None = None
@@ -327,31 +328,34 @@ class PadfreeTrainerMixin:
         """``(balance, note)``: whether the train loader deals micro-batches in balanced steps, and what
         :attr:`PackingStatus.balance` says (None where there is nothing to balance: one process, other data)."""
         args = self.args
-        world = int(getattr(args, "world_size", 1) or 1)
+        processes = int(getattr(args, "world_size", 1) or 1)
+        sp = self._padfree_sp()  # the ranks of a sequence-parallel group train the same batches: deal to the groups
+        world = processes // (1 if sp is None else sp.size)
         kind = self._padfree_balance_kind()
         if world <= 1 or kind is None:
             return False, None
+        where = f"{world} ranks" if sp is None else f"{world} data-parallel groups"
         default = f"the Trainer's sampler shards {'rows' if kind == 'rows' else 'samples'} by count"
         if not self.padfree_balance:
-            return False, f"not balanced across {world} ranks (padfree_balance=False): {default}"
+            return False, f"not balanced across {where} (padfree_balance=False): {default}"
         from padfree.integrations.distributed import is_hf_dataset
 
         dataset = self.train_dataset
         why = None
         if not is_hf_dataset(dataset):
             why = f"the train dataset is a {type(dataset).__name__}, not a datasets.Dataset"
-        elif self._padfree_replicas() > 1:
+        elif self._padfree_replicas(sequence_parallel=False) > 1:
             why = "tensor / context / sequence parallel ranks share batches"
         elif getattr(args, "train_sampling_strategy", "random") != "random":
             why = f"train_sampling_strategy={args.train_sampling_strategy!r} chooses the sampler"
         elif getattr(self.accelerator, "split_batches", False) or getattr(self.accelerator, "dispatch_batches", False):
             why = "accelerate's split_batches / dispatch_batches is on"
-        elif self.accelerator.num_processes != world:
-            why = f"accelerate runs {self.accelerator.num_processes} processes for world_size={world}"
+        elif self.accelerator.num_processes != processes:
+            why = f"accelerate runs {self.accelerator.num_processes} processes for world_size={processes}"
         elif kind == "samples" and int(self._train_batch_size) < 2:
             why = "one sample per rank per step: balancing would have to change which samples share a step"
         if why is not None:
-            return False, f"not balanced across {world} ranks ({why}): {default}"
+            return False, f"not balanced across {where} ({why}): {default}"
         return True, None
 
     def _padfree_balanced_sampler(self) -> Any:
@@ -368,7 +372,9 @@ class PadfreeTrainerMixin:
 
         args = self.args
         seed = args.data_seed if getattr(args, "data_seed", None) is not None else args.seed
-        common = {"num_replicas": self.accelerator.num_processes, "all_ranks": True, "micro_batch_size": mbs,
+        sp = self._padfree_sp()  # a sequence-parallel group is one replica: its ranks load the same micro-batches
+        replicas = self.accelerator.num_processes // (1 if sp is None else sp.size)
+        common = {"num_replicas": replicas, "all_ranks": True, "micro_batch_size": mbs,
                   "seed": seed, "remainder": "drop" if args.dataloader_drop_last else "repeat"}
         if self._padfree_balance_kind() == "rows":
             sampler = DistributedPackedBatchSampler.from_rows(dataset, **common)
@@ -385,7 +391,8 @@ class PadfreeTrainerMixin:
             return note
         schedule = self._padfree_balanced_sampler().schedule
         what = "rows" if self._padfree_balance_kind() == "rows" else "samples (random steps, dealt by load)"
-        return (f"balanced across {schedule.num_ranks} ranks: {schedule.num_steps} steps x "
+        unit = "ranks" if self._padfree_sp() is None else "data-parallel groups"
+        return (f"balanced across {schedule.num_ranks} {unit}: {schedule.num_steps} steps x "
                 f"{schedule.steps.shape[2]} {what} per rank, token idle {100 * schedule.token_imbalance:.1f}%, "
                 f"attention-cost idle {100 * schedule.cost_imbalance:.1f}%")
 
