@@ -74,3 +74,8 @@ def test_grpo_trainer():
     assert "padfree: padding-free batching" in out and "'loss'" in out and "'reward'" in out
     forwards = next(line for line in out.splitlines() if line.startswith("padfree forwards:"))
     assert "'rows': 0" not in forwards  # the completions were scored through the packed forward
+
+
+def test_sequence_parallel():
+    out = run("sequence_parallel.py", "--ranks", "2")
+    assert "sequence par.   2 ranks" in out and "-> exact" in out

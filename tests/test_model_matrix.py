@@ -20,7 +20,7 @@ from zoo import (
     tiny_model,
 )
 
-FLEX_TYPES = ("llama", "qwen2", "gemma2")  # flex compiles per shape on CPU: a few types keep the suite fast
+FLEX_TYPES = ("llama", "gemma2")  # flex compiles per shape on CPU (~50 s a type): GQA, a sliding window, softcapping
 ATOL = 1e-5
 
 
