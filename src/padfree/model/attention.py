@@ -208,6 +208,7 @@ def packed_forward(
     return _bucketed(module, query, key, value, lay, math=backend == "padfree_eager", **opts)
 
 
+@torch.compiler.disable  # the exchanges and the host-side layout stay outside compiled graphs, as packed_forward
 def sharded_forward(
     backend: str, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     lay: ShardedLayout, *, s_aux: torch.Tensor | None = None, **kwargs: Any,

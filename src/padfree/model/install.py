@@ -510,7 +510,8 @@ def unconfigure_packing(model: torch.nn.Module) -> bool:
     for handle in state.handles:
         handle.remove()
     for module in model.modules():
-        module.__dict__.pop(OWNER_ATTR, None)
+        for attr in (OWNER_ATTR, SHARDED_CALLS, "_padfree_calls_before"):
+            module.__dict__.pop(attr, None)
     _uninstall_families(model)
     attn, use_cache = state.previous
     if attn is not None:
