@@ -29,7 +29,7 @@ from multiproc import as_launched_rank, free_port, run_ranks  # noqa: E402
 from padfree.integrations.step_loss import count_loss_items, token_losses  # noqa: E402
 from padfree.integrations.trl import SFTConfig, SFTTrainer  # noqa: E402
 from realdata import gsm8k_records, gsm8k_shortest_prompt_completions  # noqa: E402
-from zoo import packed_case, tiny_model, vocab_llama  # noqa: E402
+from zoo import grad_diff, grads_of, packed_case, tiny_model, vocab_llama  # noqa: E402
 
 datasets.disable_progress_bars()
 
@@ -100,16 +100,6 @@ def _step_loss(model, batches: list[dict]) -> torch.Tensor:
     return total / count
 
 
-def _grads(model, loss) -> dict[str, torch.Tensor]:
-    model.zero_grad()
-    loss.backward()
-    return {n: p.grad.clone() for n, p in model.named_parameters()}
-
-
-def _max_diff(a, b) -> float:
-    return max(float((a[n] - b[n]).abs().max()) for n in a)
-
-
 def _same(a: dict, b: dict) -> bool:
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
@@ -135,19 +125,19 @@ def test_sft_sequence_parallel_2_by_data_parallel_2_equals_the_single_process_st
     model = vocab_llama(len(tok))
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     for r in ranks[1:]:
-        assert _max_diff(r["params"], ranks[0]["params"]) == 0.0  # DDP kept the replicas identical
+        assert grad_diff(r["params"], ranks[0]["params"]) == 0.0  # DDP kept the replicas identical
     update = {n: before[n] - ranks[0]["params"][n] for n in before}
     padfree.configure_packing(model)
     loss = _step_loss(model, groups[0] + groups[1])
-    true = _grads(model, loss)
-    diff = _max_diff(update, true)
+    true = grads_of(model, loss)
+    diff = grad_diff(update, true)
     # negative control: each group's own token mean, averaged over the groups
-    naive = _grads(model, (_step_loss(model, groups[0]) + _step_loss(model, groups[1])) / 2)
-    print(f"\n[sft sp2 x dp2] max |update + grad| {diff:.2e}; naive rule off by {_max_diff(naive, true):.2e}; "
+    naive = grads_of(model, (_step_loss(model, groups[0]) + _step_loss(model, groups[1])) / 2)
+    print(f"\n[sft sp2 x dp2] max |update + grad| {diff:.2e}; naive rule off by {grad_diff(naive, true):.2e}; "
           f"loss {float(loss.detach()):.5f}, logged {[r['logged'] for r in ranks]}")
-    assert _max_diff(update, {n: torch.zeros_like(v) for n, v in update.items()}) > 1e-3  # it did train
+    assert grad_diff(update, {n: torch.zeros_like(v) for n, v in update.items()}) > 1e-3  # it did train
     assert diff <= 1e-5, diff
-    assert _max_diff(naive, true) > 100 * max(diff, 1e-7)
+    assert grad_diff(naive, true) > 100 * max(diff, 1e-7)
     assert all(r["logged"] == pytest.approx(float(loss.detach()), rel=1e-5) for r in ranks)
 
 
@@ -191,10 +181,10 @@ def test_trainer_sequence_parallel_trains_and_evaluates_a_hybrid_as_one_process(
     model = tiny_model("qwen3_5_text")
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     padfree.configure_packing(model)
-    true = _grads(model, _step_loss(model, batches))
+    true = grads_of(model, _step_loss(model, batches))
     update = {n: before[n] - ranks[0]["params"][n] for n in before}
-    assert _max_diff(ranks[1]["params"], ranks[0]["params"]) == 0.0
-    diff = _max_diff(update, true)
+    assert grad_diff(ranks[1]["params"], ranks[0]["params"]) == 0.0
+    diff = grad_diff(update, true)
     # the eval set's loss rule over its 3 packed rows, run whole in this process with the trained weights
     model.load_state_dict(ranks[0]["params"])
     collate = padfree.PackedRowsCollator()
@@ -204,7 +194,7 @@ def test_trainer_sequence_parallel_trains_and_evaluates_a_hybrid_as_one_process(
     print(f"\n[trainer sp2 hybrid] max |update + grad| {diff:.2e}; eval_loss {ranks[0]['eval_loss']:.6f} vs "
           f"{eval_loss:.6f}")
     assert diff <= 1e-5, diff
-    assert _max_diff(update, {n: torch.zeros_like(v) for n, v in update.items()}) > 1e-3
+    assert grad_diff(update, {n: torch.zeros_like(v) for n, v in update.items()}) > 1e-3
     assert ranks[0]["eval_loss"] == pytest.approx(eval_loss, rel=1e-5)
     assert ranks[1]["eval_loss"] == ranks[0]["eval_loss"]
 
@@ -271,9 +261,9 @@ def test_fsdp2_over_every_rank_with_sequence_parallel_groups_equals_one_process(
     model = tiny_model("qwen3_5_text")
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     padfree.configure_packing(model)
-    true = _grads(model, _step_loss(model, [_fsdp_rows(0), _fsdp_rows(1)]))
+    true = grads_of(model, _step_loss(model, [_fsdp_rows(0), _fsdp_rows(1)]))
     update = {n: before[n] - ranks[0]["params"][n] for n in before}
-    diff = _max_diff(update, true)
+    diff = grad_diff(update, true)
     print(f"\n[fsdp2 x sp2] max |update + grad| {diff:.2e}")
-    assert all(_max_diff(r["params"], ranks[0]["params"]) == 0.0 for r in ranks[1:])
+    assert all(grad_diff(r["params"], ranks[0]["params"]) == 0.0 for r in ranks[1:])
     assert diff <= 1e-5, diff

@@ -29,7 +29,7 @@ from multiproc import as_launched_rank, free_port, run_ranks  # noqa: E402
 from padfree.integrations.step_loss import count_loss_items, token_losses  # noqa: E402
 from padfree.integrations.trl import SFTConfig, SFTTrainer  # noqa: E402
 from realdata import gsm8k_shortest_prompt_completions  # noqa: E402
-from zoo import mistral_tokenizer, vocab_llama  # noqa: E402
+from zoo import grad_diff, grads_of, mistral_tokenizer, vocab_llama  # noqa: E402
 
 datasets.disable_progress_bars()
 
@@ -116,16 +116,6 @@ def _step_loss(model, batches: list[dict]) -> torch.Tensor:
     return total / count
 
 
-def _grads(model, loss) -> dict[str, torch.Tensor]:
-    model.zero_grad()
-    loss.backward()
-    return {n: p.grad.clone() for n, p in model.named_parameters()}
-
-
-def _max_diff(a, b) -> float:
-    return max(float((a[n] - b[n]).abs().max()) for n in a)
-
-
 # --------------------------------------------------------------------------------------------------
 # Tests
 # --------------------------------------------------------------------------------------------------
@@ -168,26 +158,26 @@ def test_ddp_sft_step_equals_the_unpacked_step(two_ranks):
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     saved = torch.load(tmp / "params.pt")
     assert saved.keys() == before.keys()
-    assert _max_diff(saved, ranks[1]["params"]) == 0.0  # DDP kept the replicas identical
+    assert grad_diff(saved, ranks[1]["params"]) == 0.0  # DDP kept the replicas identical
     update = {n: before[n] - saved[n] for n in saved}
-    assert _max_diff(update, {n: torch.zeros_like(v) for n, v in update.items()}) > 1e-3  # it did train
+    assert grad_diff(update, {n: torch.zeros_like(v) for n, v in update.items()}) > 1e-3  # it did train
 
     batches = [[m["batch"] for m in r["seen"]] for r in ranks]
     loss = _step_loss(model, batches[0] + batches[1])
-    true = _grads(model, loss)
-    diff = _max_diff(update, true)
+    true = grads_of(model, loss)
+    diff = grad_diff(update, true)
     # the logged loss (each rank's share of the step, summed over the ranks) is the step's loss too
     logged = [r["logged"] for r in ranks]
     # negative control: each rank's own token mean over its micro-batches, averaged by DDP
-    naive = _grads(model, (_step_loss(model, batches[0]) + _step_loss(model, batches[1])) / 2)
-    control = _max_diff(naive, true)
+    naive = grads_of(model, (_step_loss(model, batches[0]) + _step_loss(model, batches[1])) / 2)
+    control = grad_diff(naive, true)
     targets = [sum(count_loss_items(b)[0] for b in rank) for rank in batches]
     print(f"\n[sft ddp] targets per rank {targets}; max |update + grad| {diff:.2e}; naive rule off by "
-          f"{control:.2e}; trained update vs naive {_max_diff(update, naive):.2e}; loss {float(loss.detach()):.5f}, "
+          f"{control:.2e}; trained update vs naive {grad_diff(update, naive):.2e}; loss {float(loss.detach()):.5f}, "
           f"logged {logged}")
     assert diff <= 1e-5, diff
     assert all(x == pytest.approx(float(loss.detach()), rel=1e-5) for x in logged), (float(loss.detach()), logged)
     assert targets[0] != targets[1]
     assert control > 1e-4
-    assert _max_diff(update, naive) > 1e-4
-    assert _max_diff(update, naive) > 100 * max(diff, 1e-7)
+    assert grad_diff(update, naive) > 1e-4
+    assert grad_diff(update, naive) > 100 * max(diff, 1e-7)

@@ -172,6 +172,13 @@ def run_packed(model, ids, pos, seqs, *, grad=True, **kwargs):
     return [x.detach() for x in per_seq], grads
 
 
+def grads_of(model, loss) -> dict[str, torch.Tensor]:
+    """Every parameter's gradient of ``loss`` (the model's gradients zeroed first)."""
+    model.zero_grad()
+    loss.backward()
+    return {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
 def max_diff(a, b) -> float:
     return max(float((x - y).abs().max()) for x, y in zip(a, b, strict=True))
 
