@@ -332,29 +332,46 @@ def _sweep_step(model, batch, size: int | None) -> tuple[torch.Tensor, dict]:
     return got["logits"], got["grads"]
 
 
+def _sweep_batch(model_type: str) -> dict[str, torch.Tensor]:
+    vocab = build_tiny(model_type).config.get_text_config().vocab_size
+    ids, pos, _ = packed_case(vocab, SWEEP_ROWS, seed=0)
+    return {"input_ids": ids, "position_ids": pos, "labels": ids.masked_fill(pos == 0, -100)}
+
+
 def _sweep_worker(rank: int, world: int, tmp: str, port: int, types: list[str]) -> None:
+    """Rank ``r`` runs the one-process reference of every ``world``-th type first (the ranks share that work),
+    then every type split across the ranks; each rank compares the types whose reference it holds."""
     import logging
 
     _init(rank, world, port)
     logging.disable(logging.WARNING)  # the sweep's own models warn about their tiny configs
+    refs: dict[str, tuple | Exception] = {}
+    for model_type in types[rank::world]:
+        try:
+            whole = build_tiny(model_type)
+            padfree.configure_packing(whole)
+            refs[model_type] = _sweep_step(whole, _sweep_batch(model_type), None)
+        except Exception as exc:
+            refs[model_type] = exc
     out = {}
     for model_type in types:
         try:
-            vocab = build_tiny(model_type).config.get_text_config().vocab_size
-            ids, pos, _ = packed_case(vocab, SWEEP_ROWS, seed=0)
-            batch = {"input_ids": ids, "position_ids": pos, "labels": ids.masked_fill(pos == 0, -100)}
-            if rank == 0:  # the reference, one process, the whole row (rank 1 waits in the next collective)
-                whole = build_tiny(model_type)
-                padfree.configure_packing(whole)
-                ref = _sweep_step(whole, batch, None)
             model = build_tiny(model_type)
             padfree.configure_packing(model, sequence_parallel=world)
-            logits, grads = _sweep_step(model, batch, world)
-            if rank == 0:
-                out[model_type] = ("exact", _diff(logits, ref[0]), _grad_diff(grads, ref[1]))
+            logits, grads = _sweep_step(model, _sweep_batch(model_type), world)
+            verdict: tuple = ("exact", logits, grads)
         except Exception as exc:
-            out[model_type] = ("refused" if isinstance(exc, UnsupportedModelError) else "error",
-                               type(exc).__name__, str(exc))
+            verdict = ("refused" if isinstance(exc, UnsupportedModelError) else "error", type(exc).__name__,
+                       str(exc))
+        ref = refs.get(model_type)
+        if ref is None:
+            continue  # another rank holds its reference
+        if isinstance(ref, Exception):
+            out[model_type] = ("error", type(ref).__name__, f"the whole row in one process: {ref}")
+        elif verdict[0] == "exact":
+            out[model_type] = ("exact", _diff(verdict[1], ref[0]), _grad_diff(verdict[2], ref[1]))
+        else:
+            out[model_type] = verdict
     with open(f"{tmp}/rank{rank}.pkl", "wb") as f:
         pickle.dump(out, f)
 
@@ -385,7 +402,9 @@ def test_every_type_the_table_proves_exact_splits_exactly_or_is_refused_by_name(
     if table["transformers"] != transformers.__version__:
         pytest.skip("the support table was proven on another transformers")
     types = sorted(t for t, entry in table["types"].items() if entry.get("verdict") == "exact")
-    results = run_ranks(_sweep_worker, tmp_path, free_port(), types, world=2, deadline=600)[0]
+    results = {k: v for rank in run_ranks(_sweep_worker, tmp_path, free_port(), types, world=2, deadline=600)
+               for k, v in rank.items()}
+    assert sorted(results) == types
     errors = {t: r for t, r in results.items() if r[0] == "error"}
     assert not errors, errors  # anything but a named refusal is a bug
     worst = {t: r for t, r in results.items() if r[0] == "exact" and max(r[1], r[2]) > 1e-5}
