@@ -17,12 +17,17 @@ from pathlib import Path
 
 import pytest
 
+torch = pytest.importorskip("torch")
+
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 TIMEOUT = 600
 
 # what every example imports, imported once here so that the forked scripts start warm
 pytest.importorskip("trl")
 import padfree.integrations.trl  # noqa: E402, F401
+
+# one torch thread in this process before it forks: a child of a process whose OpenMP pool has run stalls in it
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _child(script: Path, args: tuple[str, ...], out: int, err: int) -> None:
@@ -32,6 +37,7 @@ def _child(script: Path, args: tuple[str, ...], out: int, err: int) -> None:
     sys.stdout = open(1, "w", buffering=1, closefd=False)  # noqa: SIM115 - the process ends with os._exit
     sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
     os.environ.update(OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+    torch.set_num_threads(1)  # what OMP_NUM_THREADS=1 gives a fresh interpreter
     sys.argv = [str(script), *args]
     code = 0
     try:
