@@ -200,7 +200,7 @@ def test_trainer_sequence_parallel_trains_and_evaluates_a_hybrid_as_one_process(
 
 
 def test_sequence_parallel_settings_are_checked_before_training():
-    with pytest.raises(padfree.InvalidArgumentError, match="padfree_sequence_parallel must be an int >= 1 "):
+    with pytest.raises(padfree.InvalidArgumentError, match="padfree_sequence_parallel must be an integer >= 1, got 0"):
         padfree.Trainer(model=vocab_llama(64), args=transformers.TrainingArguments("unused", use_cpu=True,
                                                                             report_to="none"),
                         padfree_sequence_parallel=0)

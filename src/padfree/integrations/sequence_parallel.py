@@ -21,6 +21,7 @@ from typing import Any
 from padfree.errors import InvalidArgumentError
 from padfree.model.state import packing_state
 from padfree.model.wrappers import unwrap_model
+from padfree.packing.inputs import as_int
 from padfree.sequence_parallel import SequenceParallel
 
 __all__ = ["group_of", "loaders_for_group", "sequence_parallel_size"]
@@ -34,12 +35,8 @@ def group_of(model: Any) -> SequenceParallel | None:
 
 
 def sequence_parallel_size(value: Any, name: str) -> int:
-    """``value`` as a sequence-parallel size: an int >= 1 (None: 1)."""
-    if value is None:
-        return 1
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise InvalidArgumentError(f"{name} must be an int >= 1 (the ranks that split one row), got {value!r}")
-    return value
+    """``value`` as a sequence-parallel size: the ranks that split one row, an integer >= 1 (None: 1)."""
+    return 1 if value is None else as_int(value, name, minimum=1)
 
 
 def _prepare(accelerator: Any, sp: SequenceParallel, data_loader: Any, device_placement: Any = None,

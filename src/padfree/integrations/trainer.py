@@ -130,6 +130,12 @@ class PadfreeTrainerMixin:
 
         return group_of(getattr(self, "model", None))
 
+    def _padfree_data_replicas(self, processes: int) -> int:
+        """How many different batches ``processes`` ranks load: all of them, or under padfree's sequence
+        parallelism one per group (its ranks load the same ones)."""
+        sp = self._padfree_sp()
+        return processes if sp is None else processes // sp.size
+
     def _prepare_inputs(self, inputs: Any) -> Any:
         """The Trainer's device placement, then, under sequence parallelism, this rank's slice of the batch (its
         tokens, the row's positions, labels shifted across the slice edges); a slice is never split twice."""
@@ -149,9 +155,7 @@ class PadfreeTrainerMixin:
 
     def get_total_train_batch_size(self, args: Any) -> int:
         """The Trainer's count of samples per optimizer step, over padfree's sequence-parallel group too."""
-        total = super().get_total_train_batch_size(args)
-        sp = self._padfree_sp()
-        return total if sp is None else max(total // sp.size, 1)
+        return max(self._padfree_data_replicas(super().get_total_train_batch_size(args)), 1)
 
     def get_batch_samples(self, epoch_iterator: Any, num_batches: int, device: Any) -> tuple[list, Any]:
         if self.padfree_loss is None:
@@ -289,8 +293,7 @@ class PadfreeTrainerMixin:
         if not getattr(acc, "even_batches", True):
             return None
         rows = len(dataloader.dataset) if hasattr(getattr(dataloader, "dataset", None), "__len__") else None
-        sp = self._padfree_sp()  # the ranks of a sequence-parallel group share their batches
-        per_round = acc.num_processes // (1 if sp is None else sp.size) * self.args.eval_batch_size
+        per_round = self._padfree_data_replicas(acc.num_processes) * self.args.eval_batch_size
         if rows is not None and rows % per_round == 0:
             return None
         # accelerate evens the ranks' last batches by repeating rows from the start: their losses would count twice
@@ -329,12 +332,11 @@ class PadfreeTrainerMixin:
         :attr:`PackingStatus.balance` says (None where there is nothing to balance: one process, other data)."""
         args = self.args
         processes = int(getattr(args, "world_size", 1) or 1)
-        sp = self._padfree_sp()  # the ranks of a sequence-parallel group train the same batches: deal to the groups
-        world = processes // (1 if sp is None else sp.size)
+        world = self._padfree_data_replicas(processes)  # under sequence parallelism: deal to the groups
         kind = self._padfree_balance_kind()
         if world <= 1 or kind is None:
             return False, None
-        where = f"{world} ranks" if sp is None else f"{world} data-parallel groups"
+        where = f"{world} ranks" if self._padfree_sp() is None else f"{world} data-parallel groups"
         default = f"the Trainer's sampler shards {'rows' if kind == 'rows' else 'samples'} by count"
         if not self.padfree_balance:
             return False, f"not balanced across {where} (padfree_balance=False): {default}"
@@ -372,10 +374,10 @@ class PadfreeTrainerMixin:
 
         args = self.args
         seed = args.data_seed if getattr(args, "data_seed", None) is not None else args.seed
-        sp = self._padfree_sp()  # a sequence-parallel group is one replica: its ranks load the same micro-batches
-        replicas = self.accelerator.num_processes // (1 if sp is None else sp.size)
-        common = {"num_replicas": replicas, "all_ranks": True, "micro_batch_size": mbs,
-                  "seed": seed, "remainder": "drop" if args.dataloader_drop_last else "repeat"}
+        # a sequence-parallel group is one replica: its ranks load the same micro-batches
+        common = {"num_replicas": self._padfree_data_replicas(self.accelerator.num_processes), "all_ranks": True,
+                  "micro_batch_size": mbs, "seed": seed,
+                  "remainder": "drop" if args.dataloader_drop_last else "repeat"}
         if self._padfree_balance_kind() == "rows":
             sampler = DistributedPackedBatchSampler.from_rows(dataset, **common)
         else:

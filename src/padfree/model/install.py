@@ -396,25 +396,21 @@ def install_packing(model: Any, *, backend: str = "auto", strict: bool = True, s
         warnings.warn(f"padfree: {type(model).__name__} is only partly packing-exact: {what}", stacklevel=2)
 
     register_backends()
+    state.previous = (config._attn_implementation if attention else None, getattr(config, "use_cache", None))
+    if attention:
+        model.set_attn_implementation(name)
+        if sp is not None and config._attn_implementation != name:  # checked before any hook is installed
+            _uninstall_families(model)
+            raise UnsupportedModelError(
+                f"cannot split {type(model).__name__} across ranks: its attention implementation cannot be switched "
+                f"to padfree's (it stays {config._attn_implementation!r}), so attention would run over each rank's "
+                f"slice alone")
     for _, module in attention:  # the layout of the forward in flight, for layers that drop their kwargs
         setattr(module, OWNER_ATTR, state)
         if sp is not None:  # a slice's attention must go through padfree's split function, or it sees the slice only
             state.handles += _sharded_attention_guard(module)
     state.report = report
     state.sp = sp
-    state.previous = (config._attn_implementation if attention else None, getattr(config, "use_cache", None))
-    if attention:
-        model.set_attn_implementation(name)
-        if sp is not None and config._attn_implementation != name:
-            for handle in state.handles:
-                handle.remove()
-            for _, module in attention:
-                module.__dict__.pop(OWNER_ATTR, None)
-            _uninstall_families(model)
-            raise UnsupportedModelError(
-                f"cannot split {type(model).__name__} across ranks: its attention implementation cannot be switched "
-                f"to padfree's (it stays {config._attn_implementation!r}), so attention would run over each rank's "
-                f"slice alone")
     config.use_cache = False
     # The hook goes on the decoder, which receives position_ids from every registered *ForCausalLM and hands its
     # keyword arguments down to the attention layers (see _route for the models hooked at the top instead).
