@@ -22,7 +22,8 @@ import torch.multiprocessing as mp
 
 def run_ranks(fn: Callable[..., None], tmp: Path, *args: Any, world: int = 2, deadline: float = 150) -> list[Any]:
     """Run ``fn(rank, world, str(tmp), *args)`` on ``world`` forked processes; fail if they are not done in time."""
-    ctx = mp.start_processes(fn, args=(world, str(tmp), *args), nprocs=world, join=False, start_method="fork")
+    ctx = mp.start_processes(_run_then_wait, args=(fn, world, str(tmp), *args), nprocs=world, join=False,
+                             start_method="fork")
     end = time.monotonic() + deadline
     while not ctx.join(timeout=0.5):
         if time.monotonic() > end:
@@ -30,6 +31,20 @@ def run_ranks(fn: Callable[..., None], tmp: Path, *args: Any, world: int = 2, de
                 p.terminate()
             pytest.fail(f"the {world}-process gloo run did not finish within {deadline:.0f} s (a hang)")
     return [pickle.loads((Path(tmp) / f"rank{r}.pkl").read_bytes()) for r in range(world)]
+
+
+def _run_then_wait(rank: int, fn: Callable[..., None], world: int, tmp: str, *args: Any) -> None:
+    """``fn`` on this rank; then, if it set up a process group, wait for every rank before leaving it.
+
+    A rank that left early took its end of the store with it (rank 0 hosts the TCP store) while another was still
+    building a group of its own (a DeviceMesh's sub-groups): that rank then failed with 'connection reset by peer'.
+    """
+    import torch.distributed as dist
+
+    fn(rank, world, tmp, *args)
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 def free_port() -> int:
