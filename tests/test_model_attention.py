@@ -293,21 +293,60 @@ def test_varlen_refuses_what_varlen_attn_does_not_offer(option):
         _packed_call("padfree_varlen", **option)
 
 
-@pytest.mark.xfail(strict=True, reason="bug in padfree.model.attention: the registered attention function drops a "
-                   "non-None attention_mask handed to it positionally next to the layout (a random additive bias "
-                   "leaves the output bit-identical), while the same tensor as a keyword of packed_forward is refused; "
-                   "a model that folds a bias into its own mask (the mask functions return None in a packed forward, "
-                   "so any mask that arrives was built by the model) would be computed without it")
-def test_a_mask_handed_to_the_registered_function_next_to_the_layout_is_refused():
+def test_a_mask_handed_to_the_registered_function_in_a_packed_forward_is_refused():
+    """In a packed forward padfree's mask functions build nothing, so a mask that reaches the attention function was
+    built by the model itself (a bias, say): next to the layout the packed path would drop it, without the layout
+    the base backend would apply it across the whole row. Both are refused; unpacked, the mask is the base's."""
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     register_backends()
     seg, _ = segments_of(ROWS, WIDTH)
     q, k, v = qkv(2)
     bias = torch.randn(2, 1, WIDTH, WIDTH, generator=torch.Generator().manual_seed(3))
-    with pytest.raises(PackingDisabledError, match="attention_mask"):
-        ALL_ATTENTION_FUNCTIONS["padfree_sdpa"](attention_module(), q, k, v, bias,
-                                                **{LAYOUT_KWARG: PackedLayout.from_segment_ids(seg)})
+    module = attention_module()
+    for name in ("padfree_sdpa", "padfree_eager"):
+        fn = ALL_ATTENTION_FUNCTIONS[name]
+        with pytest.raises(PackingDisabledError, match=r"LlamaAttention was handed an attention mask its model "
+                                                       r"built itself \(a float32 tensor of shape \(2, 1, 47, 47\)"):
+            fn(module, q, k, v, bias, **{LAYOUT_KWARG: PackedLayout.from_segment_ids(seg)})
+        token = PACKED_FORWARD.set(True)
+        try:
+            with pytest.raises(PackingDisabledError, match="handed an attention mask its model built itself"):
+                fn(module, q, k, v, bias)
+        finally:
+            PACKED_FORWARD.reset(token)
+        base = F.scaled_dot_product_attention(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1),
+                                              attn_mask=bias).transpose(1, 2)
+        assert (fn(module, q, k, v, bias, scaling=DIM ** -0.5)[0] - base).abs().max() < TOL
+
+
+def test_a_model_that_hands_its_attention_a_mask_of_its_own_is_refused_when_packed():
+    """A real model whose attention module is handed a bias the model built (as a model folding a bias into its
+    mask would): its packed forward is refused by name, its unpacked forward applies the bias."""
+    from padfree import configure_packing
+
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**_SIZES, num_key_value_heads=2)).eval()
+    configure_packing(model)
+    attn = model.model.layers[1].self_attn
+    own = attn.forward
+
+    def with_a_bias(hidden_states, position_embeddings, attention_mask=None, **kwargs):
+        width = hidden_states.shape[1]
+        bias = torch.zeros(hidden_states.shape[0], 1, width, width).masked_fill(
+            torch.ones(width, width, dtype=torch.bool).triu(1), float("-inf"))
+        bias[..., 0] = -2.0  # every query leans away from the row's first token
+        return own(hidden_states, position_embeddings, attention_mask=bias, **kwargs)
+
+    attn.forward = with_a_bias
+    ids = torch.arange(1, 10).unsqueeze(0)
+    with torch.no_grad():
+        with pytest.raises(PackingDisabledError, match=r"LlamaAttention was handed an attention mask its model built "
+                                                       r"itself .* needs a padfree family for LlamaAttention"):
+            model(input_ids=ids, position_ids=torch.tensor([[0, 1, 2, 3, 0, 1, 2, 3, 4]]))
+        biased = model(input_ids=ids).logits  # one sequence, unpacked: transformers' own path, the bias applied
+        attn.forward = own
+        plain = model(input_ids=ids).logits
+    assert (biased - plain).abs().max() > 1e-3
 
 
 def test_the_backend_table():

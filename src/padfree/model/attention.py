@@ -288,10 +288,20 @@ def _owner_layout(module: torch.nn.Module, query: torch.Tensor) -> PackedLayout 
 def _attention_function(backend: Backend) -> Callable:
     def attention(module, query, key, value, attention_mask, **kwargs):
         lay = kwargs.pop(LAYOUT_KWARG, None)
+        if attention_mask is not None and (lay is not None or PACKED_FORWARD.get()):
+            # padfree's mask functions build no mask in a packed forward, so this one was built by the model
+            # itself (a bias, a window, a causal mask over the whole row): the packed path would drop it, the
+            # base backend would apply it across the row's sequences
+            raise PackingDisabledError(
+                f"{type(module).__name__} was handed an attention mask its model built itself "
+                f"({_what_mask(attention_mask)}) in a packed forward; padfree's packed attention applies the row's "
+                f"boundaries, not a mask, and would drop what this one adds; this model needs a padfree family for "
+                f"{type(module).__name__}"
+            )
         if lay is None and attention_mask is None:
             lay = _owner_layout(module, query)
         if lay is None:
-            if attention_mask is None and PACKED_FORWARD.get():
+            if PACKED_FORWARD.get():
                 # the layout got lost on the way down (a decoder layer that does not pass its keyword arguments
                 # on): the base backend would attend causally across the whole packed row
                 raise PackingDisabledError(
@@ -309,6 +319,13 @@ def _attention_function(backend: Backend) -> Callable:
     attention.__name__ = attention.__qualname__ = f"{backend.name}_attention"
     attention.__doc__ = f"padfree attention '{backend.name}': {backend.doc}; unpacked calls go to '{backend.base}'."
     return attention
+
+
+def _what_mask(mask: Any) -> str:
+    """A mask described for a refusal: a tensor by its dtype and shape, anything else (a BlockMask) by its type."""
+    if isinstance(mask, torch.Tensor):
+        return f"a {str(mask.dtype).removeprefix('torch.')} tensor of shape {tuple(mask.shape)}"
+    return f"a {type(mask).__name__}"
 
 
 def _mask_function(backend: Backend) -> Callable:
