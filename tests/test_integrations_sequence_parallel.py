@@ -13,6 +13,7 @@ it: its update and its ``eval_loss`` equal the single-process ones.
 
 from __future__ import annotations
 
+import itertools
 import pickle
 
 import pytest
@@ -63,13 +64,14 @@ _SGD = dict(per_device_train_batch_size=1, gradient_accumulation_steps=2, max_st
             use_cpu=True, report_to="none", save_strategy="no", logging_steps=1, disable_tqdm=True, seed=0)
 
 
-def _sft_worker(rank: int, world: int, tmp: str, port: int, tok) -> None:
+def _sft_worker(rank: int, world: int, tmp: str, port: int, tok, rule: str = "token", config: dict | None = None
+                ) -> None:
     import warnings
 
     warnings.filterwarnings("ignore")
     as_launched_rank(rank, world, port)
     args = SFTConfig(output_dir=f"{tmp}/out", packing=True, max_length=MAX_LENGTH, padfree_sequence_parallel=2,
-                     activation_checkpointing=False, **_SGD)
+                     activation_checkpointing=False, padfree_loss=rule, **_SGD, **(config or {}))
     model = vocab_llama(len(tok))
     trainer = _recording(SFTTrainer)(model=model, args=args, train_dataset=_dataset(), processing_class=tok)
     trainer.seen = []
@@ -90,13 +92,26 @@ def sft_ranks(tmp_path_factory, tok):
     return run_ranks(_sft_worker, tmp, free_port(), tok, world=4, deadline=DEADLINE)
 
 
-def _step_loss(model, batches: list[dict]) -> torch.Tensor:
-    """Σ token losses / Σ targets over ``batches``, each packed row run whole in this process."""
+def _step_loss(model, batches: list[dict], rule: str = "token", halves: bool = False) -> torch.Tensor:
+    """Over ``batches``, each packed row run whole in this process: Σ token losses / Σ targets (``"token"``), or
+    the mean over the sequences of their mean token loss (``"sequence"``, written out sequence by sequence; with
+    ``halves``, the targets of a sequence's tokens on either side of the row's 2-rank slice edge are two sequences:
+    the control)."""
     total, count = 0.0, 0
     for b in batches:
         logits = model(input_ids=b["input_ids"], position_ids=b["position_ids"], use_cache=False).logits
-        loss, mask = token_losses(logits, b)
-        total, count = total + loss.sum(), count + int(mask.sum())
+        loss, mask = token_losses(logits, b)  # (rows, T - 1): the loss of token t's target at t
+        if rule == "token":
+            total, count = total + loss.sum(), count + int(mask.sum())
+            continue
+        cut = -(-b["input_ids"].shape[1] // 2) if halves else None
+        for row in range(loss.shape[0]):
+            starts = [*torch.nonzero(b["position_ids"][row] == 0).flatten().tolist(), loss.shape[1] + 1]
+            for lo, hi in itertools.pairwise(starts):  # tokens [lo, hi): targets at [lo, hi - 1)
+                edges = [lo, *([cut] if cut is not None and lo < cut < hi - 1 else []), hi - 1]
+                for a, z in itertools.pairwise(edges):
+                    if mask[row, a:z].any():
+                        total, count = total + loss[row, a:z][mask[row, a:z]].mean(), count + 1
     return total / count
 
 
@@ -141,6 +156,30 @@ def test_sft_sequence_parallel_2_by_data_parallel_2_equals_the_single_process_st
     assert all(r["logged"] == pytest.approx(float(loss.detach()), rel=1e-5) for r in ranks)
 
 
+@pytest.mark.slow
+def test_sft_sequence_parallel_with_the_per_sequence_rule_equals_the_single_process_step(tmp_path, tok):
+    """``padfree_loss="sequence"`` through TRL's fused head on 2 ranks: every sequence's mean over its targets on
+    both slices, as one process computes it; the control counts each slice's part of a sequence as one. (Prompts
+    are trained too, so that a sequence with targets crosses every slice edge.)"""
+    vocab_llama(len(tok))
+    ranks = run_ranks(_sft_worker, tmp_path, free_port(), tok, "sequence", {"completion_only_loss": False}, world=2,
+                      deadline=DEADLINE)
+    batches = [m["batch"] for m in ranks[0]["seen"]]
+    assert len(batches) == 2 and all(_same(x["batch"], y["batch"]) for x, y in zip(ranks[0]["seen"],
+                                                                                   ranks[1]["seen"], strict=True))
+    model = vocab_llama(len(tok))
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    update = {n: before[n] - ranks[0]["params"][n] for n in before}
+    padfree.configure_packing(model)
+    true = grads_of(model, _step_loss(model, batches, "sequence"))
+    diff = grad_diff(update, true)
+    control = grads_of(model, _step_loss(model, batches, "sequence", halves=True))
+    print(f"\n[sft sp2, sequence rule] max |update + grad| {diff:.2e}; control off by {grad_diff(control, true):.2e}")
+    assert grad_diff(ranks[1]["params"], ranks[0]["params"]) == 0.0
+    assert diff <= 1e-5, diff
+    assert grad_diff(control, true) > 100 * max(diff, 1e-7)
+
+
 # ---- padfree.Trainer: a hybrid, gradient accumulation, evaluation ------------------------------------------------
 
 
@@ -152,7 +191,7 @@ def _rows(seed: int, n: int) -> datasets.Dataset:
     return padfree.pack_for_trainer({"input_ids": seqs}, 96).select(range(n))
 
 
-def _hybrid_worker(rank: int, world: int, tmp: str, port: int) -> None:
+def _hybrid_worker(rank: int, world: int, tmp: str, port: int, rule: str) -> None:
     import warnings
 
     warnings.filterwarnings("ignore")
@@ -160,7 +199,8 @@ def _hybrid_worker(rank: int, world: int, tmp: str, port: int) -> None:
     model = tiny_model("qwen3_5_text")
     args = transformers.TrainingArguments(output_dir=f"{tmp}/out", per_device_eval_batch_size=1, **_SGD)
     trainer = _recording(padfree.Trainer)(model=model, args=args, train_dataset=_rows(0, 2), eval_dataset=_rows(1, 3),
-                                          data_collator=padfree.PackedRowsCollator(), padfree_sequence_parallel=2)
+                                          data_collator=padfree.PackedRowsCollator(), padfree_sequence_parallel=2,
+                                          padfree_loss=rule)
     trainer.seen = []
     trainer.train()
     metrics = trainer.evaluate()
@@ -171,9 +211,13 @@ def _hybrid_worker(rank: int, world: int, tmp: str, port: int) -> None:
 
 
 @pytest.mark.slow
-def test_trainer_sequence_parallel_trains_and_evaluates_a_hybrid_as_one_process(tmp_path):
+@pytest.mark.parametrize("rule", ["token", "sequence"])
+def test_trainer_sequence_parallel_trains_and_evaluates_a_hybrid_as_one_process(tmp_path, rule):
+    """Both loss rules; under ``"sequence"`` a sequence's mean is over its targets on both ranks (a sequence of
+    these rows crosses the slice edge), which the control — each slice's part of a sequence counted as one —
+    misses."""
     tiny_model("qwen3_5_text")  # warm-up that the forked children inherit
-    ranks = run_ranks(_hybrid_worker, tmp_path, free_port(), world=2, deadline=DEADLINE)
+    ranks = run_ranks(_hybrid_worker, tmp_path, free_port(), rule, world=2, deadline=DEADLINE)
     assert "sequence parallel over 2 ranks" in ranks[0]["status"]
     assert all(_same(x["batch"], y["batch"]) for x, y in zip(ranks[0]["seen"], ranks[1]["seen"], strict=True))
     batches = [m["batch"] for m in ranks[0]["seen"]]
@@ -181,18 +225,21 @@ def test_trainer_sequence_parallel_trains_and_evaluates_a_hybrid_as_one_process(
     model = tiny_model("qwen3_5_text")
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     padfree.configure_packing(model)
-    true = grads_of(model, _step_loss(model, batches))
+    true = grads_of(model, _step_loss(model, batches, rule))
     update = {n: before[n] - ranks[0]["params"][n] for n in before}
     assert grad_diff(ranks[1]["params"], ranks[0]["params"]) == 0.0
     diff = grad_diff(update, true)
+    if rule == "sequence":  # control: each slice's part of a sequence counted as a sequence of its own
+        control = grads_of(model, _step_loss(model, batches, rule, halves=True))
+        assert grad_diff(control, true) > 100 * max(diff, 1e-7)
     # the eval set's loss rule over its 3 packed rows, run whole in this process with the trained weights
     model.load_state_dict(ranks[0]["params"])
     collate = padfree.PackedRowsCollator()
     with torch.no_grad():
         evals = [collate([row]) for row in _rows(1, 3)]
-        eval_loss = float(_step_loss(model, evals))
-    print(f"\n[trainer sp2 hybrid] max |update + grad| {diff:.2e}; eval_loss {ranks[0]['eval_loss']:.6f} vs "
-          f"{eval_loss:.6f}")
+        eval_loss = float(_step_loss(model, evals, rule))
+    print(f"\n[trainer sp2 hybrid, {rule} rule] max |update + grad| {diff:.2e}; eval_loss "
+          f"{ranks[0]['eval_loss']:.6f} vs {eval_loss:.6f}")
     assert diff <= 1e-5, diff
     assert grad_diff(update, {n: torch.zeros_like(v) for n, v in update.items()}) > 1e-3
     assert ranks[0]["eval_loss"] == pytest.approx(eval_loss, rel=1e-5)
@@ -204,10 +251,6 @@ def test_sequence_parallel_settings_are_checked_before_training():
         padfree.Trainer(model=vocab_llama(64), args=transformers.TrainingArguments("unused", use_cpu=True,
                                                                             report_to="none"),
                         padfree_sequence_parallel=0)
-    with pytest.raises(padfree.InvalidArgumentError, match="padfree_loss='sequence' with sequence parallelism"):
-        padfree.Trainer(model=vocab_llama(64), args=transformers.TrainingArguments("unused", use_cpu=True,
-                                                                            report_to="none"),
-                        padfree_sequence_parallel=2, padfree_loss="sequence")
     with pytest.raises(padfree.InvalidArgumentError, match=r"needs torch\.distributed initialised"):
         padfree.Trainer(model=vocab_llama(64), args=transformers.TrainingArguments("unused", use_cpu=True,
                                                                             report_to="none"),

@@ -6,6 +6,8 @@ refused by name. (The exchanges and the model run on real gloo ranks: ``test_mod
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -61,6 +63,73 @@ def test_the_slices_hold_every_token_once_with_the_rows_positions_and_labels_shi
     assert "labels" not in parts[0] and "attention_mask" not in parts[0]
     # split again: a slice is never cut twice
     assert split_rows(parts[0], size=size, rank=0) is parts[0]
+
+
+def _per_sequence_total(losses: torch.Tensor, batch: dict) -> tuple[float, int]:
+    """Σ over the batch's sequences of their mean target loss, and how many sequences have a target, written out
+    sequence by sequence (``losses`` aligned with ``labels``: the loss of predicting token t at t)."""
+    total, count = 0.0, 0
+    for b in range(batch["input_ids"].shape[0]):
+        starts = [*torch.nonzero(batch["position_ids"][b] == 0).flatten().tolist(), batch["input_ids"].shape[1]]
+        for lo, hi in itertools.pairwise(starts):
+            scored = batch["labels"][b, lo:hi] != -100
+            if scored.any():
+                total += float(losses[b, lo:hi][scored].double().mean())
+                count += 1
+    return total, count
+
+
+@settings(max_examples=40, deadline=None)
+@given(rows=st.lists(st.lists(st.integers(1, 12), min_size=1, max_size=5), min_size=1, max_size=3),
+       size=st.integers(2, 5), seed=st.integers(0, 3))
+def test_the_per_sequence_loss_of_the_slices_adds_up_to_the_rows(rows, size, seed):
+    """The per-sequence rule on slices: each slice weighs its token losses by its sequences' targets over the whole
+    row (``target_weights``), its share of the sequences is the sum of its weights, and over the slices both add up
+    to the rows' sum of sequence means and their sequence count. A plain copy of a slice (no whole-row weights)
+    counts each slice's part of a sequence as a sequence of its own."""
+    from padfree.integrations.step_loss import count_loss_items, loss_count, reduce_loss, sequence_weights
+
+    batch = _row_batch(rows, seed)
+    batch["labels"][torch.rand(batch["labels"].shape, generator=torch.Generator().manual_seed(seed)) < 0.2] = -100
+    losses = torch.rand(batch["labels"].shape, generator=torch.Generator().manual_seed(seed + 1)) + 0.1
+    want, sequences = _per_sequence_total(losses, batch)
+    assert count_loss_items(batch)[1] == sequences
+    width = batch["input_ids"].shape[1]
+    padded = -(-width // size) * size
+    shifted = torch.nn.functional.pad(losses[:, 1:], (0, padded - width + 1))  # the loss of t's target, at t
+    parts = [split_rows(batch, size=size, rank=r) for r in range(size)]
+    got, share, copied = 0.0, 0.0, 0.0
+    for r, part in enumerate(parts):
+        mine = shifted[:, r * (padded // size):(r + 1) * (padded // size)]
+        mask = part["shift_labels"] != -100
+        count = loss_count(part, "sequence")
+        got += float(reduce_loss(mine * mask, mask, part, "sequence", None, shifted=False)) * float(count)
+        share += float(count)
+        copied += float(loss_count(dict(part), "sequence"))  # a plain copy: its own sequences, counted locally
+    assert got == pytest.approx(want, rel=1e-5, abs=1e-6)
+    assert share == pytest.approx(sequences, rel=1e-6)
+    whole = torch.nn.functional.pad(sequence_weights(batch)[:, 1:], (0, padded - width + 1))
+    assert torch.allclose(_join([{"w": sequence_weights(p)} for p in parts], "w"), whole)
+    # control: where a sequence has targets on two slices, counting each slice's part as a sequence overcounts
+    seq = (batch["position_ids"] == 0).cumsum(1)
+    target = batch["labels"][:, 1:] != -100  # the target of token t, at t
+    slices = {(b, int(seq[b, t])): set() for b, t in zip(*torch.nonzero(target).T.tolist(), strict=True)}
+    for b, t in zip(*torch.nonzero(target).T.tolist(), strict=True):
+        slices[b, int(seq[b, t])].add(t // (padded // size))
+    parts_of_sequences = sum(len(v) for v in slices.values())
+    assert copied == parts_of_sequences and (parts_of_sequences > sequences) == any(len(v) > 1 for v in
+                                                                                      slices.values())
+
+
+def test_a_target_never_crosses_a_sequence_boundary():
+    """Labels that do not mask a sequence's first token: the slice's shifted labels still give the previous
+    sequence's last token no target (its next token is another sequence's)."""
+    batch = _row_batch([[3, 4, 2]])
+    batch["labels"] = batch["input_ids"].clone()  # every token a label, first tokens included
+    parts = [split_rows(batch, size=2, rank=r) for r in range(2)]
+    shift = _join(parts, "shift_labels")[0]
+    assert shift.tolist() == [*batch["input_ids"][0, 1:3].tolist(), -100, *batch["input_ids"][0, 4:7].tolist(), -100,
+                              batch["input_ids"][0, 8].tolist(), -100, -100]  # the last: the row's padding
 
 
 def test_every_boundary_spelling_gives_the_same_slices():

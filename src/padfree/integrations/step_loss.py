@@ -46,6 +46,7 @@ __all__ = [
     "LOSS_MODES",
     "count_loss_items",
     "count_loss_tensors",
+    "loss_count",
     "reduce_loss",
     "refuse_with_own_nll",
     "scored_labels",
@@ -134,10 +135,32 @@ def _target_sequences(batch: Mapping[str, Any], shape: torch.Size, shifted: bool
     return (seq[:, 1:] if shifted else seq.reshape(shape)), seq.numel()
 
 
+def loss_count(batch: Mapping[str, Any], mode: str) -> torch.Tensor:
+    """``()`` float64: what the loss rule divides a batch's loss sum by when the batch stands alone — its targets
+    (``"token"``) or its sequences with a target (``"sequence"``). A sequence-parallel slice holds a share of its
+    sequences: the sum of its ``target_weights`` (the shares of a row's slices add up to the row's count)."""
+    weights = _row_weights(batch)
+    if mode == "sequence" and weights is not None:
+        return weights.sum(dtype=torch.float64)
+    return count_loss_tensors(batch)[0 if mode == "token" else 1].to(torch.float64)
+
+
+def _row_weights(batch: Mapping[str, Any]) -> torch.Tensor | None:
+    """The whole row's per-target sequence weights a sequence-parallel slice carries (``target_weights``, aligned
+    with its ``shift_labels``); None for any other batch. A slice cannot tell them itself: its sequences continue on
+    other ranks."""
+    weights = getattr(batch, "target_weights", None)
+    return weights if isinstance(weights, torch.Tensor) and batch.get("shift_labels") is not None else None
+
+
 def sequence_weights(batch: Mapping[str, Any]) -> torch.Tensor:
     """Floats shaped like the batch's labels (``labels`` or ``shift_labels``): ``1 / (targets of its sequence)``
     for every label that is a target, 0 elsewhere — the weights that make a sum of token losses the sum of the
-    sequences' mean losses (the ``"sequence"`` rule, before its division by the sequence count)."""
+    sequences' mean losses (the ``"sequence"`` rule, before its division by the sequence count). A
+    sequence-parallel slice's come with it, counted over the whole row."""
+    weights = _row_weights(batch)
+    if weights is not None:
+        return weights
     targets, shifted = scored_labels(batch)
     mask = targets != IGNORE_INDEX
     seq, slots = _target_sequences(batch, targets.shape, shifted)
@@ -172,7 +195,9 @@ def reduce_loss(token_loss: torch.Tensor, mask: torch.Tensor, batch: Mapping[str
 
     Args:
         token_loss, mask: from :func:`token_losses`.
-        batch: the model inputs the losses came from (``position_ids`` tell the sequences apart).
+        batch: the model inputs the losses came from (``position_ids`` tell the sequences apart; a
+            sequence-parallel slice's ``target_weights`` weigh its token losses by their sequences' whole-row
+            targets).
         mode: one of :data:`LOSS_MODES`.
         denominator: the step's count over the world size, or None.
         shifted: the losses are of ``labels[:, 1:]`` (False: of ``shift_labels``).
@@ -180,9 +205,13 @@ def reduce_loss(token_loss: torch.Tensor, mask: torch.Tensor, batch: Mapping[str
     Returns:
         ``()`` — the micro-batch's share of the step's loss.
     """
+    weights = _row_weights(batch) if mode == "sequence" else None
     if mode == "token":
         total = token_loss.sum()
         count = mask.sum()
+    elif weights is not None:  # a slice of a row: its sequences' targets counted over the whole row
+        total = (token_loss * weights.to(token_loss.dtype)).sum()
+        count = weights.sum(dtype=torch.float64)
     else:
         seq, slots = _target_sequences(batch, token_loss.shape, shifted)
         idx = seq.masked_fill(~mask, slots).reshape(-1)
@@ -193,7 +222,10 @@ def reduce_loss(token_loss: torch.Tensor, mask: torch.Tensor, batch: Mapping[str
         count = (counts > 0).sum()
     if denominator is None:
         denominator = count
-    return total / torch.as_tensor(denominator, device=total.device, dtype=total.dtype).clamp(min=1)
+    denominator = torch.as_tensor(denominator, device=total.device, dtype=total.dtype)
+    # a count may be a fraction (a step's count over the world size, a slice's share of its sequences): only an
+    # empty one is replaced, and then the sum it divides is 0 too
+    return total / torch.where(denominator > 0, denominator, torch.ones_like(denominator))
 
 
 def refuse_with_own_nll(what: str, args: Any, compute_loss_func: Any) -> None:

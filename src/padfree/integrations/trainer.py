@@ -25,6 +25,7 @@ from padfree.integrations.status import PACKING, PADDING_FREE, STANDARD, Packing
 from padfree.integrations.step_loss import (
     LOSS_MODES,
     count_loss_tensors,
+    loss_count,
     reduce_loss,
     refuse_with_own_nll,
     sequence_weights,
@@ -136,6 +137,19 @@ class PadfreeTrainerMixin:
         sp = self._padfree_sp()
         return processes if sp is None else processes // sp.size
 
+    def _padfree_slice_checked(self, inputs: Any) -> None:
+        """Under sequence parallelism the per-sequence rule weighs a slice's token losses by its sequences' targets
+        on every rank, which only the slice :meth:`_prepare_inputs` cut carries: refuse inputs that lost it (a plain
+        copy of the dict) rather than count a slice's part of a sequence as a whole one."""
+        if self.padfree_loss != "sequence" or self._padfree_sp() is None:
+            return
+        if getattr(inputs, "target_weights", None) is None and (
+                inputs.get("labels") is not None or inputs.get("shift_labels") is not None):
+            raise InvalidArgumentError(
+                f"padfree_loss='sequence' with sequence parallelism needs the slice _prepare_inputs returns "
+                f"(padfree.sequence_parallel.SequenceParallelSlice, which carries its sequences' whole-row target "
+                f"counts); compute_loss got a {type(inputs).__name__}: pass the inputs on as they are, not a copy")
+
     def _prepare_inputs(self, inputs: Any) -> Any:
         """The Trainer's device placement, then, under sequence parallelism, this rank's slice of the batch (its
         tokens, the row's positions, labels shifted across the slice edges); a slice is never split twice."""
@@ -191,6 +205,7 @@ class PadfreeTrainerMixin:
                 or self.label_smoother is not None or self.compute_loss_func is not None):
             return super().compute_loss(model, inputs, return_outputs=return_outputs,
                                         num_items_in_batch=num_items_in_batch)
+        self._padfree_slice_checked(inputs)
         if self._padfree_fuses(return_outputs):
             return self._padfree_fused(model, inputs, num_items_in_batch)
         model_inputs = {k: v for k, v in inputs.items() if k not in ("labels", "shift_labels")}
@@ -220,7 +235,7 @@ class PadfreeTrainerMixin:
 
         which = 0 if self.padfree_loss == "token" else 1
         denom = self._padfree_denominator(which, num_items_in_batch)
-        count = denom if denom is not None else count_loss_tensors(inputs)[which]
+        count = denom if denom is not None else loss_count(inputs, self.padfree_loss)
         weights = None if which == 0 else sequence_weights(inputs)
         if getattr(self, "aux_loss_enabled", False):  # TRL asks MoE models for their router logits
             inputs = {**inputs, "output_router_logits": True}
@@ -309,8 +324,7 @@ class PadfreeTrainerMixin:
 
     def _padfree_eval_record(self, loss: torch.Tensor, inputs: dict[str, Any]) -> None:
         """Add one eval batch's loss (its own token or sequence mean) back up into a sum and a count."""
-        targets, sequences = count_loss_tensors(inputs)
-        count = (targets if self.padfree_loss == "token" else sequences).to(self._padfree_eval_sums)
+        count = loss_count(inputs, self.padfree_loss).to(self._padfree_eval_sums)
         acc = self._padfree_eval_sums
         acc[0] += loss.detach().to(acc) * count
         acc[1] += count
@@ -505,10 +519,6 @@ def setup_sequence_parallel(model: Any, args: Any, size: int, loss: str | None) 
     group is set up from the launcher's environment through ``args`` first, as the Trainer would."""
     if size <= 1:
         return
-    if loss == "sequence":
-        raise InvalidArgumentError(
-            "padfree_loss='sequence' with sequence parallelism: a sequence's mean spans the slices of several ranks; "
-            "use padfree_loss='token'")
     if not isinstance(args, transformers.TrainingArguments):
         raise InvalidArgumentError(f"sequence parallelism needs the trainer's args (TrainingArguments) to set up "
                                    f"torch.distributed, got {type(args).__name__}")

@@ -387,6 +387,7 @@ class SFTMixin(PadfreeTrainerMixin):
         trl_loss = super(PadfreeTrainerMixin, self).compute_loss  # TRL's (or the user's subclass's) compute_loss
         if self.padfree_loss is None or ("labels" not in inputs and "shift_labels" not in inputs):
             return trl_loss(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
+        self._padfree_slice_checked(inputs)
         if self._padfree_fuses(return_outputs):
             return self._padfree_fused(model, inputs, num_items_in_batch)
         if self.padfree_loss == "token":

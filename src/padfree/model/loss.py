@@ -409,7 +409,8 @@ def causal_lm_loss(
     if reduction == "mean":
         denom = count if num_items_in_batch is None else num_items_in_batch
         denom = denom.to(loss.device) if isinstance(denom, torch.Tensor) else torch.tensor(float(denom))
-        loss = loss / denom.clamp(min=1).to(loss.dtype)
+        denom = denom.to(loss.dtype)
+        loss = loss / torch.where(denom > 0, denom, torch.ones_like(denom))  # a step's count over ranks: a fraction
     aux = getattr(out, "aux_loss", None)
     coef = getattr(base.config, "router_aux_loss_coef", None)
     if aux is not None and coef is not None:  # as the MoE models' own forward adds it when given labels

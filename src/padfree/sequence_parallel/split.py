@@ -7,9 +7,11 @@ slice's ``position_ids`` are the row's own (a slice may start in the middle of a
 gathers them from every rank to rebuild the whole row's layout.
 
 Labels are shifted *before* slicing, exactly as the model would shift the whole row: ``shift_labels[t] =
-labels[t + 1]``, so the target of a slice's last token is the next slice's first token, and the row's last
-position has none. The slice carries ``shift_labels`` instead of ``labels`` (transformers' causal-LM loss, TRL's
-fused head and padfree's loss rule all read them), so nothing shifts again inside a slice.
+labels[t + 1]``, so the target of a slice's last token is the next slice's first token, the row's last position has
+none, and neither has the last token of a sequence followed by another (its next token is not its own). The slice
+carries ``shift_labels`` instead of ``labels`` (transformers' causal-LM loss, TRL's fused head and padfree's loss
+rule all read them), so nothing shifts again inside a slice. A per-sequence loss needs what a slice cannot see, the
+targets its sequences have on the other ranks: the slice carries them as ``target_weights``.
 
 >>> import torch
 >>> batch = {"input_ids": torch.tensor([[11, 12, 13, 21, 22]]), "position_ids": torch.tensor([[0, 1, 2, 0, 1]]),
@@ -48,12 +50,16 @@ class SequenceParallelSlice(dict):
         rank, size: the slice this is and how many the row was cut into.
         length: the row length before padding, ``T``.
         padding: tokens added at the end of every row so that ``P`` divides it.
+        target_weights: ``(B, S)`` float32 (None without labels): for every target of ``shift_labels``,
+            ``1 / (targets of its sequence in the whole row)``, 0 elsewhere — what the per-sequence loss weighs a
+            token loss by; summed over a slice, the share of the row's sequences it holds.
     """
 
     rank: int = 0
     size: int = 1
     length: int = 0
     padding: int = 0
+    target_weights: torch.Tensor | None = None
 
 
 def split_for_sequence_parallel(inputs: Mapping[str, Any], group: Any, *, pad_token_id: int = 0
@@ -115,8 +121,24 @@ def split_rows(inputs: Mapping[str, Any], *, size: int, rank: int, pad_token_id:
     out["position_ids"] = positions.narrow(1, start, width)
     shifted = _shift_labels(inputs, batch, seq_len)
     if shifted is not None:
-        out["shift_labels"] = _pad(shifted, pad, IGNORE_INDEX).narrow(1, start, width)
+        if "shift_labels" not in inputs:  # a sequence's last token: its next token starts another sequence
+            # (right padding, segment 0, is left as the model would score it unpacked)
+            starts = (seg[:, 1:] != seg[:, :-1]) & (seg[:, 1:] != 0)
+            shifted = shifted.masked_fill(torch.nn.functional.pad(starts, (0, 1)), IGNORE_INDEX)
+        shifted = _pad(shifted, pad, IGNORE_INDEX)
+        out["shift_labels"] = shifted.narrow(1, start, width)
+        out.target_weights = _target_weights(shifted, positions).narrow(1, start, width)
     return out
+
+
+def _target_weights(shift_labels: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """``(B, T')`` float32: ``1 / (targets of its sequence)`` at every target of the whole rows, 0 elsewhere; the
+    target at ``t`` belongs to the sequence of token ``t``."""
+    target = shift_labels != IGNORE_INDEX
+    seq = (positions == 0).cumsum(1) + torch.arange(positions.shape[0], device=positions.device)[:, None] * (
+        positions.shape[1] + 1)  # a sequence id unique over the batch (every row starts one)
+    counts = torch.bincount(seq[target], minlength=int(seq.max()) + 1)
+    return torch.where(target, 1.0 / counts[seq].clamp(min=1).float(), 0.0)
 
 
 def _rows(value: Any, key: str, batch: int, seq_len: int) -> torch.Tensor:
