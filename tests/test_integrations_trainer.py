@@ -101,6 +101,18 @@ def test_count_loss_items():
     assert count_loss_items(shifted) == (3, 2)
 
 
+def test_a_step_count_below_one_per_rank_divides_as_it_is():
+    """The loss rule divides by the step's count over the ranks, which is a fraction when the step has fewer
+    sequences (or targets) than ranks: 1 sequence over 2 ranks is 0.5, not 1 (only an empty count is replaced)."""
+    from padfree.integrations.step_loss import reduce_loss
+
+    batch = {"labels": torch.tensor([[-100, 6, 7]]), "position_ids": torch.tensor([[0, 1, 2]])}
+    loss, mask = torch.tensor([[0.5, 1.5]]), torch.tensor([[True, True]])
+    assert float(reduce_loss(loss, mask, batch, "sequence", 0.5)) == pytest.approx(2.0)  # its mean 1.0, / 0.5
+    assert float(reduce_loss(loss, mask, batch, "token", 0.5)) == pytest.approx(4.0)
+    assert float(reduce_loss(loss * 0, mask & False, batch, "token", None)) == 0.0
+
+
 def test_sequence_ids_split_at_row_starts_and_restarts_whatever_the_positions():
     """The loss rule reads positions unchecked (a check would sync every micro-batch): a sequence starts at every
     row start and every 0, also in positions that are no packing (left padding 1, 1, 0, 1, 2; a jump)."""
