@@ -374,3 +374,18 @@ def test_a_multimodal_model_packs_text_only_and_refuses_images_in_a_packed_batch
     out = model(input_ids=ids, position_ids=pos, use_cache=False).logits
     alone = model(input_ids=ids[:, 3:], use_cache=False).logits
     assert (out[0, 3:] - alone[0]).abs().max() <= ATOL * max(1.0, float(alone.abs().max()))
+
+
+def test_the_report_says_when_a_models_attention_cannot_be_switched():
+    """GPT-Neo computes its attention in its own code: transformers cannot switch it to padfree's backend, and the
+    report says what runs instead of claiming padfree's (the sweep proved it exact as it runs)."""
+    from padfree.model.sweep import build_tiny
+
+    neo = build_tiny("gpt_neo")
+    report = padfree.configure_packing(neo)
+    assert neo.config._attn_implementation == "eager" and report.backend == "padfree_eager"
+    assert "GPTNeoForCausalLM cannot switch its attention implementation (it stays 'eager')" in report.reason
+    assert report.supported and "proven exact by the sweep" in report.proof
+    llama = tiny_model("llama")
+    report = padfree.configure_packing(llama)
+    assert llama.config._attn_implementation == report.backend and "cannot switch" not in report.reason

@@ -135,8 +135,10 @@ class PackingReport:
 
     Attributes:
         model_type: ``config.model_type``.
-        backend: the ``_attn_implementation`` now in use (``padfree_sdpa``, ..., or ``flash_attention_2``).
-        reason: why that backend (``auto``'s choice, or the request).
+        backend: the attention implementation padfree configured (``padfree_sdpa``, ..., or
+            ``flash_attention_2``), under which the model is proven.
+        reason: why that backend (``auto``'s choice, or the request), and, for a model whose attention
+            implementation cannot be switched (its modeling code computes attention itself), what runs instead.
         kernels: optional kernels importable here and whether they can run (name -> bool).
         attention_modules: qualified names of the attention modules, now boundary-exact.
         mixers: qualified name -> implementation, for every other boundary-aware module: for a scan and a
@@ -405,6 +407,11 @@ def install_packing(model: Any, *, backend: str = "auto", strict: bool = True, s
                 f"cannot split {type(model).__name__} across ranks: its attention implementation cannot be switched "
                 f"to padfree's (it stays {config._attn_implementation!r}), so attention would run over each rank's "
                 f"slice alone")
+        if config._attn_implementation != name:
+            report.reason += (
+                f"; but {type(model).__name__} cannot switch its attention implementation (it stays "
+                f"{config._attn_implementation!r}): its own attention code runs every batch, packed rows with the "
+                f"masks transformers builds from their position_ids")
     for _, module in attention:  # the layout of the forward in flight, for layers that drop their kwargs
         setattr(module, OWNER_ATTR, state)
         if sp is not None:  # a slice's attention must go through padfree's split function, or it sees the slice only
