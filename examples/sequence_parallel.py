@@ -12,6 +12,7 @@ On a cluster, launch one process per GPU with torchrun instead of spawning them 
 import argparse
 import os
 import socket
+import sys
 from pydoc_data.topics import topics
 
 import torch
@@ -89,5 +90,6 @@ if __name__ == "__main__":
     parser.add_argument("--ranks", type=int, default=2)
     parser.add_argument("--model-type", default="qwen3_5_text")
     args = parser.parse_args()
+    # forked on Linux (the children start with torch imported), fresh interpreters elsewhere
     mp.start_processes(rank_main, args=(args.ranks, free_port(), args.model_type), nprocs=args.ranks,
-                       start_method="spawn")
+                       start_method="fork" if sys.platform == "linux" else "spawn")

@@ -99,7 +99,7 @@ def test_every_example_is_covered(script):
 
 
 def test_sft_trainer():
-    out = run("sft_trainer.py", "--steps", "1")
+    out = run("sft_trainer.py", "--steps", "1", "--max-length", "256")  # the LM head over 32k words: 4x fewer
     assert "padfree: sample packing" in out and "padfree/real_token_fraction" in out
 
 
