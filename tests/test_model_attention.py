@@ -55,9 +55,13 @@ def qkv(kv_heads: int = 2, seed: int = 0, width: int = WIDTH, batch: int = 2):
     return q, k, v
 
 
-def reference(q, k, v, spans, *, scaling=None, window=None, softcap=None, sinks=None):
+def reference(q, k, v, spans, *, scaling=None, window=None, softcap=None, sinks=None, bias=None, token_sinks=None,
+              bias_from_row_start=False):
     """``(B, T, H, D)``: every sequence attending to itself alone — ``F.scaled_dot_product_attention`` on its own
-    slice, or (softcap, sinks, which SDPA cannot express) the written-out softmax of the same slice. Padding: 0."""
+    slice, or (softcap, sinks, a position bias, per-query sinks) the written-out softmax of the same slice. A
+    ``(B | 1, H | 1, T, T)`` bias gives each sequence the block between its own tokens (the control
+    ``bias_from_row_start``: the block at the row's start, as a sequence alone would build it from positions 0 ..
+    n-1 of an absolute table). Padding: 0."""
     out = torch.zeros(q.shape[0], q.shape[2], q.shape[1], q.shape[3], dtype=q.dtype)
     groups = q.shape[1] // k.shape[1]
     scale = DIM ** -0.5 if scaling is None else scaling
@@ -65,16 +69,21 @@ def reference(q, k, v, spans, *, scaling=None, window=None, softcap=None, sinks=
         qs, ks, vs = (x[b:b + 1, :, start:start + n] for x in (q, k, v))
         i = torch.arange(n)
         allowed = (i[:, None] >= i[None, :]) & ((i[:, None] - i[None, :] < window) if window else True)
-        if softcap is None and sinks is None:
+        if softcap is None and sinks is None and bias is None and token_sinks is None:
             o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=allowed, scale=scale, enable_gqa=groups > 1)
         else:
             ks, vs = ks.repeat_interleave(groups, 1), vs.repeat_interleave(groups, 1)
             s = qs @ ks.transpose(-1, -2) * scale
+            if bias is not None:
+                at, row = (0, 0) if bias_from_row_start else (start, b if bias.shape[0] > 1 else 0)
+                s = s + bias[row:row + 1, :, at:at + n, at:at + n]
             if softcap is not None:
                 s = softcap * torch.tanh(s / softcap)
             s = s.masked_fill(~allowed, float("-inf"))
             if sinks is not None:
                 s = torch.cat([s, sinks.view(1, -1, 1, 1).expand(1, -1, n, 1)], dim=-1)
+            if token_sinks is not None:
+                s = torch.cat([s, token_sinks[b:b + 1, :, start:start + n]], dim=-1)
             o = s.softmax(-1)[..., :n] @ vs
         out[b, start:start + n] = o[0].transpose(0, 1)
     return out
@@ -85,6 +94,7 @@ def worst(got, want, spans) -> float:
     return max(float((got[b, s:s + n] - want[b, s:s + n]).abs().max()) for b, s, n in spans)
 
 
+_GEN = torch.Generator().manual_seed(11)
 VARIANTS = {
     "plain": dict(kv_heads=4, opts={}),
     "gqa": dict(kv_heads=2, opts={}),
@@ -98,12 +108,20 @@ VARIANTS = {
     "sinks": dict(kv_heads=2, opts={"s_aux": torch.tensor([0.5, -1.0, 2.0, 0.0])}),
     "sinks and window": dict(kv_heads=2, opts={"s_aux": torch.tensor([0.5, -1.0, 2.0, 0.0]), "sliding_window": 4}),
     "dropout in eval": dict(kv_heads=2, opts={"dropout": 0.5}),
+    # Inkling's relative position bias (B, H, T, T), and one over every row and head; Inkling2's per-query sinks
+    "position bias": dict(kv_heads=2, opts={"position_bias": torch.randn(2, HEADS, WIDTH, WIDTH, generator=_GEN)}),
+    "position bias for every row and head": dict(
+        kv_heads=2, opts={"position_bias": torch.randn(1, 1, WIDTH, WIDTH, generator=_GEN), "sliding_window": 4}),
+    "per-query sinks": dict(kv_heads=2, opts={"sinks": torch.randn(2, HEADS, WIDTH, 1, generator=_GEN)}),
+    "per-query sinks and a position bias": dict(
+        kv_heads=2, opts={"sinks": torch.randn(2, HEADS, WIDTH, 1, generator=_GEN),
+                          "position_bias": torch.randn(2, HEADS, WIDTH, WIDTH, generator=_GEN)}),
 }
 
 
 def _reference_options(opts: dict) -> dict:
     return dict(scaling=opts.get("scaling"), window=opts.get("sliding_window"), softcap=opts.get("softcap"),
-                sinks=opts.get("s_aux"))
+                sinks=opts.get("s_aux"), bias=opts.get("position_bias"), token_sinks=opts.get("sinks"))
 
 
 @pytest.mark.parametrize("variant", VARIANTS.values(), ids=VARIANTS.keys())
@@ -135,6 +153,34 @@ def test_gradients_equal_each_segment_alone(backend):
         grads.append((q.grad, k.grad, v.grad))
     for got, want in zip(*grads, strict=True):
         assert float((got - want).abs().max()) <= TOL
+
+
+@pytest.mark.parametrize("backend", ["padfree_sdpa", "padfree_eager"])
+def test_a_position_bias_and_per_query_sinks_get_their_gradients_and_their_own_blocks(backend):
+    """The bias and the sinks are model outputs (Inkling's relative logits, Inkling2's sink projection): their
+    gradients, like q/k/v's, are each segment's alone. The control reads every segment's bias block at the row's
+    start — what a table of absolute positions would hand a sequence alone — and is caught."""
+    seg, spans = segments_of(ROWS, WIDTH)
+    lay = PackedLayout.from_segment_ids(seg)
+    real = seg > 0
+    grads = []
+    for run in (lambda q, k, v, b, z: packed_forward(backend, attention_module(), q, k, v, lay, position_bias=b,
+                                                     sinks=z),
+                lambda q, k, v, b, z: reference(q, k, v, spans, bias=b, token_sinks=z)):
+        q, k, v = (x.requires_grad_() for x in qkv(2, seed=1))
+        gen = torch.Generator().manual_seed(4)
+        b, z = torch.randn(2, HEADS, WIDTH, WIDTH, generator=gen).requires_grad_(), torch.randn(
+            2, HEADS, WIDTH, 1, generator=gen).requires_grad_()
+        weight = torch.randn(2, WIDTH, HEADS, DIM, generator=torch.Generator().manual_seed(2))
+        (run(q, k, v, b, z) * weight)[real].sum().backward()
+        grads.append((q.grad, k.grad, v.grad, b.grad, z.grad))
+    for got, want in zip(*grads, strict=True):
+        assert float((got - want).abs().max()) <= TOL
+    q, k, v = qkv(2, seed=1)
+    bias = torch.randn(2, HEADS, WIDTH, WIDTH, generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        got = packed_forward(backend, attention_module(), q, k, v, lay, position_bias=bias)
+    assert worst(got, reference(q, k, v, spans, bias=bias, bias_from_row_start=True), spans) > 1000 * TOL
 
 
 def test_negative_control_attention_over_the_whole_row_is_caught():
@@ -259,8 +305,20 @@ REFUSED = {
     "a dense mask": (dict(attention_mask=torch.ones(2, 1, WIDTH, WIDTH, dtype=torch.bool)), PackingDisabledError,
                      r"LlamaAttention hands its attention function attention_mask= \(a tensor of shape "
                      r"\(2, 1, 47, 47\)\), which padfree's packed attention does not apply"),
-    "a bias": (dict(position_bias=torch.zeros(1, HEADS, WIDTH, WIDTH)), PackingDisabledError,
-               r"position_bias= \(a tensor of shape \(1, 4, 47, 47\)\)"),
+    "a bias of another shape": (dict(position_bias=torch.zeros(1, HEADS, WIDTH, WIDTH - 1)), PackingDisabledError,
+                                r"position_bias of shape \(1, 4, 47, 46\); the packed path applies a "
+                                r"\(B \| 1, H \| 1, T, T\) bias"),
+    "a bias next to softcapping": (dict(position_bias=torch.zeros(1, HEADS, WIDTH, WIDTH), softcap=2.0),
+                                   PackingDisabledError, r"position_bias next to softcapping or sinks"),
+    "per-query sinks of another shape": (dict(sinks=torch.zeros(2, HEADS, WIDTH)), PackingDisabledError,
+                                         r"sinks of shape \(2, 4, 47\); the packed path applies one sink logit per "
+                                         r"query, \(2, 4, 47, 1\)"),
+    "per-query sinks under flex": (dict(backend="padfree_flex", sinks=torch.zeros(2, HEADS, WIDTH, 1)),
+                                   PackingDisabledError, r"a sink logit per query, which padfree applies on the eager "
+                                                         r"path alone \(not with padfree_flex"),
+    "a bias (unknown to the packed path)": (dict(relative_bias=torch.zeros(1, HEADS, WIDTH, WIDTH)),
+                                            PackingDisabledError, r"relative_bias= \(a tensor of shape "
+                                                                  r"\(1, 4, 47, 47\)\)"),
     "bidirectional": (dict(is_causal=False), PackingDisabledError, r"is_causal=False \(bidirectional attention\)"),
     "cross-attention": (dict(key_width=12), InvalidLayoutError,
                         r"LlamaAttention attention keys got inputs of shape \(2, 12\) but the packed layout of this "

@@ -46,7 +46,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from padfree.errors import BackendUnavailableError, PackingDisabledError
+from padfree.errors import BackendUnavailableError, PackingDisabledError, UnsupportedModelError
 from padfree.model.packed import PackedLayout
 from padfree.model.sharded import ShardedLayout
 
@@ -96,20 +96,27 @@ def _repeat_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
 
 def _eager_block(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor, *, scaling: float, dropout: float,
-    training: bool, softcap: float | None, sinks: torch.Tensor | None,
+    training: bool, softcap: float | None, sinks: torch.Tensor | None, bias: torch.Tensor | None = None,
+    token_sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """transformers' eager attention on ``(m, H, L, D)`` blocks with a boolean ``(L, L)`` mask; ``(m, H, L, D)`` out.
 
-    Order of operations as in the modeling files: scale, softcap, additive mask, sink logits, fp32 softmax, drop the
-    sink column, dropout, matmul.
+    Order of operations as in the modeling files: scale, position bias (``(m, H | 1, L, L)``), softcap, additive
+    mask, sink logits (one per head, gpt_oss; or one per query, ``token_sinks`` ``(m, H, L, 1)``, Inkling2), fp32
+    softmax, drop the sink column, dropout, matmul.
     """
     groups = q.shape[1] // k.shape[1]
     k, v = _repeat_kv(k, groups), _repeat_kv(v, groups)
     scores = torch.matmul(q, k.transpose(2, 3)) * scaling
+    if bias is not None:
+        scores = scores + bias
     if softcap is not None:
         scores = torch.tanh(scores / softcap) * softcap
     scores = scores.masked_fill(~allowed, torch.finfo(scores.dtype).min)
-    if sinks is not None:
+    if token_sinks is not None:  # Inkling2's order: the sink column joined, then the softmax in fp32
+        probs = F.softmax(torch.cat([scores, token_sinks.to(scores.dtype)], dim=-1).float(), dim=-1)
+        probs = probs[..., :-1].to(q.dtype)
+    elif sinks is not None:
         sink = sinks.reshape(1, -1, 1, 1).expand(scores.shape[0], -1, scores.shape[2], 1).to(scores.dtype)
         scores = torch.cat([scores, sink], dim=-1)
         scores = scores - scores.max(dim=-1, keepdim=True).values
@@ -120,26 +127,44 @@ def _eager_block(
     return torch.matmul(probs, v)
 
 
+def _bias_block(bias: torch.Tensor, slots: torch.Tensor, seq_len: int, count: int, length: int) -> torch.Tensor:
+    """The ``(m, H | 1, L, L)`` blocks of a row's ``(B | 1, H | 1, T, T)`` position bias that a bucket's segments
+    attend over: the bias between every two of a segment's own tokens, where the row put it."""
+    idx = slots.view(count, length)
+    rows = (idx[:, :1] // seq_len) if bias.shape[0] > 1 else torch.zeros_like(idx[:, :1])
+    cols = idx % seq_len
+    return bias[rows[:, :, None], :, cols[:, :, None], cols[:, None, :]].permute(0, 3, 1, 2)  # (m, L, L, H) first
+
+
 def _bucketed(
     module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, lay: PackedLayout, *,
     math: bool, scaling: float, dropout: float, sliding_window: int | None, softcap: float | None,
-    sinks: torch.Tensor | None,
+    sinks: torch.Tensor | None, bias: torch.Tensor | None = None, token_sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Exact attention of every segment on its own: ``(B, H, T, D)`` q/k/v in, ``(B, T, H, D)`` out."""
+    """Exact attention of every segment on its own: ``(B, H, T, D)`` q/k/v in, ``(B, T, H, D)`` out; ``bias``:
+    the row's additive ``(B | 1, H | 1, T, T)`` position bias, of which each segment reads its own block;
+    ``token_sinks``: ``(B, H, T, 1)`` sink logits, one per query."""
     batch, heads, seq_len, _ = query.shape
     plan = lay.buckets()
     flat = [x.transpose(1, 2).reshape(batch * seq_len, x.shape[1], x.shape[3]) for x in (query, key, value)]
+    if token_sinks is not None:  # (B, H, T, 1) -> a (B·T, H, 1) tensor gathered with the queries
+        flat.append(token_sinks.transpose(1, 2).reshape(batch * seq_len, heads, 1))
     parts = [x.index_select(0, plan.slots).split(plan.sizes) for x in flat]  # one gather per tensor
+    slots = plan.slots.split(plan.sizes)
     outs = []
-    math = math or softcap is not None or sinks is not None
+    math = math or softcap is not None or sinks is not None or token_sinks is not None
     for i, (length, count) in enumerate(zip(plan.lengths, plan.counts, strict=True)):
-        q, k, v = (p[i].view(count, length, *p[i].shape[1:]).transpose(1, 2) for p in parts)  # (m, H, L, D)
+        q, k, v, *rest = (p[i].view(count, length, *p[i].shape[1:]).transpose(1, 2) for p in parts)  # (m, H, L, D)
+        block = None if bias is None else _bias_block(bias, slots[i], seq_len, count, length).to(q.dtype)
         if math:
             allowed = lay.local_mask(length, sliding_window)
             out = _eager_block(q, k, v, allowed, scaling=scaling, dropout=dropout, training=module.training,
-                               softcap=softcap, sinks=sinks)
+                               softcap=softcap, sinks=sinks, bias=block, token_sinks=rest[0] if rest else None)
         else:
             mask = None if sliding_window is None else lay.local_mask(length, sliding_window)
+            if block is not None:  # SDPA takes one float mask: the bias, and -inf where a key may not be seen
+                allowed = lay.local_mask(length, sliding_window)
+                mask = block.masked_fill(~allowed, float("-inf"))
             out = F.scaled_dot_product_attention(
                 q, k, v, attn_mask=mask, dropout_p=dropout if module.training else 0.0, is_causal=mask is None,
                 scale=scaling, enable_gqa=q.shape[1] != k.shape[1],
@@ -181,17 +206,26 @@ def _varlen(module, query, key, value, lay, *, scaling, dropout, sliding_window,
 def packed_forward(
     backend: str, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     lay: PackedLayout, *, scaling: float | None = None, dropout: float = 0.0, sliding_window: int | None = None,
-    softcap: float | None = None, s_aux: torch.Tensor | None = None, **kwargs: Any,
+    softcap: float | None = None, s_aux: torch.Tensor | None = None, position_bias: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None, **kwargs: Any,
 ) -> torch.Tensor:
     """Exact packed attention under ``backend``: ``(B, H, T, D)`` query and ``(B, Hkv, T, D)`` key/value in,
     ``(B, T, H, D)`` out (the layout transformers' attention functions return).
 
     Sequence ``i`` of row ``b`` attends causally to itself only; ``sliding_window`` W keeps keys with
     ``q - k < W`` (transformers' convention); ``softcap`` applies ``c * tanh(s / c)`` to the scaled scores;
-    ``s_aux`` (``(H,)``, gpt_oss) adds one sink logit per head to every softmax. GQA/MQA: ``H % Hkv == 0``.
+    ``s_aux`` (``(H,)``, gpt_oss) adds one sink logit per head to every softmax; ``position_bias``
+    (``(B | 1, H | 1, T, T)``, Inkling's relative bias) is added to the scaled scores, each sequence reading the
+    block between its own tokens; ``sinks`` (``(B, H, T, 1)``, Inkling2) adds one sink logit per query.
+    GQA/MQA: ``H % Hkv == 0``.
     """
-    lay.check_tokens(query.transpose(1, 2), f"{type(module).__name__} attention")
-    lay.check_tokens(key.transpose(1, 2), f"{type(module).__name__} attention keys")  # cross-attention: refused
+    who = type(module).__name__
+    lay.check_tokens(query.transpose(1, 2), f"{who} attention")
+    lay.check_tokens(key.transpose(1, 2), f"{who} attention keys")  # cross-attention: refused
+    if position_bias is not None:
+        _check_bias(position_bias, module, query, lay, backend, softcap=softcap, sinks=s_aux)
+    if sinks is not None:
+        _check_token_sinks(sinks, module, query, backend, softcap=softcap, s_aux=s_aux)
     extra = _unapplied(kwargs)
     if extra is not None:
         raise PackingDisabledError(
@@ -201,11 +235,57 @@ def packed_forward(
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
     opts = dict(scaling=scaling, dropout=dropout, sliding_window=sliding_window, softcap=softcap, sinks=s_aux)
-    if backend == "padfree_flex":
-        return _flex(module, query, key, value, lay, kwargs=kwargs, **opts)
+    if backend == "padfree_flex":  # its score_mod reads the bias at the row's own indices
+        return _flex(module, query, key, value, lay, kwargs={**kwargs, "position_bias": position_bias}, **opts)
     if backend == "padfree_varlen":
         return _varlen(module, query, key, value, lay, **opts)
-    return _bucketed(module, query, key, value, lay, math=backend == "padfree_eager", **opts)
+    return _bucketed(module, query, key, value, lay, math=backend == "padfree_eager", bias=position_bias,
+                     token_sinks=sinks, **opts)
+
+
+def _check_token_sinks(sinks: Any, module: torch.nn.Module, query: torch.Tensor, backend: str, *,
+                       softcap: float | None, s_aux: torch.Tensor | None) -> None:
+    """PackingDisabledError for per-query sink logits the packed path cannot apply (each query reads its own)."""
+    who = type(module).__name__
+    batch, heads, seq_len = query.shape[0], query.shape[1], query.shape[2]
+    if not isinstance(sinks, torch.Tensor) or tuple(sinks.shape) != (batch, heads, seq_len, 1):
+        raise PackingDisabledError(
+            f"{who} hands its attention function sinks of shape {tuple(getattr(sinks, 'shape', ()))}; the packed "
+            f"path applies one sink logit per query, ({batch}, {heads}, {seq_len}, 1)")
+    if backend in ("padfree_flex", "padfree_varlen") or softcap is not None or s_aux is not None:
+        raise PackingDisabledError(
+            f"{who} hands its attention function a sink logit per query, which padfree applies on the eager path "
+            f"alone (not with {backend}, softcapping or per-head sinks); configure the model with "
+            f"backend='padfree_eager'")
+
+
+def _check_bias(bias: Any, module: torch.nn.Module, query: torch.Tensor, lay: PackedLayout, backend: str, *,
+                softcap: float | None, sinks: torch.Tensor | None) -> None:
+    """PackingDisabledError for a position bias the packed path cannot apply as the module's own attention does.
+
+    Only the block between a sequence's own tokens is read: exact for a bias of the distance between two tokens
+    (and of their states), which the proof checks per model. Inkling's global layers also scale their queries and
+    this bias by ``log(position / log_scaling_n_floor)`` counted from the row's start: from the floor on, a
+    sequence packed late in a row would be scaled as if it began at the row's start, so such rows are refused.
+    """
+    who = type(module).__name__
+    batch, heads, seq_len = query.shape[0], query.shape[1], query.shape[2]
+    if (not isinstance(bias, torch.Tensor) or bias.dim() != 4 or tuple(bias.shape[-2:]) != (seq_len, seq_len)
+            or bias.shape[0] not in (1, batch) or bias.shape[1] not in (1, heads)):
+        raise PackingDisabledError(
+            f"{who} hands its attention function a position_bias of shape {tuple(getattr(bias, 'shape', ()))}; the "
+            f"packed path applies a (B | 1, H | 1, T, T) bias over the row's {seq_len} tokens only")
+    if backend == "padfree_varlen" or softcap is not None or sinks is not None:
+        raise PackingDisabledError(
+            f"{who} hands its attention function a position_bias "
+            f"{'that varlen_attn cannot add' if backend == 'padfree_varlen' else 'next to softcapping or sinks'}; "
+            f"configure the model with backend='padfree_sdpa'")
+    floor = getattr(getattr(module, "config", None), "log_scaling_n_floor", None)
+    if floor is not None and not getattr(module, "is_sliding", False) and lay.shape[1] > floor:
+        raise PackingDisabledError(
+            f"{who} scales its queries and position bias by the log of each token's position in the row beyond "
+            f"log_scaling_n_floor={floor}: in a packed row of {lay.shape[1]} tokens a sequence would be scaled by "
+            f"where it sits in the row, not by its own positions; pack rows of at most {floor} tokens")
 
 
 @torch.compiler.disable  # the exchanges and the host-side layout stay outside compiled graphs, as packed_forward
@@ -223,6 +303,11 @@ def sharded_forward(
     """
     who = type(module).__name__
     lay.check_tokens(query.transpose(1, 2), f"{who} attention")
+    if kwargs.get("position_bias") is not None:
+        raise UnsupportedModelError(
+            f"{who} hands its attention function a position_bias it computed over this rank's slice alone; padfree "
+            f"has no sequence-parallel path for it (the bias of the whole row is never built); run this model "
+            f"without sequence parallelism")
     heads, kv_heads = query.shape[1], key.shape[1]
     lay.heads_of(heads, who, "query heads")
     if kv_heads % lay.sp.size:

@@ -93,6 +93,7 @@ FAMILY_MODULES = (
     "padfree.model.families.xlstm",  # xLSTM
     "padfree.model.families.convs",  # short convolutions of newer hybrids, Zamba's Mamba-1
     "padfree.model.families.zaya",  # ZAYA's convolutional attention projection
+    "padfree.model.families.depth",  # attention across a token's own blocks (Inkling2)
 )
 
 # Class-name fragments of sequence mixers other than attention: recurrent state, a short causal convolution or a

@@ -1,0 +1,61 @@
+"""Inkling-family models: the relative position bias and per-query sinks their attention hands the packed path, the
+block attention residuals that mix no tokens (``families/depth``), and the refusal of rows past Inkling2's
+log-scaling floor."""
+
+from __future__ import annotations
+
+import pytest
+
+from padfree import InvalidLayoutError, PackingDisabledError
+from padfree.model import configure, install
+from padfree.model.configure import install_packing, unconfigure_packing
+from padfree.model.proof import FP32_TOL, prove, stock_packed_diff
+from padfree.model.sweep import build_tiny
+from zoo import max_diff, packed_rows, run_packed, run_separately
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.mark.parametrize("model_type", ["inkling_text", "inkling2_loop_text"])
+def test_packed_equals_each_sequence_alone_and_stock_transformers_leaks(model_type):
+    model = build_tiny(model_type)
+    proof = prove(model, backends=["eager"], precisions={"eager": ("fp32",)})
+    assert proof.ok and not proof.blind, str(proof)
+    assert stock_packed_diff(build_tiny(model_type)) > 10 * FP32_TOL  # stock transformers leaks across
+
+
+def test_the_block_residuals_run_as_transformers_runs_them(monkeypatch):
+    """They read no other token; claimed by the depth family they run unpacked inside the packed forward, and
+    without it the attention function finds no row in them and the model is refused."""
+    model = build_tiny("inkling2_text")
+    report = install_packing(model, backend="eager")
+    claimed = [q for q, what in report.mixers.items() if what.startswith("attention over each token's own block")]
+    assert claimed and not report.unsupported
+    ids, pos, seqs = packed_rows([[9, 4, 13], [17, 8]])
+    got, _ = run_packed(model, ids, pos, seqs, grad=False)
+    unconfigure_packing(model)
+    want, _ = run_separately(model, seqs)
+    assert max_diff(got, want) <= FP32_TOL
+    families = configure.families()
+    kept = {k: v for k, v in families.items() if "AttentionResidual" not in k}
+    monkeypatch.setattr(install, "families", lambda: kept)
+    bare = build_tiny("inkling2_text")
+    install_packing(bare, backend="eager")
+    with pytest.raises(InvalidLayoutError, match="BlockAttentionResidual attention got inputs of shape"):
+        run_packed(bare, ids, pos, seqs, grad=False)
+
+
+def test_rows_past_the_log_scaling_floor_are_refused():
+    """Inkling2's global layers scale queries and bias by log(position / floor) from the row's start: up to the
+    floor nothing is scaled (exact), past it a sequence late in a row would be scaled by where it sits."""
+    model = build_tiny("inkling2_loop_text", {"log_scaling_n_floor": 24})
+    install_packing(model, backend="eager")
+    short_ids, short_pos, short = packed_rows([[9, 4, 11]])  # 24 tokens: at the floor
+    got, _ = run_packed(model, short_ids, short_pos, short, grad=False)
+    ids, pos, seqs = packed_rows([[9, 4, 13]])  # 26 tokens
+    with pytest.raises(PackingDisabledError, match=r"Inkling2LoopFullAttention scales its queries and position bias "
+                                                   r".* log_scaling_n_floor=24: in a packed row of 26 tokens"):
+        run_packed(model, ids, pos, seqs, grad=False)
+    unconfigure_packing(model)
+    want, _ = run_separately(model, short)
+    assert max_diff(got, want) <= FP32_TOL
