@@ -309,7 +309,10 @@ REFUSED = {
                                 r"position_bias of shape \(1, 4, 47, 46\); the packed path applies a "
                                 r"\(B \| 1, H \| 1, T, T\) bias"),
     "a bias next to softcapping": (dict(position_bias=torch.zeros(1, HEADS, WIDTH, WIDTH), softcap=2.0),
-                                   PackingDisabledError, r"position_bias next to softcapping or sinks"),
+                                   PackingDisabledError, r"position_bias, which padfree adds per bucket on "
+                                                         r"padfree_sdpa and padfree_eager only"),
+    "a bias under flex": (dict(backend="padfree_flex", position_bias=torch.zeros(1, HEADS, WIDTH, WIDTH)),
+                          PackingDisabledError, r"position_bias, .* \(not with padfree_flex"),
     "per-query sinks of another shape": (dict(sinks=torch.zeros(2, HEADS, WIDTH)), PackingDisabledError,
                                          r"sinks of shape \(2, 4, 47\); the packed path applies one sink logit per "
                                          r"query, \(2, 4, 47, 1\)"),

@@ -215,9 +215,9 @@ def packed_forward(
     Sequence ``i`` of row ``b`` attends causally to itself only; ``sliding_window`` W keeps keys with
     ``q - k < W`` (transformers' convention); ``softcap`` applies ``c * tanh(s / c)`` to the scaled scores;
     ``s_aux`` (``(H,)``, gpt_oss) adds one sink logit per head to every softmax; ``position_bias``
-    (``(B | 1, H | 1, T, T)``, Inkling's relative bias) is added to the scaled scores, each sequence reading the
-    block between its own tokens; ``sinks`` (``(B, H, T, 1)``, Inkling2) adds one sink logit per query.
-    GQA/MQA: ``H % Hkv == 0``.
+    (``(B | 1, H | 1, T, T)``, Inkling's relative bias; SDPA and eager) is added to the scaled scores, each
+    sequence reading the block between its own tokens; ``sinks`` (``(B, H, T, 1)``, Inkling2) adds one sink logit
+    per query. GQA/MQA: ``H % Hkv == 0``.
     """
     who = type(module).__name__
     lay.check_tokens(query.transpose(1, 2), f"{who} attention")
@@ -235,8 +235,8 @@ def packed_forward(
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
     opts = dict(scaling=scaling, dropout=dropout, sliding_window=sliding_window, softcap=softcap, sinks=s_aux)
-    if backend == "padfree_flex":  # its score_mod reads the bias at the row's own indices
-        return _flex(module, query, key, value, lay, kwargs={**kwargs, "position_bias": position_bias}, **opts)
+    if backend == "padfree_flex":
+        return _flex(module, query, key, value, lay, kwargs=kwargs, **opts)
     if backend == "padfree_varlen":
         return _varlen(module, query, key, value, lay, **opts)
     return _bucketed(module, query, key, value, lay, math=backend == "padfree_eager", bias=position_bias,
@@ -275,11 +275,12 @@ def _check_bias(bias: Any, module: torch.nn.Module, query: torch.Tensor, lay: Pa
         raise PackingDisabledError(
             f"{who} hands its attention function a position_bias of shape {tuple(getattr(bias, 'shape', ()))}; the "
             f"packed path applies a (B | 1, H | 1, T, T) bias over the row's {seq_len} tokens only")
-    if backend == "padfree_varlen" or softcap is not None or sinks is not None:
+    if backend in ("padfree_varlen", "padfree_flex") or softcap is not None or sinks is not None:
+        # flex could read the bias in a score_mod, but no proof has run it: refused until one does
         raise PackingDisabledError(
-            f"{who} hands its attention function a position_bias "
-            f"{'that varlen_attn cannot add' if backend == 'padfree_varlen' else 'next to softcapping or sinks'}; "
-            f"configure the model with backend='padfree_sdpa'")
+            f"{who} hands its attention function a position_bias, which padfree adds per bucket on padfree_sdpa and "
+            f"padfree_eager only (not with {backend}, softcapping or sinks); configure the model with "
+            f"backend='padfree_sdpa'")
     floor = getattr(getattr(module, "config", None), "log_scaling_n_floor", None)
     if floor is not None and not getattr(module, "is_sliding", False) and lay.shape[1] > floor:
         raise PackingDisabledError(
