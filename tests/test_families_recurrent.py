@@ -60,13 +60,6 @@ def _proof(model_type: str, plan=PRECISIONS, **kwargs):
 # ---- whole models ------------------------------------------------------------------------------------------------
 
 
-def test_inkling_attention_with_a_relative_position_bias_is_refused():
-    """Inkling's short convolutions are exact (below), but its attention hands padfree a (B, H, T, T) relative
-    position bias the packed path does not apply: refused, not computed without it."""
-    with pytest.raises(PackingDisabledError, match="InklingAttention hands its attention function position_bias="):
-        _proof("inkling_text")
-
-
 @pytest.mark.parametrize("model_type", ["lfm3", "zamba", "recurrent_gemma"])
 def test_packed_equals_each_sequence_alone(model_type):
     proof = _proof(model_type)

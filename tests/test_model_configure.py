@@ -385,7 +385,7 @@ def test_the_report_says_when_a_models_attention_cannot_be_switched():
     report = padfree.configure_packing(neo)
     assert neo.config._attn_implementation == "eager" and report.backend == "padfree_eager"
     assert "GPTNeoForCausalLM cannot switch its attention implementation (it stays 'eager')" in report.reason
-    assert report.supported and "proven exact by the sweep" in report.proof
+    assert report.supported and "padfree_eager" in report.proof  # the sweep's table, or certified on the spot
     llama = tiny_model("llama")
     report = padfree.configure_packing(llama)
     assert llama.config._attn_implementation == report.backend and "cannot switch" not in report.reason

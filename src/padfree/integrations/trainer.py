@@ -457,7 +457,15 @@ def batch_sampler_dataloader(trainer: Any, sampler: Any) -> Any:
         "in_order": args.dataloader_in_order,
         "worker_init_fn": partial(seed_worker, num_workers=args.dataloader_num_workers, rank=args.process_index),
     }
-    return trainer.accelerator.prepare(DataLoader(dataset, **params))
+    # every rank gets the same number of micro-batches (a multiple of the replicas), so evening them adds nothing;
+    # and accelerate < 1.11 refuses to even a batch sampler without a batch_size
+    accelerator = trainer.accelerator
+    even = accelerator.even_batches
+    accelerator.even_batches = False
+    try:
+        return accelerator.prepare(DataLoader(dataset, **params))
+    finally:
+        accelerator.even_batches = even
 
 
 class SamplerEpoch(TrainerCallback):

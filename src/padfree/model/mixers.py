@@ -49,7 +49,7 @@ from padfree.model.scans import (
     segment_ssd_scan,
 )
 from padfree.model.sharded import ShardedLayout, conv_window, selective_scan_channels
-from padfree.model.state import current_layout, hooks_live
+from padfree.model.state import current_layout, hooks_live, unpatch
 
 __all__ = [
     "CLASSES",
@@ -480,10 +480,4 @@ def _fall_back(info: Mixer, kernel: str) -> None:
 
 def uninstall(module: torch.nn.Module) -> bool:
     """Undo :func:`install` on ``module`` and every mixer inside it; False if nothing was installed."""
-    done = False
-    for sub in module.modules():
-        if "_padfree_mixer" in sub.__dict__:
-            del sub._padfree_mixer
-            sub.__dict__.pop("forward", None)
-            done = True
-    return done
+    return unpatch(module, "_padfree_mixer")

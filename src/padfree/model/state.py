@@ -13,7 +13,7 @@ import torch
 
 from padfree.model.packed import PackedLayout
 
-__all__ = ["PackingState", "current_layout", "packing_state"]
+__all__ = ["PackingState", "current_layout", "packing_state", "unpatch"]
 
 
 @dataclasses.dataclass(eq=False)
@@ -69,3 +69,15 @@ def hooks_live(state: Any) -> bool:
         if hooks is None or handle.id not in hooks:
             return False
     return True
+
+
+def unpatch(model: torch.nn.Module, attr: str) -> bool:
+    """Undo a family's patch on every module of ``model`` that carries ``attr``: the attribute and the instance's
+    own ``forward`` go, the class's comes back. False if no module carried it."""
+    done = False
+    for sub in model.modules():
+        if attr in sub.__dict__:
+            del sub.__dict__[attr]
+            sub.__dict__.pop("forward", None)
+            done = True
+    return done

@@ -45,7 +45,7 @@ import torch
 from padfree.errors import InvalidLayoutError, PackingDisabledError, UnsupportedModelError
 from padfree.model import guards
 from padfree.model.packed import PackedLayout, per_bucket
-from padfree.model.state import current_layout, hooks_live
+from padfree.model.state import current_layout, hooks_live, unpatch
 
 __all__ = ["CLASSES", "REPLAYS", "Replay", "install", "uninstall"]
 
@@ -279,10 +279,4 @@ def install(module: torch.nn.Module, state: Any, replays: Mapping[str, Replay] =
 
 def uninstall(model: torch.nn.Module) -> bool:
     """Undo :func:`install` on every module of ``model``; False if nothing was installed."""
-    done = False
-    for sub in model.modules():
-        if "_padfree_replay" in sub.__dict__:
-            del sub._padfree_replay
-            sub.__dict__.pop("forward", None)
-            done = True
-    return done
+    return unpatch(model, "_padfree_replay")

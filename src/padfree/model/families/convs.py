@@ -42,7 +42,7 @@ from padfree.errors import PackingDisabledError, UnsupportedModelError
 from padfree.model import guards, mixers, scans
 from padfree.model.packed import PackedLayout
 from padfree.model.sharded import ShardedLayout, conv_window, selective_scan_channels
-from padfree.model.state import current_layout, hooks_live
+from padfree.model.state import current_layout, hooks_live, unpatch
 
 __all__ = ["CLASSES", "SEQUENCE_PARALLEL", "install", "sharding_problem", "uninstall"]
 
@@ -230,10 +230,4 @@ def install(module: torch.nn.Module, state: Any) -> str:
 
 def uninstall(model: torch.nn.Module) -> bool:
     """Undo :func:`install` on every module of ``model``; False if nothing was installed."""
-    done = False
-    for sub in model.modules():
-        if "_padfree_conv" in sub.__dict__:
-            del sub._padfree_conv
-            sub.__dict__.pop("forward", None)
-            done = True
-    return done
+    return unpatch(model, "_padfree_conv")

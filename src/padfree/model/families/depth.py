@@ -21,6 +21,7 @@ import torch
 from padfree.errors import UnsupportedModelError
 from padfree.model import guards
 from padfree.model.attention import PACKED_FORWARD
+from padfree.model.state import unpatch
 
 __all__ = ["CLASSES", "SEQUENCE_PARALLEL", "install", "uninstall"]
 
@@ -63,10 +64,4 @@ def install(module: torch.nn.Module, state: Any) -> str:
 
 def uninstall(model: torch.nn.Module) -> bool:
     """Undo :func:`install` on every module of ``model``; False if nothing was installed."""
-    done = False
-    for sub in model.modules():
-        if "_padfree_depth" in sub.__dict__:
-            del sub._padfree_depth
-            sub.__dict__.pop("forward", None)
-            done = True
-    return done
+    return unpatch(model, "_padfree_depth")

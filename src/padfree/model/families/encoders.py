@@ -42,7 +42,7 @@ import torch
 from padfree.errors import InvalidLayoutError, PackingDisabledError, UnsupportedModelError
 from padfree.model import guards
 from padfree.model.packed import PackedLayout
-from padfree.model.state import current_layout, hooks_live
+from padfree.model.state import current_layout, hooks_live, unpatch
 
 __all__ = ["CLASSES", "bucket_masks", "install", "per_segment", "uninstall"]
 
@@ -589,10 +589,4 @@ def install(module: torch.nn.Module, state: Any) -> str:
 
 def uninstall(model: torch.nn.Module) -> bool:
     """Undo :func:`install` on every module of ``model``; False if nothing was installed."""
-    done = False
-    for sub in model.modules():
-        if _ATTR in sub.__dict__:
-            del sub.__dict__[_ATTR]
-            sub.__dict__.pop("forward", None)
-            done = True
-    return done
+    return unpatch(model, _ATTR)

@@ -40,7 +40,7 @@ import torch.nn.functional as F
 from padfree.errors import PackingDisabledError, UnsupportedModelError
 from padfree.model import guards, mixers, versions
 from padfree.model.packed import PackedLayout
-from padfree.model.state import current_layout, hooks_live
+from padfree.model.state import current_layout, hooks_live, unpatch
 
 __all__ = ["CLASSES", "install", "segment_lightning_attention", "uninstall"]
 
@@ -190,10 +190,4 @@ def install(module: torch.nn.Module, state: Any) -> str:
 
 def uninstall(model: torch.nn.Module) -> bool:
     """Undo :func:`install` on every module of ``model``; False if nothing was installed."""
-    done = False
-    for sub in model.modules():
-        if "_padfree_lightning" in sub.__dict__:
-            del sub._padfree_lightning
-            sub.__dict__.pop("forward", None)
-            done = True
-    return done
+    return unpatch(model, "_padfree_lightning")

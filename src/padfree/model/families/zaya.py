@@ -23,7 +23,7 @@ import torch
 from padfree.errors import PackingDisabledError, UnsupportedModelError
 from padfree.model import guards
 from padfree.model.packed import per_bucket
-from padfree.model.state import current_layout, hooks_live
+from padfree.model.state import current_layout, hooks_live, unpatch
 
 __all__ = ["CLASSES", "install", "uninstall"]
 
@@ -84,10 +84,4 @@ def install(module: torch.nn.Module, state: Any) -> str:
 
 def uninstall(model: torch.nn.Module) -> bool:
     """Undo :func:`install` on every module of ``model``; False if nothing was installed."""
-    done = False
-    for sub in model.modules():
-        if "_padfree_zaya" in sub.__dict__:
-            del sub._padfree_zaya
-            sub.__dict__.pop("forward", None)
-            done = True
-    return done
+    return unpatch(model, "_padfree_zaya")
