@@ -161,10 +161,9 @@ def _bucketed(
             out = _eager_block(q, k, v, allowed, scaling=scaling, dropout=dropout, training=module.training,
                                softcap=softcap, sinks=sinks, bias=block, token_sinks=rest[0] if rest else None)
         else:
-            mask = None if sliding_window is None else lay.local_mask(length, sliding_window)
+            mask = None if sliding_window is None and block is None else lay.local_mask(length, sliding_window)
             if block is not None:  # SDPA takes one float mask: the bias, and -inf where a key may not be seen
-                allowed = lay.local_mask(length, sliding_window)
-                mask = block.masked_fill(~allowed, float("-inf"))
+                mask = block.masked_fill(~mask, float("-inf"))
             out = F.scaled_dot_product_attention(
                 q, k, v, attn_mask=mask, dropout_p=dropout if module.training else 0.0, is_causal=mask is None,
                 scale=scaling, enable_gqa=q.shape[1] != k.shape[1],

@@ -108,7 +108,8 @@ def split_rows(inputs: Mapping[str, Any], *, size: int, rank: int, pad_token_id:
     start = rank * width
 
     seg = _segments(inputs, batch, seq_len, ref.device)
-    positions = layout.segment_ids_to_position_ids(torch.nn.functional.pad(seg, (0, pad)), check=False)
+    padded_seg = torch.nn.functional.pad(seg, (0, pad))  # the added tail: padding, a segment of its own
+    positions = layout.segment_ids_to_position_ids(padded_seg, check=False)
     out = SequenceParallelSlice()
     out.rank, out.size, out.length, out.padding = rank, size, seq_len, pad
     for key, value in inputs.items():
@@ -127,17 +128,16 @@ def split_rows(inputs: Mapping[str, Any], *, size: int, rank: int, pad_token_id:
             shifted = shifted.masked_fill(torch.nn.functional.pad(starts, (0, 1)), IGNORE_INDEX)
         shifted = _pad(shifted, pad, IGNORE_INDEX)
         out["shift_labels"] = shifted.narrow(1, start, width)
-        out.target_weights = _target_weights(shifted, positions).narrow(1, start, width)
+        out.target_weights = _target_weights(shifted, padded_seg).narrow(1, start, width)
     return out
 
 
-def _target_weights(shift_labels: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+def _target_weights(shift_labels: torch.Tensor, segment_ids: torch.Tensor) -> torch.Tensor:
     """``(B, T')`` float32: ``1 / (targets of its sequence)`` at every target of the whole rows, 0 elsewhere; the
     target at ``t`` belongs to the sequence of token ``t``."""
     target = shift_labels != IGNORE_INDEX
-    seq = (positions == 0).cumsum(1) + torch.arange(positions.shape[0], device=positions.device)[:, None] * (
-        positions.shape[1] + 1)  # a sequence id unique over the batch (every row starts one)
-    counts = torch.bincount(seq[target], minlength=int(seq.max()) + 1)
+    seq = layout.segment_ids_to_batch_seq_idx(segment_ids, check=False)  # sequence ids over the batch, < B·T'
+    counts = torch.bincount(seq[target], minlength=seq.numel())
     return torch.where(target, 1.0 / counts[seq].clamp(min=1).float(), 0.0)
 
 

@@ -2,10 +2,9 @@
 
 ``Inkling2BlockAttentionResidual`` (and Inkling2-Loop's message retrieval) mixes the outputs of a token's earlier
 blocks with learned queries, calling transformers' attention interface with the blocks where the tokens would be:
-no token ever reads another, so a
-packed row needs nothing from it. It is claimed here so that it runs as transformers runs it — outside the packed
-forward's bookkeeping, whose attention functions would otherwise look for the row's layout in it. Under sequence
-parallelism each rank runs it on its own tokens, which is all it reads.
+no token ever reads another, so a packed row needs nothing from it. It is claimed here so that it runs as
+transformers runs it — outside the packed forward's bookkeeping, whose attention functions would otherwise look for
+the row's layout in it. Under sequence parallelism each rank runs it on its own tokens, which is all it reads.
 
 >>> sorted(CLASSES)
 ['Inkling2BlockAttentionResidual', 'Inkling2LoopBlockAttentionResidual', 'Inkling2LoopMessageAttentionResidual']
