@@ -15,8 +15,10 @@ import torch
 import transformers
 
 from padfree.errors import PackingDisabledError, UnsupportedModelError
-from padfree.model.configure import install_packing, unconfigure_packing
+from padfree.model.configure import install_packing, packing_state, unconfigure_packing
 from padfree.model.families import alibi, attention_variants
+from padfree.model.flight import forward_of
+from padfree.model.packed import PackedLayout
 from padfree.model.proof import FP32_TOL, prove, stock_packed_diff
 from padfree.model.state import PackingState
 
@@ -185,8 +187,7 @@ def test_a_cache_is_refused_by_the_model_and_by_the_module():
     ids, pos = torch.randint(3, VOCAB, (1, 6)), torch.tensor([[0, 1, 2, 0, 1, 2]])
     with pytest.raises(PackingDisabledError, match="cache"):
         model(input_ids=ids, position_ids=pos, past_key_values=transformers.DynamicCache(), use_cache=True)
-    with torch.no_grad():
-        model(input_ids=ids, position_ids=pos, use_cache=False)  # leaves its layout in flight for this shape
+    with torch.no_grad(), forward_of(packing_state(model), PackedLayout.from_position_ids(pos)):
         attention = model.transformer.h[0].self_attention
         hidden = torch.zeros(1, 6, 64)
         with pytest.raises(PackingDisabledError, match="DynamicCache"):

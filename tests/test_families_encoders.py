@@ -22,6 +22,7 @@ transformers = pytest.importorskip("transformers")
 from padfree.errors import PackingDisabledError, UnsupportedModelError  # noqa: E402
 from padfree.model.configure import install_packing, packing_state, unconfigure_packing  # noqa: E402
 from padfree.model.families import encoders  # noqa: E402
+from padfree.model.flight import forward_of  # noqa: E402
 from padfree.model.packed import PackedLayout  # noqa: E402
 from padfree.model.proof import FP32_TOL, prove, stock_packed_diff  # noqa: E402
 from padfree.model.sweep import PRECISIONS, build_tiny  # noqa: E402
@@ -299,10 +300,10 @@ def test_cache_reaching_a_packed_attention_is_refused():
     ids, pos, _ = _rows(model.config.vocab_size, [(3, 5)])
     install_packing(model)
     with torch.no_grad():
-        model(input_ids=ids, position_ids=pos, use_cache=False)  # leaves the layout set (for checkpointing)
         attn = model.bert.encoder.layer[0].attention.self
         hidden = torch.zeros(*ids.shape, model.config.hidden_size)
-        with pytest.raises(PackingDisabledError, match="cache"):
+        with forward_of(packing_state(model), PackedLayout.from_position_ids(pos)), \
+                pytest.raises(PackingDisabledError, match="cache"):
             attn(hidden, cache=transformers.DynamicCache(config=model.config))
         with pytest.raises(PackingDisabledError, match="cache"):
             model(input_ids=ids, position_ids=pos, cache=transformers.DynamicCache(config=model.config))

@@ -20,6 +20,7 @@ from transformers.models.auto.configuration_auto import CONFIG_MAPPING  # noqa: 
 from padfree.errors import PackingDisabledError, UnsupportedModelError  # noqa: E402
 from padfree.model.configure import install_packing, packing_state, unconfigure_packing  # noqa: E402
 from padfree.model.families import indexers  # noqa: E402
+from padfree.model.flight import forward_of  # noqa: E402
 from padfree.model.packed import PackedLayout  # noqa: E402
 from padfree.model.proof import FP32_TOL, prove, stock_packed_diff  # noqa: E402
 from padfree.model.state import PackingState  # noqa: E402
@@ -304,11 +305,11 @@ def test_a_cache_is_refused_by_the_model_and_by_the_module():
     with pytest.raises(PackingDisabledError, match="cache"):
         model(input_ids=ids, position_ids=pos, cache=cache, use_cache=True)
     # the module's own guard: a packed layout in flight and a cache handed to the attention directly
-    packing_state(model).layout = PackedLayout.from_position_ids(pos)
     attn = model.model.layers[0].self_attn
     hidden = torch.randn(1, 6, model.config.hidden_size)
     tables = model.model.rotary_emb(hidden, torch.arange(6)[None])
-    with pytest.raises(PackingDisabledError, match="cache=DynamicCache"):
+    with forward_of(packing_state(model), PackedLayout.from_position_ids(pos)), \
+            pytest.raises(PackingDisabledError, match="cache=DynamicCache"):
         attn(hidden, position_embeddings=tables, attention_mask=torch.ones(1, 1, 6, 6, dtype=torch.bool),
              cache=cache)
     unconfigure_packing(model)

@@ -20,8 +20,10 @@ transformers = pytest.importorskip("transformers")
 from padfree.errors import PackingDisabledError, UnsupportedModelError  # noqa: E402
 from padfree.model import configure, install  # noqa: E402
 from padfree.model.families import kda, lightning, linear  # noqa: E402
+from padfree.model.flight import forward_of  # noqa: E402
 from padfree.model.packed import PackedLayout  # noqa: E402
 from padfree.model.proof import prove  # noqa: E402
+from padfree.model.state import packing_state  # noqa: E402
 from padfree.model.sweep import PRECISIONS, _quiet, build_tiny  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -112,15 +114,14 @@ def test_a_cache_never_reaches_a_packed_mixer():
     pos = torch.tensor([[0, 1, 2, 0, 1, 2]])
     with pytest.raises(PackingDisabledError, match="use_cache"):
         model(input_ids=ids, position_ids=pos, use_cache=True)
-    model(input_ids=ids, position_ids=pos)  # the layout of the last packed forward stays set (checkpointing)
+    lay = PackedLayout.from_position_ids(pos)
     layer = model.model.layers[1].self_attn
     hidden = torch.randn(1, 6, model.config.hidden_size)
-    with pytest.raises(PackingDisabledError, match="cache"):
+    with forward_of(packing_state(model), lay), pytest.raises(PackingDisabledError, match="cache"):
         layer(hidden, position_embeddings=None, attention_mask=None, cache=MiniMaxCache())
     bailing = build_tiny("bailing_hybrid")
     configure.install_packing(bailing)
-    bailing(input_ids=ids, position_ids=pos)
-    with pytest.raises(PackingDisabledError, match="cache"):
+    with forward_of(packing_state(bailing), lay), pytest.raises(PackingDisabledError, match="cache"):
         bailing.model.layers[0].self_attn(hidden, cache=transformers.DynamicCache())
 
 

@@ -20,6 +20,7 @@ transformers = pytest.importorskip("transformers")
 from padfree.errors import PackingDisabledError, UnsupportedModelError  # noqa: E402
 from padfree.model.configure import install_packing, packing_state, unconfigure_packing  # noqa: E402
 from padfree.model.families import positions  # noqa: E402
+from padfree.model.flight import forward_of  # noqa: E402
 from padfree.model.packed import PackedLayout  # noqa: E402
 from padfree.model.proof import FP32_TOL, prove, stock_packed_diff  # noqa: E402
 from padfree.model.sweep import PRECISIONS, build_tiny  # noqa: E402
@@ -219,32 +220,35 @@ def test_bucketed_equals_a_loop_over_segments(options):
 
 
 def _packed_forward_in_flight(model):
-    """Configure ``model`` and run one packed forward, so that its layout stays in flight (as for recomputation)."""
+    """Configure ``model`` and run one packed forward; ``(ids, layout, a frame of that forward)`` for calling its
+    modules on their own as that forward would."""
     ids, pos, _ = _rows(model.config.vocab_size, [[3, 4], [2, 5]])
     install_packing(model)
     with torch.no_grad():
         model(input_ids=ids, position_ids=pos, use_cache=False)
-    return ids, packing_state(model).layout
+    lay = PackedLayout.from_position_ids(pos)
+    return ids, lay, forward_of(packing_state(model), lay)
 
 
 def test_a_packed_batch_with_a_cache_is_refused_by_the_hook_and_by_every_module():
     from transformers import DynamicCache
 
     model = _quiet_build("mvp")
-    ids, lay = _packed_forward_in_flight(model)
+    ids, lay, frame = _packed_forward_in_flight(model)
     with pytest.raises(PackingDisabledError, match="cache"):
         model(input_ids=ids, position_ids=lay.position_ids, cache=DynamicCache(config=model.config), use_cache=True)
     decoder = model.model.decoder
-    with pytest.raises(PackingDisabledError, match="cache_length"):
-        decoder.embed_positions(ids, 2)
     hidden = torch.zeros(*ids.shape, model.config.d_model)
-    with pytest.raises(PackingDisabledError, match="cache=DynamicCache"):
-        decoder.layers[0].self_attn(hidden, cache=DynamicCache(config=model.config))
+    with frame:
+        with pytest.raises(PackingDisabledError, match="cache_length"):
+            decoder.embed_positions(ids, 2)
+        with pytest.raises(PackingDisabledError, match="cache=DynamicCache"):
+            decoder.layers[0].self_attn(hidden, cache=DynamicCache(config=model.config))
 
     xlnet = _quiet_build("xlnet")
-    ids, lay = _packed_forward_in_flight(xlnet)
+    ids, lay, frame = _packed_forward_in_flight(xlnet)
     mems = [torch.zeros(2, ids.shape[0], xlnet.config.d_model)] * xlnet.config.n_layer
-    with pytest.raises(PackingDisabledError, match="mems"):
+    with frame, pytest.raises(PackingDisabledError, match="mems"):
         xlnet.transformer(input_ids=ids, mems=mems)
 
 

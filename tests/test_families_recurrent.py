@@ -18,6 +18,7 @@ transformers = pytest.importorskip("transformers")
 from padfree.errors import PackingDisabledError, UnsupportedModelError  # noqa: E402
 from padfree.model import configure, scans  # noqa: E402
 from padfree.model.families import convs, rglru, rwkv, xlstm  # noqa: E402
+from padfree.model.flight import forward_of  # noqa: E402
 from padfree.model.packed import PackedLayout  # noqa: E402
 from padfree.model.proof import prove  # noqa: E402
 from padfree.model.sweep import PRECISIONS, _quiet, build_tiny  # noqa: E402
@@ -250,39 +251,40 @@ def _packed_call(model):
     configure.install_packing(model)
     with pytest.raises(PackingDisabledError):
         model(input_ids=ids, position_ids=pos, use_cache=True)
-    model(input_ids=ids, position_ids=pos)  # the layout of the last packed forward stays set (checkpointing)
+    model(input_ids=ids, position_ids=pos)
+    # the packed forward is over and took its layout with it: a module called on its own sees one when entered
+    return forward_of(configure.packing_state(model), PackedLayout.from_position_ids(pos))
 
 
 def test_a_cache_never_reaches_a_packed_module():
     hidden = torch.randn(1, 6, 64)
     model = build_tiny("rwkv")
-    _packed_call(model)
-    attention = model.rwkv.blocks[0].attention
-    state = [torch.zeros(1, 64, 2) for _ in range(5)]
-    with pytest.raises(PackingDisabledError, match="state"):
-        attention(hidden, state=state)
-    with pytest.raises(PackingDisabledError, match="use_cache"):
-        attention(hidden, use_cache=True)
+    with _packed_call(model):
+        attention = model.rwkv.blocks[0].attention
+        state = [torch.zeros(1, 64, 2) for _ in range(5)]
+        with pytest.raises(PackingDisabledError, match="state"):
+            attention(hidden, state=state)
+        with pytest.raises(PackingDisabledError, match="use_cache"):
+            attention(hidden, use_cache=True)
 
     model = build_tiny("xlstm")
-    _packed_call(model)
-    layer = model.backbone.blocks[0].mlstm_layer
-    with pytest.raises(PackingDisabledError, match="recurrent state"):
-        layer(hidden, state=(torch.zeros(1), torch.zeros(1), torch.zeros(1)))
+    with _packed_call(model):
+        layer = model.backbone.blocks[0].mlstm_layer
+        with pytest.raises(PackingDisabledError, match="recurrent state"):
+            layer(hidden, state=(torch.zeros(1), torch.zeros(1), torch.zeros(1)))
 
     model = build_tiny("lfm3")
-    _packed_call(model)
-    with pytest.raises(PackingDisabledError, match="cache"):
+    with _packed_call(model), pytest.raises(PackingDisabledError, match="cache"):
         model.model.layers[0].conv(hidden, cache=transformers.DynamicCache())
 
     model = build_tiny("recurrent_gemma")
-    _packed_call(model)
-    block = model.model.layers[0].temporal_block
-    pos = torch.tensor([[0, 1, 2, 0, 1, 2]])
-    with pytest.raises(PackingDisabledError, match="use_cache"):
-        block(hidden, pos, None, use_cache=True)
-    with pytest.raises(PackingDisabledError, match="cache"):
-        block(hidden, pos, None, use_cache=False, cache=transformers.DynamicCache())
+    with _packed_call(model):
+        block = model.model.layers[0].temporal_block
+        pos = torch.tensor([[0, 1, 2, 0, 1, 2]])
+        with pytest.raises(PackingDisabledError, match="use_cache"):
+            block(hidden, pos, None, use_cache=True)
+        with pytest.raises(PackingDisabledError, match="cache"):
+            block(hidden, pos, None, use_cache=False, cache=transformers.DynamicCache())
 
 
 def test_a_forward_of_another_shape_is_refused():

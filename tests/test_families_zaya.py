@@ -7,7 +7,9 @@ import torch
 
 from padfree import PackingDisabledError, UnsupportedModelError
 from padfree.model import configure, install
-from padfree.model.configure import install_packing, unconfigure_packing
+from padfree.model.configure import install_packing, packing_state, unconfigure_packing
+from padfree.model.flight import forward_of
+from padfree.model.packed import PackedLayout
 from padfree.model.proof import FP32_TOL, prove, stock_packed_diff
 from padfree.model.sweep import build_tiny
 
@@ -41,7 +43,7 @@ def test_a_cache_reaching_the_projection_is_refused():
     with torch.no_grad():
         cache = model(input_ids=ids[:, :2], use_cache=True).cache
         hidden = torch.randn(1, 6, model.config.hidden_size)
-        model.model(input_ids=ids, position_ids=pos, use_cache=False)  # a packed forward: its layout stays set
-        with pytest.raises(PackingDisabledError, match="a cache"):
+        with forward_of(packing_state(model), PackedLayout.from_position_ids(pos)), \
+                pytest.raises(PackingDisabledError, match="a cache"):
             projection(hidden, cache)
     unconfigure_packing(model)

@@ -84,7 +84,8 @@ def test_calling_twice_is_harmless_and_can_switch_backend(seqs, batch):
     configure_packing(model)
     configure_packing(model)
     state = padfree.model.configure.packing_state(model)
-    assert len(model.model._forward_pre_hooks) == 1 and len(state.handles) == 2
+    assert len(model.model._forward_pre_hooks) == 1 and len(state.handles) == 2 + 2 * len(model.model.layers)
+    assert all(len(layer._forward_pre_hooks) == 1 for layer in model.model.layers)
     assert configure_packing(model, backend="eager").backend == "padfree_eager"
     assert verify(model, seqs, capacity=CAPACITY).ok
 

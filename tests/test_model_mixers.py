@@ -25,6 +25,7 @@ transformers = pytest.importorskip("transformers")
 from padfree import configure_packing  # noqa: E402
 from padfree.errors import PackingDisabledError, UnsupportedModelError  # noqa: E402
 from padfree.model import configure, install, kernels, mixers, scans  # noqa: E402
+from padfree.model.flight import forward_of, layout_in_flight  # noqa: E402
 from padfree.model.packed import PackedLayout  # noqa: E402
 from padfree.model.state import PackingState  # noqa: E402
 from zoo import (  # noqa: E402
@@ -154,19 +155,16 @@ def test_a_one_sequence_batch_with_boundary_kwargs_runs_as_unpacked(model_type):
 
 def test_a_stale_layout_never_reaches_a_mixer_whose_model_lost_its_hooks():
     """Defence in depth: a mixer whose state's hooks are gone (a refused or undone configure) runs transformers'
-    own forward even if a layout of the right shape is still set."""
+    own forward even inside a frame of its model with a layout of the right shape."""
     model = tiny_model("lfm2")
     ids, pos, _ = packed_rows(MIXER_ROWS)
     with torch.no_grad():
         leaky = model(input_ids=ids, position_ids=pos, use_cache=False).logits
     configure_packing(model)
     state = configure.packing_state(model)
-    with torch.no_grad():
-        model(input_ids=ids, position_ids=pos)
-    assert state.layout is not None
     for handle in state.handles:
         handle.remove()
-    with torch.no_grad():
+    with torch.no_grad(), forward_of(state, PackedLayout.from_position_ids(pos)):
         assert torch.equal(model(input_ids=ids, position_ids=pos, use_cache=False).logits, leaky)
 
 
@@ -190,14 +188,15 @@ def test_models_without_attention_are_configured_at_the_top(model_type):
     assert report.backend == "none" and not report.attention_modules and len(report.mixers) == 2
     assert "no attention layer runs through padfree's backends" in report.reason
     state = configure.packing_state(model)
-    assert all(handle.hooks_dict_ref() is model._forward_pre_hooks or handle.hooks_dict_ref() is model._forward_hooks
-               for handle in state.handles)
-    seen = {}
+    assert len(model._forward_pre_hooks) == 1 and not model.get_decoder()._forward_pre_hooks
+    seen, layouts = {}, []
     model.get_decoder().register_forward_pre_hook(lambda m, a, k: seen.update(k), with_kwargs=True)
+    mixer = next(m for m in model.modules() if "_padfree_mixer" in m.__dict__)
+    mixer.register_forward_pre_hook(lambda m, a: layouts.append(layout_in_flight(state)))
     ids, pos, _ = packed_rows(MIXER_ROWS)
     with torch.no_grad():
         model(input_ids=ids, position_ids=pos)
-    assert state.layout is not None and state.layout.num_segments == 8
+    assert layouts[0].num_segments == 8 and layout_in_flight(state) is None  # the layout left with its forward
     assert "position_ids" not in seen and seen["attention_mask"] is None
     with pytest.raises(PackingDisabledError, match="cache_params"):
         model(input_ids=ids, position_ids=pos, cache_params=object())

@@ -360,12 +360,13 @@ arguments on (Nemotron's, ...)."""
 
 
 def _owner_layout(module: torch.nn.Module, query: torch.Tensor) -> PackedLayout | None:
-    """The layout of the owning model's forward in flight (None for an unpacked one). It stays set after the
-    forward, so an activation-checkpointing recompute during backward reads the same boundaries."""
+    """The layout of the owning model's forward this call belongs to (None for an ordinary one), for attention a
+    decoder layer called without padfree's keyword argument; an activation-checkpointing recompute reads its own
+    forward's (:mod:`padfree.model.flight`)."""
     from padfree.model.state import current_layout, hooks_live
 
     state = module.__dict__.get(OWNER_ATTR)
-    if state is None or not hooks_live(state) or state.layout is None:
+    if state is None or not hooks_live(state):
         return None
     return current_layout(state, query.transpose(1, 2), f"{type(module).__name__} attention")
 
@@ -373,6 +374,8 @@ def _owner_layout(module: torch.nn.Module, query: torch.Tensor) -> PackedLayout 
 def _attention_function(backend: Backend) -> Callable:
     def attention(module, query, key, value, attention_mask, **kwargs):
         lay = kwargs.pop(LAYOUT_KWARG, None)
+        if lay is None and attention_mask is None:
+            lay = _owner_layout(module, query)
         if attention_mask is not None and (lay is not None or PACKED_FORWARD.get()):
             # padfree's mask functions build no mask in a packed forward, so this one was built by the model
             # itself (a bias, a window, a causal mask over the whole row): the packed path would drop it, the
@@ -383,8 +386,6 @@ def _attention_function(backend: Backend) -> Callable:
                 f"boundaries, not a mask, and would drop what this one adds; this model needs a padfree family for "
                 f"{type(module).__name__}"
             )
-        if lay is None and attention_mask is None:
-            lay = _owner_layout(module, query)
         if lay is None:
             if PACKED_FORWARD.get():
                 # the layout got lost on the way down (a decoder layer that does not pass its keyword arguments

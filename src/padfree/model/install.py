@@ -45,7 +45,7 @@ from padfree.errors import (
     describe,
 )
 from padfree.layout import position_ids_to_segment_ids
-from padfree.model import guards
+from padfree.model import flight, guards
 from padfree.model.attention import (
     BACKENDS,
     LAYOUT_KWARG,
@@ -272,7 +272,7 @@ def _route(decoder: torch.nn.Module, has_attention: bool) -> tuple[bool, bool]:
     The boundaries (the layout for attention, and ``position_ids`` where the forward has that parameter) travel
     down through the decoder's keyword arguments, as transformers passes attention kwargs to every layer; a decoder
     whose forward takes neither ``position_ids`` nor ``**kwargs``, or a model without attention (mamba, mamba2,
-    falcon_mamba: its mixers read the layout from the state), is hooked at the top instead, where the caller's
+    falcon_mamba: its mixers read the layout of the forward in flight), is hooked at the top instead, where the caller's
     boundary arguments are consumed."""
     params = inspect.signature(type(decoder).forward).parameters
     positions = "position_ids" in params
@@ -420,6 +420,11 @@ def install_packing(model: Any, *, backend: str = "auto", strict: bool = True, s
     state.report = report
     state.sp = sp
     config.use_cache = False
+    # A forward's layout travels with it (padfree.model.flight): the layers' checkpoint functions and hooks carry it
+    # into an activation-checkpointing recompute, which may run after other forwards of this model.
+    state.checkpointed = [m for m in model.modules() if hasattr(m, "gradient_checkpointing")]
+    for layer in _layers(model):
+        state.handles += flight.layer_hooks(layer, state, LAYOUT_KWARG)
     # The hook goes on the decoder, which receives position_ids from every registered *ForCausalLM and hands its
     # keyword arguments down to the attention layers (see _route for the models hooked at the top instead).
     decoder = model.get_decoder() if hasattr(model, "get_decoder") else model
@@ -447,6 +452,17 @@ def install_packing(model: Any, *, backend: str = "auto", strict: bool = True, s
     return report
 
 
+def _layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The units activation checkpointing wraps: transformers' checkpointable layers, else the members of the
+    model's layer lists."""
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+    if not layers:
+        layers = [m for lst in model.modules() if isinstance(lst, torch.nn.ModuleList) for m in lst]
+    return layers
+
+
 def _sharded_attention_guard(module: torch.nn.Module) -> list:
     """Hooks that make ``module`` refuse a sequence-parallel forward in which it never called padfree's split
     attention (it computed attention itself, over its slice alone). Every rank runs the same modules, so every rank
@@ -456,7 +472,7 @@ def _sharded_attention_guard(module: torch.nn.Module) -> list:
 
     def after(mod: torch.nn.Module, args: tuple, output: Any) -> None:
         state = mod.__dict__.get(OWNER_ATTR)
-        if state is None or not isinstance(state.layout, ShardedLayout) or not PACKED_FORWARD.get():
+        if state is None or not isinstance(flight.layout_in_flight(state), ShardedLayout):
             return
         if mod.__dict__.get(SHARDED_CALLS, 0) == mod.__dict__.get("_padfree_calls_before", 0):
             raise UnsupportedModelError(
@@ -513,6 +529,7 @@ def unconfigure_packing(model: torch.nn.Module) -> bool:
         return False
     for handle in state.handles:
         handle.remove()
+    flight.unbind_checkpoints(model)
     for module in model.modules():
         for attr in (OWNER_ATTR, SHARDED_CALLS, "_padfree_calls_before"):
             module.__dict__.pop(attr, None)
@@ -598,8 +615,9 @@ def _before(state: _State, config: Any, module: torch.nn.Module, args: tuple, kw
             forward: bool = True, positions: bool = True) -> tuple[tuple, dict[str, Any]]:
     """The pre-hook: the layout of this call, guards, and the arguments the hooked module runs with. ``forward``:
     hand the boundaries on (the layout for attention, and ``position_ids`` when ``positions``); False for a module
-    that takes none, whose mixers read the layout from the state — its boundary arguments are dropped rather than
-    left to ``**kwargs``. Either way the layout of the call is on the state for the modules that read it there.
+    that takes none, whose mixers read the layout of the forward in flight — its boundary arguments are dropped
+    rather than left to ``**kwargs``. Either way the call enters its layout (:mod:`padfree.model.flight`) for the
+    modules that read it there, until the call returns.
 
     Arguments are read by name after binding the call to the module's forward signature, so positional arguments count
     too, and caches and dense masks are recognised by type and shape (:mod:`padfree.model.guards`) rather than by
@@ -608,13 +626,14 @@ def _before(state: _State, config: Any, module: torch.nn.Module, args: tuple, kw
     named = guards.bind(forward_fn, (module, *args), kwargs)
     if named is not None:
         named.pop(next(iter(guards.parameters(forward_fn))), None)  # self
+    flight.bind_checkpoints(state.checkpointed)
     if state.sp is not None:
         lay = _sharded_layout(state, config, named, forward_fn)
     else:
         lay = None if named is None else _layout(named)
         if lay is None or (not lay.is_packed and lay.source != "attention_mask"):
-            state.layout = None
-            state.tokens.append(PACKED_FORWARD.set(False))
+            state.tokens.append(((PACKED_FORWARD.reset, PACKED_FORWARD.set(False)),
+                                 (flight.leave, flight.enter(state, None))))
             return args, kwargs
         _refuse_leaks(config, named, forward_fn, lay.shape)
     # everything by name from here on: a positional argument and a keyword for the same parameter would clash
@@ -633,8 +652,7 @@ def _before(state: _State, config: Any, module: torch.nn.Module, args: tuple, kw
     else:
         for key in _BOUNDARY_KWARGS:
             kwargs.pop(key, None)
-    state.layout = lay
-    state.tokens.append(PACKED_FORWARD.set(True))
+    state.tokens.append(((PACKED_FORWARD.reset, PACKED_FORWARD.set(True)), (flight.leave, flight.enter(state, lay))))
     return args, kwargs
 
 
@@ -747,9 +765,10 @@ def _before_multimodal(state: _State, module: torch.nn.Module, args: tuple, kwar
             # the model turns its attention_mask into per-layer-type masks, which a packed forward builds empty:
             # the language model's own hook would never see a 0/1 or dense mask, so it is refused here
             _layout(named)
-    state.tokens.append(PACKED_FORWARD.set(packed))
+    state.tokens.append(((PACKED_FORWARD.reset, PACKED_FORWARD.set(packed)),))
 
 
 def _after(state: _State) -> None:
     if state.tokens:
-        PACKED_FORWARD.reset(state.tokens.pop())
+        for reset, token in reversed(state.tokens.pop()):
+            reset(token)

@@ -1,7 +1,7 @@
-"""What a configured model carries: its backend, hooks, the layout of the forward in flight, what to restore.
+"""What a configured model carries: its backend, hooks and what to restore.
 
 Shared by :mod:`padfree.model.install` (which creates it) and the boundary-aware modules it installs (which read
-the layout of the call in flight from it), so that neither imports the other.
+the layout of the call in flight for it, :mod:`padfree.model.flight`), so that neither imports the other.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from padfree.model.flight import layout_in_flight
 from padfree.model.packed import PackedLayout
 
 __all__ = ["PackingState", "current_layout", "packing_state", "unpatch"]
@@ -18,15 +19,15 @@ __all__ = ["PackingState", "current_layout", "packing_state", "unpatch"]
 
 @dataclasses.dataclass(eq=False)
 class PackingState:
-    """Per configured model: backend, report, hook handles, the layout of the forward in flight (for modules that
-    are not handed keyword arguments), and what to restore.
+    """Per configured model: backend, report, hook handles and what to restore. The layout of a forward is not
+    kept here: it travels with that forward (:mod:`padfree.model.flight`).
 
     Attributes:
         backend: the attention implementation in use (``padfree_sdpa``, ..., ``none``).
         report: the :class:`~padfree.model.install.PackingReport` of the configuration.
         handles: the forward hooks installed on the model.
-        layout: the :class:`~padfree.model.packed.PackedLayout` of the packed forward in flight (None otherwise).
-        tokens: context tokens of the hook that marks a forward as packed.
+        tokens: per hooked call in flight, the context tokens its pre-hook set (its post-hook resets them).
+        checkpointed: the modules whose activation-checkpointing function padfree binds to each forward.
         previous: ``(attention implementation, use_cache)`` before configuring.
         sp: the sequence-parallel group every forward is split across (None: each rank runs whole rows).
     """
@@ -34,8 +35,8 @@ class PackingState:
     backend: str
     report: Any
     handles: list = dataclasses.field(default_factory=list)
-    layout: PackedLayout | None = None
     tokens: list = dataclasses.field(default_factory=list)
+    checkpointed: list = dataclasses.field(default_factory=list)
     previous: tuple = (None, None)
     sp: Any = None
 
@@ -46,16 +47,11 @@ def packing_state(model: torch.nn.Module) -> PackingState | None:
 
 
 def current_layout(state: PackingState, hidden: torch.Tensor, who: str) -> PackedLayout | None:
-    """The layout of the forward in flight for a module that receives no keyword arguments (None: unpacked batch).
-
-    Under sequence parallelism it is a :class:`~padfree.model.sharded.ShardedLayout` (checked against this rank's
-    slice). The layout stays set after the forward so that activation checkpointing can recompute a layer during
-    backward; its shape is checked against ``hidden`` so a stale layout is an error, never a silent wrong boundary.
-    """
-    lay = state.layout
-    if lay is not None:
-        lay.check_tokens(hidden, who)
-    return lay
+    """The layout of the forward ``hidden`` belongs to, for a module that receives no keyword arguments (None: an
+    ordinary batch). Under sequence parallelism it is a :class:`~padfree.model.sharded.ShardedLayout` (checked
+    against this rank's slice). Its shape is checked against ``hidden``; a recompute during backward that cannot be
+    bound to its own forward refuses (see :mod:`padfree.model.flight`)."""
+    return layout_in_flight(state, hidden, who)
 
 
 def hooks_live(state: Any) -> bool:

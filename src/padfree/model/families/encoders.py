@@ -41,6 +41,7 @@ import torch
 
 from padfree.errors import InvalidLayoutError, PackingDisabledError, UnsupportedModelError
 from padfree.model import guards
+from padfree.model.flight import layout_in_flight
 from padfree.model.packed import PackedLayout
 from padfree.model.state import current_layout, hooks_live, unpatch
 
@@ -364,9 +365,10 @@ class _Installed:
     owner: torch.nn.Module | None = None  # XLM's attention layers: the XLMModel whose ``causal`` they follow
 
 
+@torch.compiler.disable  # host-side state (see per_segment)
 def _in_flight(info: _Installed) -> bool:
-    """A packed forward of the configured model is running (its hooks live, a layout set)."""
-    return info.state.layout is not None and hooks_live(info.state)
+    """This call belongs to a packed forward of the configured model (its hooks live)."""
+    return hooks_live(info.state) and layout_in_flight(info.state) is not None
 
 
 def _bound(module: torch.nn.Module, args: tuple, kwargs: dict[str, Any]) -> dict[str, Any]:
@@ -382,7 +384,7 @@ def _layout_for(info: _Installed, tokens: Any, who: str) -> PackedLayout | None:
     """The layout of the packed forward in flight, checked against ``tokens`` (``(B, T, ...)``)."""
     if not isinstance(tokens, torch.Tensor) or tokens.dim() < 2:
         return None
-    lay = info.state.layout
+    lay = layout_in_flight(info.state)
     if tokens.shape[0] == lay.shape[0] and tokens.shape[1] != lay.shape[1]:
         why = next((w for prefix, w in _ADDED_TOKENS.items() if who.startswith(prefix)), "")
         raise PackingDisabledError(

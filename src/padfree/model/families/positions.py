@@ -44,6 +44,7 @@ import torch
 
 from padfree.errors import InvalidLayoutError, PackingDisabledError, UnsupportedModelError
 from padfree.model import guards
+from padfree.model.flight import layout_in_flight
 from padfree.model.packed import Buckets, PackedLayout, bucket_length
 from padfree.model.state import hooks_live
 
@@ -90,7 +91,7 @@ class _Installed:
 @torch.compiler.disable  # host-side state: traced, every new batch's layout would recompile the graph
 def _layout_in_flight(info: _Installed) -> PackedLayout | None:
     """The packed layout of the forward in flight, or None (an ordinary batch, or the hooks are gone)."""
-    return info.state.layout if hooks_live(info.state) else None
+    return layout_in_flight(info.state) if hooks_live(info.state) else None
 
 
 def _patched_forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
