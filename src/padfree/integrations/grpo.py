@@ -53,6 +53,7 @@ from padfree.integrations.decide import (
     skip_reason,
     warn_once,
 )
+from padfree.integrations.preference_data import GRPO_DATA, check_datasets
 from padfree.integrations.status import PADDING_FREE, STANDARD, PackingStatus, model_facts
 from padfree.integrations.telemetry import PackingTelemetryCallback, attach_telemetry, is_train_log
 from padfree.integrations.unpadded import unpadded_forwards
@@ -141,6 +142,9 @@ class GRPOMixin:
             args = GRPOConfig(default_output_dir(model, "GRPO"))
         elif not isinstance(args, trl.GRPOConfig):
             raise InvalidArgumentError(f"args must be a GRPOConfig (padfree's or trl's), got {describe(args)}")
+        # an environment_factory (keyword, or TRL's 8th argument after processing_class) supplies the prompts
+        environment = kwargs.get("environment_factory", rest[7] if len(rest) > 7 else None)
+        check_datasets(GRPO_DATA, train_dataset, eval_dataset, require=environment is None)
         decision = _decide(args, model, model_config(model, args), processing_class, train_dataset)
         on = decision.mode == PADDING_FREE
         if on and not isinstance(model, str):

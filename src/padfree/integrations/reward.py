@@ -47,10 +47,13 @@ are what they are for the padded trainer.
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import logging
 from collections.abc import Iterator
 from typing import Any
+
+import numpy as np
 
 from padfree.errors import BackendUnavailableError, InvalidArgumentError, UnsupportedModelError, describe
 from padfree.integrations.decide import (
@@ -66,6 +69,14 @@ from padfree.integrations.decide import (
     refuse_unsafe,
     skip_reason,
     warn_once,
+)
+from padfree.integrations.preference_data import (
+    REWARD_DATA,
+    DropRule,
+    check_dataset,
+    check_datasets,
+    dataset_label,
+    drop_counted,
 )
 from padfree.integrations.status import PADDING_FREE, STANDARD, PackingStatus, model_facts
 from padfree.integrations.telemetry import PackingTelemetryCallback, attach_telemetry, is_train_log
@@ -312,11 +323,20 @@ class RewardMixin:
 
     _padfree_decision: Decision | None = None
     _padfree_telemetry: PackingTelemetryCallback | None = None
+    _padfree_checked: tuple[int, ...] = ()
+    _padfree_vocab: int | None = None
 
     def __init__(self, model: Any, args: Any = None, data_collator: Any = None, train_dataset: Any = None,
                  eval_dataset: Any = None, processing_class: Any = None, *rest: Any, **kwargs: Any) -> None:
         args = _as_config(args, model)
         config = model_config(model, args)
+        text = config.get_text_config() if hasattr(config, "get_text_config") else config
+        # tokenized pairs' ids must fit the embedding (which a cloned chat template may still grow)
+        self._padfree_vocab = None if getattr(args, "chat_template_path", None) else getattr(text, "vocab_size", None)
+        # before TRL reads a row: each fault of the data is one error naming the column and the row
+        self._padfree_checked = tuple(map(id, check_datasets(REWARD_DATA, train_dataset, eval_dataset,
+                                                             vocab_size=self._padfree_vocab)))
+        self._padfree_dropped: dict[str, int] = {}
         decision = _decide(args, model, config, processing_class, data_collator, train_dataset)
         if decision.mode != STANDARD and not isinstance(model, str):
             configure_for(_backbone(model), decision)  # fail before tokenizing anything
@@ -336,7 +356,7 @@ class RewardMixin:
             args.padding_free = on
         facts = model_facts(_backbone(self.model) if on else self.model)
         self._padfree_status = PackingStatus(mode=decision.mode, reason=decision.reason, auto=decision.auto,
-                                             packing=False, padding_free=on, **facts)
+                                             packing=False, padding_free=on, dropped=self._padfree_dropped, **facts)
         logger.info("%s", self._padfree_status)
         if on and getattr(args, "padfree_telemetry", True):
             self._padfree_telemetry = attach_telemetry(self)
@@ -346,6 +366,25 @@ class RewardMixin:
     @property
     def _padfree_on(self) -> bool:
         return self._padfree_decision is not None and self._padfree_decision.mode != STANDARD
+
+    def _prepare_dataset(self, dataset: Any, processing_class: Any, args: Any, dataset_name: str) -> Any:
+        """TRL's preparation (EOS, tokenization), the data checked first and the pairs TRL drops counted: a pair
+        whose chosen or rejected sequence is longer than ``max_length`` — here the same rule, counted and logged
+        (:func:`~padfree.integrations.preference_data.drop_counted`)."""
+        if id(dataset) not in self._padfree_checked:  # a dataset handed to evaluate() later
+            check_dataset(dataset, REWARD_DATA, dataset_label(dataset_name), vocab_size=self._padfree_vocab)
+        limit = args.max_length
+        if limit is None:
+            return super()._prepare_dataset(dataset, processing_class, args, dataset_name)
+        unfiltered = copy.copy(args)
+        unfiltered.max_length = None  # TRL's only use of it here is that filter, applied (and counted) below
+        prepared = super()._prepare_dataset(dataset, processing_class, unfiltered, dataset_name)
+        rule = DropRule(("chosen_ids", "rejected_ids"), lambda n: np.maximum(n["chosen_ids"], n["rejected_ids"]),
+                        limit, "max_length", "longer than max_length",
+                        f"chosen or rejected sequence is longer than max_length={limit} tokens (TRL's RewardTrainer "
+                        f"drops such pairs)")
+        return drop_counted(prepared, rule, trainer="RewardTrainer", split=dataset_name,
+                            dropped=self._padfree_dropped)[0]
 
     def compute_loss(self, model: Any, inputs: dict[str, Any], return_outputs: bool = False,
                      num_items_in_batch: Any = None) -> Any:
