@@ -445,7 +445,8 @@ def test_overlong_and_bad_options():
         (lambda: packed_collate_fn(0), "capacity must be"),
         (lambda: packed_collate_fn(8, strategy="best"), "strategy must be one of"),
         (lambda: packed_collate_fn(8, overlong="cut"), "overlong must be one of"),
-        (lambda: packed_collate_fn(8, pad_to=4), r"pad_to must be 'capacity', 'longest' or an int >= capacity \(8\)"),
+        (lambda: packed_collate_fn(8, pad_to=4), r"pad_to must be 'capacity', 'longest' or a row length in \[8 "
+                                                 r"\(capacity\), 67108864\], got 4"),
         (lambda: packed_collate_fn(8, pad_to_multiple_of=0), "pad_to_multiple_of must be an integer >= 1"),
         (lambda: packed_collate_fn(8, attention_mask="causal"), "attention_mask must be one of 'binary', 'segments'"),
         (lambda: packed_collate_fn(8, padding_value=0.5), "padding_value must be an integer"),
