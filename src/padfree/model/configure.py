@@ -52,7 +52,13 @@ from padfree.model.install import (
     unconfigure_packing,
 )
 from padfree.model.state import packing_state
-from padfree.model.wrappers import adapter_problems, prompt_learning_adapter, transformers_model, wrapper_chain
+from padfree.model.wrappers import (
+    adapter_problems,
+    follow_copied_configs,
+    prompt_learning_adapter,
+    transformers_model,
+    wrapper_chain,
+)
 
 __all__ = [
     "BACKEND_CHOICES",
@@ -117,6 +123,10 @@ def configure_packing(model: Any, *, backend: str = "auto", strict: bool = True,
     if problems and strict:
         raise UnsupportedModelError(f"cannot make {type(inner).__name__} packing-exact: {_joined(problems)}")
     report = install_packing(inner, backend=backend, strict=strict, sequence_parallel=sequence_parallel)
+    problems.update(follow_copied_configs(inner, report.attention_modules))
+    if problems and strict:
+        unconfigure_packing(inner)
+        raise UnsupportedModelError(f"cannot make {type(inner).__name__} packing-exact: {_joined(problems)}")
     if problems:  # strict=False: configured, the adapters said unsupported
         report.unsupported.update(problems)
         report.supported = False

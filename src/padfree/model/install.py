@@ -508,7 +508,7 @@ def _uninstall_families(model: torch.nn.Module) -> None:
 def unconfigure_packing(model: Any) -> bool:
     """Undo :func:`configure_packing` (hooks, attention implementation, ``use_cache``) on ``model`` or the
     transformers model inside its wrappers (PEFT, DDP / FSDP, ``torch.compile``); False if not configured."""
-    from padfree.model.wrappers import transformers_model
+    from padfree.model.wrappers import restore_copied_configs, transformers_model
 
     model = transformers_model(model)
     state = packing_state(model)
@@ -520,6 +520,7 @@ def unconfigure_packing(model: Any) -> bool:
         for attr in (OWNER_ATTR, SHARDED_CALLS, "_padfree_calls_before"):
             module.__dict__.pop(attr, None)
     _uninstall_families(model)
+    restore_copied_configs(model)
     attn, use_cache = state.previous
     if attn is not None:
         model.set_attn_implementation(attn)

@@ -37,7 +37,20 @@ import torch
 
 from padfree.errors import UnsupportedModelError, describe
 
-__all__ = ["adapter_problems", "prompt_learning_adapter", "transformers_model", "unwrap_model", "wrapper_chain"]
+__all__ = [
+    "COPIED_CONFIG_ATTR",
+    "adapter_problems",
+    "follow_copied_configs",
+    "prompt_learning_adapter",
+    "restore_copied_configs",
+    "transformers_model",
+    "unwrap_model",
+    "wrapper_chain",
+]
+
+#: set on a module whose own copy of the model's config was switched to padfree's backend: ``(its implementation
+#: before)``, which :func:`restore_copied_configs` puts back
+COPIED_CONFIG_ATTR = "_padfree_copied_config"
 
 _CONVS = (torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Conv3d)
 _MAX_DEPTH = 8  # wrappers nest a few levels at most; the bound keeps a self-referencing wrapper from looping
@@ -147,3 +160,54 @@ def adapter_problems(model: torch.nn.Module) -> dict[str, str]:
                 f"boundary-exact convolution does not run: in a packed row it would read the previous sequence; "
                 f"adapt the layers that work token by token (the Linear projections), not the convolution")
     return problems
+
+
+def _configs(config: Any) -> list[Any]:
+    """``config`` and every sub-config under it (a multimodal model's text / vision configs, ...)."""
+    found = [config]
+    for key in getattr(config, "sub_configs", None) or {}:
+        sub = getattr(config, key, None)
+        if sub is not None and hasattr(sub, "sub_configs"):
+            found += _configs(sub)
+    return found
+
+
+def follow_copied_configs(model: Any, attention_modules: list[str]) -> dict[str, str]:
+    """Switch the attention modules of ``model`` that hold a *copy* of its config to the implementation the model's
+    own config now has; qualified name -> why for a copy that cannot follow.
+
+    transformers picks an attention module's function from ``self.config._attn_implementation``, and every module
+    normally shares the model's config, which ``configure_packing`` switches to padfree's backend. A module
+    deep-copied after the model was built — PEFT's ``modules_to_save`` copy of an attention (or decoder) layer —
+    holds a config of its own, which would keep the base backend: plain SDPA over the whole packed row, every
+    sequence attending to the ones before it. Each such copy takes the implementation of the model's config of
+    its class (its sub-configs untouched); :func:`restore_copied_configs` undoes it.
+
+    Args:
+        model: the transformers model, configured.
+        attention_modules: qualified names of its attention modules (``PackingReport.attention_modules``).
+    """
+    own = _configs(model.config)
+    shared = {id(c) for c in own}
+    problems: dict[str, str] = {}
+    for name in attention_modules:
+        module = model.get_submodule(name)
+        config = getattr(module, "config", None)
+        if config is None or id(config) in shared or not hasattr(config, "_attn_implementation"):
+            continue
+        origin = next((c for c in own if type(c) is type(config)), None)
+        if origin is None:
+            problems[name] = (f"it holds a {type(config).__name__} of its own, not one of the model's configs, so "
+                              f"the attention implementation padfree configures would not reach it")
+        elif config._attn_implementation != origin._attn_implementation:
+            module.__dict__[COPIED_CONFIG_ATTR] = (config._attn_implementation,)
+            config._attn_implementation = {"": origin._attn_implementation}  # a dict leaves sub-configs as they are
+    return problems
+
+
+def restore_copied_configs(model: torch.nn.Module) -> None:
+    """Give every config :func:`follow_copied_configs` switched its own attention implementation back."""
+    for module in model.modules():
+        previous = module.__dict__.pop(COPIED_CONFIG_ATTR, None)
+        if previous is not None:
+            module.config._attn_implementation = {"": previous[0]}
