@@ -468,8 +468,7 @@ class DPOMixin:
         prepared = super()._prepare_dataset(dataset, processing_class, unfiltered, dataset_name)
         rule = DropRule(("prompt_ids",), lambda n: n["prompt_ids"] + 1, limit, "max_length", "prompt fills max_length",
                         f"prompt alone fills max_length={limit} tokens, so truncation_mode='keep_start' would leave "
-                        f"no completion token to learn from (TRL's DPOTrainer drops such pairs)",
-                        "use truncation_mode='keep_end'")
+                        f"no completion token to learn from (TRL's DPOTrainer drops such pairs)")
         prepared, kept = drop_counted(prepared, rule, trainer="DPOTrainer", split=dataset_name,
                                       dropped=self._padfree_dropped)
         if dataset_name == "train":
