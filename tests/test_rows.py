@@ -229,3 +229,12 @@ def test_bad_padding_options():
         rows.padded(pad_to_multiple_of=0)
     with pytest.raises(InvalidArgumentError, match="attention_mask must be 'binary', 'segments' or None"):
         rows.padded(attention_mask="dense")
+
+
+def test_a_2d_tensor_of_token_ids_is_rows_of_equal_length():
+    torch = pytest.importorskip("torch")
+    plan = pack_sequences([2, 2], 4)
+    block = torch.tensor([[1, 2], [3, 4]])
+    assert packed_rows(plan, block).input_ids.tolist() == packed_rows(plan, [[1, 2], [3, 4]]).input_ids.tolist()
+    with pytest.raises(InvalidTokensError, match=r"token_ids\[1\]\[0\] = 3 is not below the vocabulary size 3"):
+        read_tokens(block, vocab_size=3)

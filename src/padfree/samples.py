@@ -352,8 +352,8 @@ def read_tokens(tokens: Any, name: str = "token_ids", *, kind: str = "ids",
     """Sequences of token ids (or labels) as checked :class:`TokenBuffers`, without copying columnar input.
 
     Accepts a pyarrow ``ListArray`` / ``LargeListArray`` / ``ChunkedArray`` (zero-copy but for several chunks), a
-    ``(values, offsets)`` pair of numpy arrays, a :class:`TokenBuffers`, or a sequence of sequences of ints (lists,
-    tuples, numpy arrays, tensors).
+    ``(values, offsets)`` pair of numpy arrays, a :class:`TokenBuffers`, a ``(sequences, length)`` integer array or
+    tensor (rows of equal length), or a sequence of sequences of ints (lists, tuples, numpy arrays, tensors).
 
     >>> read_tokens([[5, 6, 7], [8, 9]], vocab_size=9)
     Traceback (most recent call last):
@@ -362,6 +362,8 @@ def read_tokens(tokens: Any, name: str = "token_ids", *, kind: str = "ids",
     """
     if kind not in _KINDS:
         raise ValueError(f"kind must be one of {_KINDS}")  # a programming error inside padfree, not a user input
+    if type(tokens).__module__.startswith("torch") and getattr(tokens, "ndim", 0) == 2:
+        tokens = tokens.detach().cpu().numpy()  # a (sequences, length) tensor: read as the numpy block below
     if isinstance(tokens, TokenBuffers):
         buf = tokens
     elif type(tokens).__module__.startswith("pyarrow"):

@@ -286,10 +286,10 @@ class _PackingBase:
             raise StateMismatchError(
                 f"the state has version {state.get('version')!r}; this padfree reads version {_STATE_VERSION}"
             )
-        if not isinstance(state.get("config", {}), Mapping) or not isinstance(state.get("data", {}), Mapping):
-            raise StateMismatchError(f"the state's 'config' and 'data' are dicts in a state from "
-                                     f"{self._kind}.state_dict(), got {describe(state.get('config'))} and "
-                                     f"{describe(state.get('data'))}")
+        for key in ("config", "data"):
+            if not isinstance(state.get(key, {}), Mapping):
+                raise StateMismatchError(f"the state's {key!r} is {describe(state.get(key))}; a state from "
+                                         f"{self._kind}.state_dict() holds a dict there")
         saved, ours = dict(state.get("config", {})), self._config()
         diffs = [f"{k}={saved.get(k)!r} (this dataset: {ours.get(k)!r})" for k in sorted(set(saved) | set(ours))
                  if saved.get(k) != ours.get(k)]
@@ -600,8 +600,8 @@ class PackingDataset(_PackingBase, _TorchDataset):
             raise InvalidArgumentError(f"index must be an integer, got {describe(index)}") from None
         n = len(self)
         if not -n <= i < n:
-            raise OutOfRangeError(f"index = {i} is not a row of this epoch: it has {n} rows (index in [{-n}, {n - 1}], "
-                                  f"negative counting from the end)")
+            accepted = f"index in [{-n}, {n - 1}], negative counting from the end" if n else "no index is"
+            raise OutOfRangeError(f"index = {i} is not a row of this epoch: it has {n} rows ({accepted})")
         plan = self.plan
         b = int(self._order[self._start + i % n])
         p0, p1 = int(plan.bin_offsets[b]), int(plan.bin_offsets[b + 1])

@@ -28,6 +28,7 @@ True
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -37,6 +38,7 @@ import torch.nn.functional as F
 from padfree.errors import InvalidArgumentError, UnsupportedModelError, describe
 from padfree.layout import IGNORE_INDEX
 from padfree.model.wrappers import unwrap_model
+from padfree.packing.inputs import as_int
 
 __all__ = ["IGNORE_INDEX", "causal_lm_loss", "default_chunk_size", "head_transform", "linear_cross_entropy"]
 
@@ -205,6 +207,17 @@ def _linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: t
                           checked: bool) -> tuple[torch.Tensor, ...]:
     """:func:`linear_cross_entropy`; ``checked``: the targets' range was already checked by the caller (in the one
     host read it makes anyway), so it is not read back again here."""
+    for name, value in (("hidden", hidden), ("weight", weight), ("targets", targets)):
+        if not isinstance(value, torch.Tensor):
+            raise InvalidArgumentError(f"{name} must be a torch tensor, got {describe(value)}")
+    for name, value in (("bias", bias), ("weights", weights)):
+        if value is not None and not isinstance(value, torch.Tensor):
+            raise InvalidArgumentError(f"{name} must be None or a torch tensor, got {describe(value)}")
+    if not math.isfinite(_number(scale, "scale", "a finite number")):
+        raise InvalidArgumentError(f"scale must be a finite number, got {describe(scale)}")
+    if softcap is not None:
+        _number(softcap, "softcap", "None or a number > 0")
+    as_int(chunk_size, "chunk_size", minimum=1, allow_none=True)
     if hidden.dim() < 1 or weight.dim() != 2 or hidden.shape[-1] != weight.shape[1]:
         raise InvalidArgumentError(f"hidden must be (..., H) and weight (V, H) with the same H, got hidden "
                                    f"{tuple(hidden.shape)} and weight {tuple(weight.shape)}")
@@ -216,8 +229,6 @@ def _linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: t
     if softcap is not None and not softcap > 0:
         raise InvalidArgumentError(f"softcap must be None or > 0, got {describe(softcap)}")
     chunk = default_chunk_size(weight.shape[0]) if chunk_size is None else int(chunk_size)
-    if chunk < 1:
-        raise InvalidArgumentError(f"chunk_size must be None or an integer >= 1, got {describe(chunk_size)}")
     flat_t = targets.reshape(-1)
     keep = (flat_t != ignore_index).nonzero().squeeze(1)
     h = hidden.reshape(-1, hidden.shape[-1]).index_select(0, keep)  # positions without a target never reach the head
@@ -249,6 +260,16 @@ def _linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: t
 # --------------------------------------------------------------------------------------------------
 # A Hugging Face causal LM
 # --------------------------------------------------------------------------------------------------
+
+
+def _number(value: Any, name: str, accepted: str) -> float:
+    """``float(value)`` of a real number (a numpy or 0-d torch one too), never a bool or a string."""
+    try:
+        if isinstance(value, (bool, str, bytes)):
+            raise TypeError
+        return float(value)
+    except (TypeError, ValueError, RuntimeError):
+        raise InvalidArgumentError(f"{name} must be {accepted}, got {describe(value)}") from None
 
 
 def _first(bad: torch.Tensor) -> tuple[int, ...]:
