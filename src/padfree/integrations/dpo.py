@@ -30,6 +30,13 @@ with the reason logged, on the same grounds as :class:`padfree.SFTTrainer`'s (an
 collator, a processor or vision-language model, a model padfree cannot make exact) and for prompt-learning PEFT
 adapters, whose virtual tokens belong to each sequence. ``padfree.packing_status(trainer)`` says which mode runs.
 
+The datasets are read through :mod:`padfree.integrations.preference_data` before TRL sees them, whatever the mode:
+a missing column, a None, a value of another type, an empty completion or no rows is one
+:class:`~padfree.errors.InvalidSampleError` naming the column and the row. The pairs TRL drops (with
+``truncation_mode="keep_start"``, those whose prompt fills ``max_length``) are counted in
+``packing_status(trainer).dropped`` and logged once at WARNING; a ``max_length`` that would drop them all is refused
+before training.
+
     from padfree import DPOConfig, DPOTrainer
     trainer = DPOTrainer(model=model, args=DPOConfig("out", padding_free=True), train_dataset=pairs,
                          processing_class=tokenizer)
@@ -546,7 +553,9 @@ class DPOTrainer(DPOMixin, trl.DPOTrainer):
     Raises:
         InvalidArgumentError: ``padding_free=True`` / ``packing=True`` with a custom ``data_collator`` or a
             ``ProcessorMixin``; ``packing=True`` with a batch-coupled loss type, an ``IterableDataset`` or a bad
-            ``packing_length``.
+            ``packing_length``; a ``max_length`` that drops every pair of a dataset.
+        InvalidSampleError: a dataset TRL cannot train (missing column, None, wrong type, empty completion, no rows).
+        OverlongSequenceError: ``packing=True`` with a pair longer than ``packing_length``, named with its row.
         UnsupportedModelError: an explicit padfree mode on a vision-language or unsupported model (policy or
             reference), or a prompt-learning PEFT adapter.
     """

@@ -26,6 +26,10 @@ Modes, from :class:`GRPOConfig`'s ``padding_free``:
 construction, and ``trainer.padfree_forwards`` counts the packed forwards run so far (rows, real tokens, and the
 padded positions TRL's forward would have computed).
 
+The datasets are read through :mod:`padfree.integrations.preference_data` before TRL sees them: a missing
+``prompt`` column (unless an ``environment_factory`` supplies the prompts), a None, a value of another type, an
+empty prompt or no rows is one :class:`~padfree.errors.InvalidSampleError` naming the column and the row.
+
 >>> cfg = GRPOConfig("out", report_to="none", use_cpu=True)
 >>> cfg.padding_free, cfg.auto_padding_free
 (None, True)
@@ -129,6 +133,8 @@ class GRPOMixin:
     Raises:
         InvalidArgumentError: ``padding_free`` that is not a bool or None; ``padding_free=True`` with a
             ``ProcessorMixin``; multimodal inputs reaching the padding-free forward.
+        InvalidSampleError: a dataset TRL cannot train (no ``prompt`` column, None, wrong type, empty prompt, no
+            rows).
         UnsupportedModelError: ``padding_free=True`` on a vision-language or unsupported model, or a policy or
             reference model that ``configure_packing`` cannot make exact.
     """

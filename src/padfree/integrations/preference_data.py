@@ -81,6 +81,8 @@ class DataSpec:
         tokenized: column groups accepted instead of the text columns, all of a group together.
         numbers: optional numeric columns (the reward model's ``margin``).
         accepted: the accepted formats, in words.
+        untrainable: tokenized columns the trainer builds itself and cannot train from alone (named when the text
+            columns are missing).
     """
 
     trainer: str
@@ -91,13 +93,15 @@ class DataSpec:
     tokenized: tuple[tuple[str, ...], ...] = ()
     numbers: tuple[str, ...] = ()
     accepted: str = ""
+    untrainable: tuple[str, ...] = ()
 
 
 DPO_DATA = DataSpec(
     "DPOTrainer", "preference pair", required=("chosen", "rejected"), optional=("prompt",), may_be_empty=("prompt",),
     accepted="'chosen' and 'rejected' as text (str) or as lists of {'role', 'content'} messages, with an optional "
              "'prompt' of the same kind (without it, the shared start of chosen and rejected is the prompt); TRL's "
-             "DPOTrainer tokenizes them itself")
+             "DPOTrainer tokenizes them itself",
+    untrainable=("prompt_ids", "chosen_ids", "rejected_ids"))
 REWARD_DATA = DataSpec(
     "RewardTrainer", "preference pair", required=("chosen", "rejected"), optional=("prompt",),
     may_be_empty=("prompt",), tokenized=(("chosen_ids", "rejected_ids"), ("chosen_input_ids", "rejected_input_ids")),
@@ -108,9 +112,6 @@ REWARD_DATA = DataSpec(
 GRPO_DATA = DataSpec(
     "GRPOTrainer", "prompt", required=("prompt",),
     accepted="'prompt' as text (str) or as a list of {'role', 'content'} messages")
-
-# the tokenized columns TRL's DPOTrainer builds itself (a dataset of them alone is not one it can train)
-_DPO_TOKENIZED = ("prompt_ids", "chosen_ids", "rejected_ids")
 
 
 def dataset_label(split: str) -> str:
@@ -171,7 +172,7 @@ def check_dataset(dataset: Any, spec: DataSpec, name: str = "train_dataset", *, 
         InvalidTokensError: a token id that is negative or not below ``vocab_size``.
         InvalidArgumentError: ``dataset`` is not a ``datasets.Dataset`` or ``IterableDataset``.
     """
-    table = _table(dataset, spec, name)
+    table, names = _table(dataset, spec, name)
     columns = set(table.column_names)  # the columns read that are present
     for group in spec.tokenized:
         if set(group) <= columns:
@@ -182,7 +183,7 @@ def check_dataset(dataset: Any, spec: DataSpec, name: str = "train_dataset", *, 
     required = spec.required if require else ()
     missing = [c for c in required if c not in columns]
     if missing:
-        _refuse_missing(missing[0], _all_names(table), spec, name)
+        _refuse_missing(missing[0], names, spec, name)
     kinds = {c: _check_text(table, c, name, spec) for c in (*spec.required, *spec.optional) if c in columns}
     if len(set(kinds.values())) > 1:
         text = [c for c, k in kinds.items() if k == "text"]
@@ -194,17 +195,16 @@ def check_dataset(dataset: Any, spec: DataSpec, name: str = "train_dataset", *, 
     return next(iter(kinds.values()), "text")
 
 
-def _table(dataset: Any, spec: DataSpec, name: str) -> pa.Table:
+def _table(dataset: Any, spec: DataSpec, name: str) -> tuple[pa.Table, list[str]]:
     """The columns ``spec`` reads, as an Arrow table in the dataset's own row order (an IterableDataset: its first
-    row)."""
+    row), and the names of all the dataset's columns."""
     wanted = [*spec.required, *spec.optional, *spec.numbers, *(c for g in spec.tokenized for c in g)]
     if isinstance(dataset, datasets.Dataset):
         if len(dataset) == 0:
             raise InvalidSampleError(f"{spec.trainer}: {name} has no rows (columns {dataset.column_names}); it needs "
                                      f"at least one {spec.unit}")
         present = [c for c in wanted if c in dataset.column_names]
-        table = dataset.select_columns(present).with_format("arrow")[:]
-        return _with_names(table, dataset.column_names)
+        return dataset.select_columns(present).with_format("arrow")[:], list(dataset.column_names)
     if isinstance(dataset, datasets.IterableDataset):
         try:
             first = next(iter(dataset))
@@ -217,20 +217,9 @@ def _table(dataset: Any, spec: DataSpec, name: str) -> pa.Table:
         except (pa.ArrowInvalid, pa.ArrowTypeError) as exc:
             raise InvalidSampleError(f"{spec.trainer}: the first row of {name} (a streamed IterableDataset), "
                                      f"{describe(row, 120)}, is not {spec.accepted} ({exc})") from None
-        return _with_names(table, list(first))
+        return table, list(first)
     raise InvalidArgumentError(f"{spec.trainer}: {name} must be a datasets.Dataset or datasets.IterableDataset, got "
                                f"{describe(dataset)}")
-
-
-def _with_names(table: pa.Table, names: list[str]) -> pa.Table:
-    """``table`` remembering every column name of its dataset (in the schema metadata), for messages."""
-    return table.replace_schema_metadata({b"padfree_columns": "\x1f".join(names).encode()})
-
-
-def _all_names(table: pa.Table) -> list[str]:
-    meta = table.schema.metadata or {}
-    raw = meta.get(b"padfree_columns")
-    return raw.decode().split("\x1f") if raw else list(table.column_names)
 
 
 def _refuse_missing(column: str, present: list[str], spec: DataSpec, name: str) -> None:
@@ -240,10 +229,10 @@ def _refuse_missing(column: str, present: list[str], spec: DataSpec, name: str) 
         raise InvalidSampleError(
             f"{spec.trainer}: {name} has {[c for c in group if c in present]} but no {absent[0]!r} column (its "
             f"columns: {present}); tokenized pairs need both of {list(group)}. {spec.trainer} reads {spec.accepted}")
-    if spec is DPO_DATA and set(_DPO_TOKENIZED) & set(present):
+    if set(spec.untrainable) & set(present):
         raise InvalidSampleError(
-            f"{spec.trainer}: {name} has no {column!r} column but tokenized ones ({present}); TRL's DPOTrainer "
-            f"tokenizes the text itself and cannot train {list(_DPO_TOKENIZED)} alone. It reads {spec.accepted}")
+            f"{spec.trainer}: {name} has no {column!r} column but tokenized ones ({present}); TRL's {spec.trainer} "
+            f"tokenizes the text itself and cannot train {list(spec.untrainable)} alone. It reads {spec.accepted}")
     raise InvalidSampleError(f"{spec.trainer}: {name} has no {column!r} column (its columns: {present}); "
                              f"{spec.trainer} reads {spec.accepted}")
 
@@ -253,9 +242,8 @@ def _first(mask: np.ndarray) -> int:
 
 
 def _refuse_nulls(column: Any, where: Callable[[int], str], accepted: str, total: int) -> None:
-    if pa.types.is_null(column.type) or column.null_count:
-        valid = pc.is_valid(column).to_numpy(zero_copy_only=False) if not pa.types.is_null(column.type) else \
-            np.zeros(len(column), dtype=bool)
+    if column.null_count:  # a column of nothing but None (Arrow type null) counts every row
+        valid = pc.is_valid(column).to_numpy(zero_copy_only=False)
         raise InvalidSampleError(f"{where(_first(~valid))} is None ({int((~valid).sum())} of {total} rows are); "
                                  f"every row needs {accepted}: filter those rows out first")
 

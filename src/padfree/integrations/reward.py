@@ -25,6 +25,13 @@ automatic choice would skip; ``padding_free=False`` is TRL's padded path. ``padf
 which mode runs. Each micro-batch's loss is TRL's mean over its pairs, so gradient accumulation and data parallelism
 are what they are for the padded trainer.
 
+The datasets are read through :mod:`padfree.integrations.preference_data` before TRL sees them, whatever the mode:
+a missing column, a None, a value of another type, an empty completion or no rows is one
+:class:`~padfree.errors.InvalidSampleError` naming the column and the row (:class:`~padfree.errors.InvalidTokensError`
+for a tokenized pair's id outside the vocabulary). The pairs TRL drops (a chosen or rejected sequence longer than
+``max_length``) are counted in ``packing_status(trainer).dropped`` and logged once at WARNING; a ``max_length`` that
+would drop them all is refused before training.
+
     from padfree.integrations.reward import RewardConfig, RewardTrainer
     trainer = RewardTrainer(model=seq_cls_model, args=RewardConfig("out"), train_dataset=pairs,
                             processing_class=tokenizer)
@@ -412,7 +419,10 @@ class RewardTrainer(RewardMixin, trl.RewardTrainer):
 
     Raises:
         InvalidArgumentError: ``padding_free=True`` with a custom ``data_collator`` or a ``ProcessorMixin``; a
-            ``padding_free`` that is not a bool or None; ``args`` of another kind.
+            ``padding_free`` that is not a bool or None; ``args`` of another kind; a ``max_length`` that drops
+            every pair of a dataset.
+        InvalidSampleError: a dataset TRL cannot train (missing column, None, wrong type, empty completion, no rows).
+        InvalidTokensError: a tokenized pair's id that is negative or not below the model's vocabulary size.
         UnsupportedModelError: ``padding_free=True`` on a vision-language model, a head padfree cannot feed
             (:func:`score_head_reason`), a prompt-learning adapter, or a backbone ``configure_packing`` refuses.
     """
