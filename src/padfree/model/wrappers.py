@@ -106,11 +106,16 @@ def transformers_model(model: Any, argument: str = "model") -> Any:
     inner = unwrap_model(model)
     if isinstance(inner, PreTrainedModel):
         return inner
-    inside = f", which wraps {describe(inner, 40)}" if inner is not model else ""
+    inside = f", which wraps {_one_line(inner)}" if inner is not model else ""
     raise UnsupportedModelError(
         f"{argument} must be a transformers PreTrainedModel (a causal LM such as LlamaForCausalLM), bare or inside "
         f"PEFT (PeftModel), DDP / FSDP / DeepSpeed (.module) or torch.compile wrappers; got "
-        f"{describe(model, 40)}{inside}")
+        f"{_one_line(model)}{inside}")
+
+
+def _one_line(value: Any) -> str:
+    """:func:`describe` on one line (a module's repr spans many)."""
+    return " ".join(describe(value, 40).split())
 
 
 def prompt_learning_adapter(model: Any) -> str | None:
