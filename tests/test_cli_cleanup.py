@@ -121,6 +121,22 @@ def test_a_killed_pack_leaves_a_work_directory_the_next_run_removes_and_a_live_o
             live.communicate()
 
 
+def symbolic_links_named_like_stale_entries(tmp_path: Path, directory: Path) -> list[str]:
+    """Entries in ``directory`` named as a dead process's scratch entries, that are (or hold) symbolic links to
+    ``tmp_path/precious``: a cleanup must neither follow nor remove them."""
+    precious = tmp_path / "precious"
+    precious.mkdir()
+    (precious / "keep.txt").write_text("keep me")
+    dead = int(Path("/proc/sys/kernel/pid_max").read_text()) + 1  # no process can have this id
+    names = [f".x.padfree-{dead}-0123456789ab", f".y.arrow.padfree-{dead}-0123456789ab.tmp",
+             f".z.padfree-{dead}-0123456789ab"]
+    (directory / names[0]).symlink_to(precious)  # where a stale work directory would be
+    (directory / names[1]).symlink_to(precious / "keep.txt")  # where a stale temporary file would be
+    (directory / names[2]).mkdir()  # a real directory, whose lock file is a link
+    (directory / names[2] / ".lock").symlink_to(precious / "keep.txt")
+    return names
+
+
 def test_a_killed_pack_dataset_leaves_a_temporary_file_the_next_call_removes(tmp_path, ids_parquet):
     cache = tmp_path / "cache"
     cache.mkdir()
@@ -134,34 +150,17 @@ def test_a_killed_pack_dataset_leaves_a_temporary_file_the_next_call_removes(tmp
         killed.communicate()
         left = hidden(cache, ".a.arrow.*.tmp")
         assert len(left) == 1 and left[0].stat().st_size > 0
+        links = symbolic_links_named_like_stale_entries(tmp_path, cache)
 
         ds = pack_dataset({"input_ids": [[1, 2, 3], [4, 5]]}, 4, cache_file_name=cache / "c.arrow")
         assert ds[:]["input_ids"] == [[1, 2, 3, 0], [4, 5, 0, 0]]
         assert hidden(cache, ".a.arrow.*") == [], "the killed call's temporary file is removed"
         assert hidden(cache, ".b.arrow.*") == writing and writing[0].stat().st_size == size, "a live one is kept"
-        assert sorted(p.name for p in cache.iterdir()) == [writing[0].name, "c.arrow"]
+        assert sorted(p.name for p in cache.iterdir()) == sorted([writing[0].name, "c.arrow", *links])
+        assert (tmp_path / "precious" / "keep.txt").read_text() == "keep me", "a link is never followed"
     finally:
         live.kill()
         live.communicate()
-
-
-def test_an_entry_that_is_a_symbolic_link_is_never_followed_or_removed(tmp_path):
-    precious = tmp_path / "precious"
-    precious.mkdir()
-    (precious / "keep.txt").write_text("keep me")
-    cache = tmp_path / "cache"
-    cache.mkdir()
-    dead = int(Path("/proc/sys/kernel/pid_max").read_text()) + 1  # no process can have this id
-    (cache / f".x.padfree-{dead}-0123456789ab").symlink_to(precious)  # the name of a stale work directory
-    (cache / f".y.arrow.padfree-{dead}-0123456789ab.tmp").symlink_to(precious / "keep.txt")
-    (cache / f".z.padfree-{dead}-0123456789ab").mkdir()  # a real stale one, whose lock file is a link
-    (cache / f".z.padfree-{dead}-0123456789ab" / ".lock").symlink_to(precious / "keep.txt")
-
-    pack_dataset({"input_ids": [[1, 2, 3]]}, 4, cache_file_name=cache / "out.arrow")
-    assert (precious / "keep.txt").read_text() == "keep me"
-    assert sorted(p.name for p in cache.iterdir()) == sorted([f".x.padfree-{dead}-0123456789ab",
-                                                             f".y.arrow.padfree-{dead}-0123456789ab.tmp",
-                                                             f".z.padfree-{dead}-0123456789ab", "out.arrow"])
 
 
 def test_a_file_size_limit_ends_pack_in_one_line_naming_the_file(tmp_path, ids_parquet):
@@ -213,11 +212,15 @@ def test_a_full_disk_while_saving_names_the_file_being_written(tmp_path, capsys,
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ids.parquet"]
 
 
-def test_files_the_cli_writes_get_the_users_umask(tmp_path, capsys):
+def test_files_the_cli_writes_get_the_users_umask(tmp_path, capsys, monkeypatch):
+    from padfree.corpus import load_tokenizer
+
     data = tmp_path / "lengths.parquet"
     pq.write_table(pa.table({"n": list(range(1, 200))}), data)
+    monkeypatch.setenv("PADFREE_CACHE", str(tmp_path / "cache"))
     old = os.umask(0o022)
     try:
+        load_tokenizer()  # converted and cached on first use
         assert main(["analyze", str(data), "--lengths-column", "n", "--capacity", "64",
                      "--plot", str(tmp_path / "lengths.png")]) == 0
         pq.write_table(pa.table({"input_ids": [[1, 2, 3], [4, 5]]}), tmp_path / "ids.parquet")
@@ -228,3 +231,4 @@ def test_files_the_cli_writes_get_the_users_umask(tmp_path, capsys):
     capsys.readouterr()
     assert oct((tmp_path / "lengths.png").stat().st_mode & 0o777) == oct(0o644)
     assert oct((tmp_path / "rows.jsonl").stat().st_mode & 0o777) == oct(0o644)
+    assert oct((tmp_path / "cache" / "tokenizer-mistral-v1").stat().st_mode & 0o777) == oct(0o755)

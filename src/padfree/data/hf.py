@@ -73,10 +73,11 @@ Memory and disk
     input dataset's own cache files (as ``datasets.Dataset.map`` does; ``padfree-pack-<fingerprint>.arrow``), else
     in ``datasets``' temporary directory, which is deleted when the Python session ends (``save_to_disk`` the
     result to keep it). The file is written by pyarrow's stream writer while the next chunk is built, atomically
-    (a failed call leaves no file), and its pages leave the page cache behind the writer (the output is written
-    once and read later). Peak memory grows by the input pages the gather reads (1x the token bytes at most) plus a
-    working set that does not grow with the data — two chunks of rows, ~0.1 GB with the defaults — never by the
-    size of the output.
+    (a failed call leaves no file; a killed process leaves ``.<name>.padfree-<pid>-<random>.tmp``, which the next
+    call writing into that directory removes once that process is gone; a full disk is an ``OSError`` naming the
+    file), and its pages leave the page cache behind the writer (the output is written once and read later). Peak
+    memory grows by the input pages the gather reads (1x the token bytes at most) plus a working set that does not
+    grow with the data — two chunks of rows, ~0.1 GB with the defaults — never by the size of the output.
 
 The plan
     ``return_result=True`` returns ``(dataset, result)``: the :class:`~padfree.PackResult` whose bins are the
