@@ -492,7 +492,7 @@ def test_bad_data_found_while_packing_leaves_no_output(tmp_path, capsys, tokeniz
     assert leftovers(tmp_path, "tokens.parquet") == []
 
     code, _, err = run(capsys, "pack", GSM8K, "-o", out, "--limit", "100", "--capacity", "64", "--quiet")
-    assert code == 2 and "overlong='truncate', 'split' or 'drop'" in err
+    assert code == 2 and "more than --capacity 64" in err and "pass --overlong truncate" in err
     assert leftovers(tmp_path, "tokens.parquet") == []
 
 
@@ -502,7 +502,9 @@ def test_bad_data_found_while_packing_leaves_no_output(tmp_path, capsys, tokeniz
         (["--capacity", "0"], "--capacity must be an integer >= 1, got 0"),
         (["--strategy", "best"], "--strategy must be one of 'nf', 'ff'"),
         (["--overlong", "cut"], "--overlong must be one of 'error', 'truncate', 'split', 'drop'; got 'cut'"),
-        (["--format", "csv"], "--format must be one of arrow, parquet, got 'csv'"),
+        (["--format", "csv"], "--format must be one of arrow, parquet, jsonl, got 'csv'"),
+        (["-o", "{tmp}/rows.csv"], "rows.csv': padfree pack writes arrow (a directory: a name without an extension"),
+        (["-o", "{tmp}/rows.json"], "the extension '.json' asks for none of them"),
         (["--padding", "lots"], "--padding must be one of capacity, longest, none or a number of tokens"),
         (["--attention-mask", "dense"], "--attention-mask must be one of 'binary', 'segments', 'none'"),
         (["--columns", "input_ids,tokens"], "unknown column 'tokens'"),
@@ -532,7 +534,7 @@ def test_pack_bad_arguments_are_one_error_line_and_no_output(tmp_path, capsys, a
         data = args.pop(i + 1)
         args.pop(i)
     out = tmp_path / "packed"
-    argv = ["pack", data, "-o", out, "--limit", "30", "--quiet", *args]
+    argv = ["pack", data, *([] if "-o" in args else ["-o", out]), "--limit", "30", "--quiet", *args]
     code, stdout, err = run(capsys, *argv)
     assert code == 2
     assert stdout == ""
@@ -549,3 +551,66 @@ def test_pack_usage_and_help(capsys):
     for flag in ("--capacity", "--strategy", "--overlong", "--format", "--num-proc", "--input-ids-column",
                  "--field", "--tokenizer", "--padding-value", "--label-padding-value", "--overwrite", "--json"):
         assert flag in text
+
+
+def test_pack_writes_json_lines_when_the_output_asks_for_them(tmp_path, capsys):
+    data = tmp_path / "ids.parquet"
+    pq.write_table(pa.table({"input_ids": [[1, 2, 3], [4, 5], [6]]}), data)
+    out = tmp_path / "rows.jsonl"
+    code, stdout, err = run(capsys, "pack", data, "-o", out, "--capacity", "4", "--json", "--quiet")
+    assert code == 0, err
+    assert json.loads(stdout)["format"] == "jsonl" and out.is_file()
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["input_ids"] for r in rows] == [[1, 2, 3, 6], [4, 5, 0, 0]]
+    assert [r["seq_lens"] for r in rows] == [[3, 1], [2]]
+    assert leftovers(tmp_path, "ids.parquet", "rows.jsonl") == []
+
+
+def test_pack_names_its_own_flags_for_a_sequence_longer_than_the_capacity(tmp_path, capsys):
+    data = tmp_path / "ids.parquet"
+    pq.write_table(pa.table({"input_ids": [[1, 2], [], [1] * 9, [3] * 4, [2] * 12]}), data)
+    code, stdout, err = run(capsys, "pack", data, "-o", tmp_path / "packed", "--capacity", "8", "--quiet")
+    assert code == 2 and stdout == "" and err.count("\n") == 1
+    assert err == (f"padfree: error: DATA {str(data)!r}: record 2 has 9 tokens, more than --capacity 8 (2 of 4 "
+                   "sequences are longer, the longest has 12); raise --capacity or pass --overlong truncate (keep the "
+                   "first CAPACITY tokens), split (cut into pieces of CAPACITY) or drop (leave it out)\n")
+    assert leftovers(tmp_path, "ids.parquet") == []
+
+
+def test_pack_stops_tokenizing_at_the_first_batch_with_a_sequence_longer_than_the_capacity(tmp_path, capsys):
+    code, _, err = run(capsys, "pack", GSM8K, "-o", tmp_path / "packed", "--limit", "3000", "--capacity", "100",
+                       "--quiet")
+    assert code == 2 and err.count("\n") == 1
+    assert "more than --capacity 100 (found while tokenizing, which stopped there:" in err
+    assert "of the 1,000 records 0..999 are longer); raise --capacity or pass --overlong truncate" in err
+    assert leftovers(tmp_path) == []
+
+
+def test_pack_carries_the_per_token_columns_of_token_ids(tmp_path, capsys):
+    import datasets
+
+    data = tmp_path / "trl.parquet"
+    pq.write_table(pa.table({
+        "input_ids": [[5, 6, 7], [8, 9]], "completion_mask": [[0, 1, 1], [0, 1]], "token_type_ids": [[1, 1, 1], [2, 2]],
+        "weights": [[0.5, 1.0, 1.0], [1.0, 0.5]], "prompt": ["a", "b"],
+    }), data)
+    out = tmp_path / "packed"
+    code, stdout, err = run(capsys, "pack", data, "-o", out, "--capacity", "6", "--quiet")
+    assert code == 0, err
+    assert err == ("padfree: note: column 'weights' holds one double value per token; packed rows carry only integer "
+                   "or boolean per-token columns, so it is not written\n")
+    assert "carried per token: 'completion_mask', 'token_type_ids'" in " ".join(stdout.split())
+    rows = datasets.load_from_disk(str(out)).to_list()
+    assert [r["input_ids"] for r in rows] == [[5, 6, 7, 8, 9, 0]]
+    assert rows[0]["labels"] == [-100, 6, 7, -100, 9, -100]  # the mask builds the labels ...
+    assert rows[0]["completion_mask"] == [0, 1, 1, 0, 1, 0]  # ... and is carried, like the token types
+    assert rows[0]["token_type_ids"] == [1, 1, 1, 2, 2, 0]
+
+
+def test_analyze_says_a_file_is_missing_before_it_imports_transformers(tmp_path):
+    script = ("import sys; from padfree.cli import main; code = main(['analyze', sys.argv[1]]); "
+              "print(code, 'transformers' in sys.modules, 'datasets' in sys.modules)")
+    proc = subprocess.run([sys.executable, "-c", script, str(tmp_path / "missing.json")], capture_output=True,
+                          text=True, timeout=300)
+    assert proc.stdout == "2 False False\n"
+    assert proc.stderr == f"padfree: error: DATA {str(tmp_path / 'missing.json')!r}: no such file or directory\n"

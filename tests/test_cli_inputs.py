@@ -149,3 +149,16 @@ def test_as_a_subprocess_a_file_that_is_not_utf8_is_one_line_too(tmp_path):
     assert proc.returncode == 2 and proc.stdout == ""
     assert proc.stderr == (f"padfree: error: DATA {str(data)!r} is not UTF-8 text: byte 0xef at line 1, column 13 "
                            "cannot be decoded; save the file as UTF-8\n")
+
+
+def test_a_key_that_first_appears_in_a_later_record_is_kept(tmp_path, shared_data):
+    from padfree.cli._inputs import read_table
+
+    data = tmp_path / "late.json"
+    data.write_text(json.dumps([{"text": "a"}, {"text": "b"}, {"text": "c", "note": "only here"}]))
+    table = read_table(str(data))
+    assert table.column_names == ["text", "note"]
+    assert table["note"].to_pylist() == [None, None, "only here"]
+    # the real case: one GPTeacher record of 7,673 has an 'example_input'
+    teacher = read_table(str(shared_data / "gpteacher_toolformer.json"))
+    assert teacher.num_rows == 7673 and teacher["example_input"].null_count == 7672

@@ -445,7 +445,8 @@ def test_overlong_and_bad_options():
         (lambda: packed_collate_fn(0), "capacity must be"),
         (lambda: packed_collate_fn(8, strategy="best"), "strategy must be one of"),
         (lambda: packed_collate_fn(8, overlong="cut"), "overlong must be one of"),
-        (lambda: packed_collate_fn(8, pad_to=4), r"pad_to must be 'capacity', 'longest' or an int >= capacity \(8\)"),
+        (lambda: packed_collate_fn(8, pad_to=4), r"pad_to must be 'capacity', 'longest' or a row length in \[8 "
+                                                 r"\(capacity\), 67108864\], got 4"),
         (lambda: packed_collate_fn(8, pad_to_multiple_of=0), "pad_to_multiple_of must be an integer >= 1"),
         (lambda: packed_collate_fn(8, attention_mask="causal"), "attention_mask must be one of 'binary', 'segments'"),
         (lambda: packed_collate_fn(8, padding_value=0.5), "padding_value must be an integer"),
@@ -647,3 +648,50 @@ def test_per_row_cu_seqlens_are_the_flat_offsets_cut_at_the_rows():
         start = ends[r] - batch.seqs_per_row[r].item()
         assert np.array_equal(cu.numpy(), flat[start:ends[r] + 1] - flat[start])
         assert int(cu[-1]) == int((batch.position_ids[r] >= 0).sum()) - (batch.seq_len - int(cu[-1]))
+
+
+def test_labels_are_token_ids_or_an_ignored_label_and_tokens_are_never_bools():
+    collate = packed_collate_fn(8)
+    with pytest.raises(InvalidTokensError, match=r"samples\[1\]\['labels'\]\[1\] = -7 is not a label: a label is a "
+                                                 r"token id >= 0 or the ignored label -100"):
+        collate([{"input_ids": [1, 2], "labels": [-100, 2]}, {"input_ids": [1, 2, 3], "labels": [-100, -7, 2]}])
+    # a collator with another label_padding_value also takes that one as "no target"
+    own = packed_collate_fn(8, label_padding_value=-1)
+    assert own([{"input_ids": [1, 2, 3], "labels": [-1, -100, 3]}]).labels.tolist() == [[-1, -100, 3, -1, -1, -1,
+                                                                                         -1, -1]]
+    with pytest.raises(InvalidTokensError, match=r"= -5 is not a label: .* ignored label -100 or -1"):
+        own([{"input_ids": [1, 2, 3], "labels": [-1, -5, 3]}])
+    for make in (lambda: [[5, True, 7]], lambda: [torch.tensor([5, 6]), [7, False]]):
+        with pytest.raises(InvalidTokensError, match=r"= (True|False) \(type bool\) is not an integer token id"):
+            PaddingFreeCollator()(make())
+    # ids 0 and 1 are ordinary tokens (padding, BOS): only a bool is refused
+    assert PaddingFreeCollator()([[1, 0, 1], [0]]).input_ids.tolist() == [[1, 0, 1, 0]]
+
+
+def test_row_lengths_are_bounded_before_anything_is_allocated_and_real_roundings_still_work():
+    plan = pack_sequences([3, 2, 2], 4)
+    ids = [[1, 2, 3], [4, 5], [6, 7]]
+    # what users pass: a row length above the capacity, a rounding for tensor cores
+    assert pack_result_to_tensors(plan, ids, pad_to=100, pad_to_multiple_of=64).input_ids.shape == (2, 128)
+    assert packed_collate_fn(100, pad_to=128)(ids).input_ids.shape == (1, 128)
+    assert PaddingFreeCollator(pad_to_multiple_of=128)(ids).input_ids.shape == (1, 128)
+    for call in (lambda: packed_collate_fn(8, pad_to=2**40), lambda: packed_collate_fn(8, pad_to_multiple_of=2**40),
+                 lambda: pack_result_to_tensors(plan, ids, pad_to=2**40),
+                 lambda: pack_result_to_tensors(plan, ids, pad_to=2**26, pad_to_multiple_of=2**26 - 1)):
+        with pytest.raises(InvalidArgumentError, match=r"67108864"):
+            call()
+    # within a row's bound, but more positions than int32 flash-attn offsets index: refused before the padding
+    many = pack_sequences([1] * 64, 1)
+    with pytest.raises(InvalidArgumentError, match=r"64 rows x 67108864 tokens .* more than int32 flash-attn"):
+        pack_result_to_tensors(many, [[1]] * 64, pad_to=2**26)
+
+
+def test_a_device_torch_cannot_parse_or_reach_is_named():
+    plan = pack_sequences([3], 4)
+    assert pack_result_to_tensors(plan, [[1, 2, 3]], device="cpu").device == torch.device("cpu")
+    assert pack_result_to_tensors(plan, [[1, 2, 3]], device=torch.device("cpu")).to("meta").device.type == "meta"
+    with pytest.raises(InvalidArgumentError, match=r"device must be None, a torch.device, .* got 'nonexistent'"):
+        pack_result_to_tensors(plan, [[1, 2, 3]], device="nonexistent")
+    if not torch.cuda.is_available():
+        with pytest.raises(InvalidArgumentError, match=r"device='cuda' is not usable on this machine"):
+            pack_result_to_tensors(plan, [[1, 2, 3]], device="cuda")

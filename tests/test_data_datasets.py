@@ -4,6 +4,7 @@ one clear error per bad input."""
 from __future__ import annotations
 
 import json
+import re
 from collections import Counter
 
 import numpy as np
@@ -440,6 +441,59 @@ def test_states_from_another_configuration_are_refused():
     ds = PackingDataset(samples, max_length=8)
     with pytest.raises(InvalidArgumentError, match="sequential sampler"):
         ds.state_dict(1, loader=DataLoader(ds, shuffle=True))
+
+
+def test_a_state_saved_over_other_data_of_the_same_shape_is_refused():
+    """Equal lengths, other tokens — data cut into fixed-size blocks, a shuffled copy of a corpus: the configuration
+    and the lengths agree, so only a fingerprint of the tokens tells the data apart."""
+    blocks = [[i * 10 + j for j in range(4)] for i in range(12)]
+    other = [[i * 10 + j + 1 for j in range(4)] for i in range(12)]
+    state = PackingDataset(blocks, max_length=8, seed=1).state_dict(2)
+    with pytest.raises(StateMismatchError, match=r"saved over other data: the tokens .* differ \(tokens_crc32="):
+        PackingDataset(other, max_length=8, seed=1).load_state_dict(state)
+    again = PackingDataset(blocks, max_length=8, seed=1)
+    again.load_state_dict(json.loads(json.dumps(state)))
+    assert len(again) == len(PackingDataset(blocks, max_length=8)) - 2
+    # a stream: the lengths and first tokens of its first samples
+    stream_state = IterablePackingDataset(blocks, max_length=8, buffer_size=4, seed=1).state_dict(1)
+    for wrong in (other, blocks[1:] + blocks[:1], [b[:3] for b in blocks]):
+        with pytest.raises(StateMismatchError, match=r"saved over other data: the stream .* \(stream_crc32="):
+            IterablePackingDataset(wrong, max_length=8, buffer_size=4, seed=1).load_state_dict(stream_state)
+    resumed = IterablePackingDataset(lambda: iter(blocks), max_length=8, buffer_size=4, seed=1)
+    resumed.load_state_dict(stream_state)  # the same samples from a callable: the same stream
+    assert len(list(resumed)) == len(list(IterablePackingDataset(blocks, max_length=8, buffer_size=4, seed=1))) - 1
+    # a state written before states carried the fingerprint still loads
+    older = {k: v for k, v in state.items() if k != "data"}
+    PackingDataset(other, max_length=8, seed=1).load_state_dict(older)
+
+
+def test_a_stream_source_that_gives_no_samples_is_refused_by_name():
+    for made in (5, None, {"input_ids": [1, 2]}, "text"):
+        with pytest.raises(InvalidArgumentError, match=r"iterable is a callable, so each call must return an "
+                                                       rf"iterable of samples .* returned {re.escape(repr(made))}"):
+            list(IterablePackingDataset(lambda made=made: made, max_length=8))
+    with pytest.raises(InvalidArgumentError, match=r"iterable must be an iterable of samples .* got array\(5\)"):
+        IterablePackingDataset(np.array(5), max_length=8)
+    assert [r["input_ids"].tolist() for r in IterablePackingDataset(lambda: ([1, 2], [3]), 8, shuffle=False)] == \
+        [[1, 2, 3]]
+
+
+def test_rows_out_of_range_are_index_errors_by_name_and_labels_are_checked_at_read_time():
+    ds = PackingDataset([[1, 2, 3], [4, 5]], max_length=3, shuffle=False)
+    assert [r["input_ids"].tolist() for r in ds] == [[1, 2, 3], [4, 5]]  # iteration stops at the OutOfRangeError
+    with pytest.raises(errors.OutOfRangeError, match=r"index = 2 is not a row of this epoch: it has 2 rows "
+                                                     r"\(index in \[-2, 1\]"):
+        ds[2]
+    assert issubclass(errors.OutOfRangeError, IndexError)
+    with pytest.raises(InvalidTokensError, match=r"dataset\[1\]\['labels'\]\[2\] = -7 is not a label"):
+        PackingDataset([{"input_ids": [1, 2], "labels": [-100, 2]}, {"input_ids": [1, 2, 3], "labels": [1, 2, -7]}],
+                       max_length=8)
+    table = datasets.Dataset.from_dict({"input_ids": [[1, 2, 3]], "labels": [[-100, -3, 3]]})
+    with pytest.raises(InvalidTokensError, match=r"row 0 \(in table order\)\['labels'\]\[1\] = -3 is not a label"):
+        PackingDataset(table, max_length=8)
+    # label_padding_value names another "no target" value
+    own = PackingDataset([{"input_ids": [1, 2, 3], "labels": [-1, -1, 3]}], max_length=8, label_padding_value=-1)
+    assert own[0]["labels"].tolist() == [-1, -1, 3]
 
 
 def test_strategy_names_follow_the_packing_engine_in_any_case_and_seqpackers_aliases():

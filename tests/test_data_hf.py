@@ -317,7 +317,7 @@ def test_real_text_round_trip(gsm8k, padding):
     tokenizer = gsm8k.tokenizer
     packed, plan = pack_dataset(gsm8k, 1024, padding=padding, columns=ALL, padding_value=tokenizer.eos_token_id,
                                 return_result=True)
-    assert packed.column_names == ALL
+    assert packed.column_names == [*ALL, "completion_mask"]  # TRL's mask is carried too, not only folded in
     assert plan.efficiency > 0.95 and len(packed) == plan.num_bins < len(gsm8k) / 4
     rows = packed[:]
     if padding == "capacity":
@@ -333,6 +333,13 @@ def test_real_text_round_trip(gsm8k, padding):
         want = [t if m else -100 for t, m in zip(ids, source["completion_mask"][i], strict=True)]
         want[0] = -100
         assert labels == want
+    for row, ids, mask in zip(rows["sequence_ids"], rows["input_ids"], rows["completion_mask"], strict=True):
+        at = 0
+        for seq in row:
+            n = len(source["input_ids"][seq])
+            assert mask[at:at + n] == source["completion_mask"][seq]
+            at += n
+        assert set(mask[at:]) <= {0} and len(mask) == len(ids)
     first = rows["sequence_ids"][0][0]
     text = tokenizer.decode(rows["input_ids"][0][: rows["seq_lens"][0][0]], skip_special_tokens=True)
     assert text.startswith("Question: ") and gsm8k[first]["text"].split("\n")[0][10:40] in text
@@ -633,3 +640,79 @@ def test_other_per_token_columns_are_carried_in_parallel_with_the_ids(tmp_path, 
     with pytest.raises(InvalidArgumentError, match="carried column 'token_type_ids' has the name of an output"):
         pack_dataset(source, 40, overlong="split", carry=["token_type_ids"],
                      columns={"input_ids": "token_type_ids"})
+
+
+def test_per_token_columns_are_carried_by_default_as_trl_packs_them(tmp_path):
+    """A TRL-tokenized dataset keeps its per-token columns through packing without asking: each piece holds its own
+    sequence's values (after a shuffle and an overlong split), padding 0; the masks also build the labels. Columns
+    that are not per-token (text, a scalar, a list of another length) are left out, as before."""
+    rng = np.random.default_rng(3)
+    seqs = [rng.integers(3, 1000, int(n)).tolist() for n in rng.integers(2, 30, 120)]
+    completion = [[0] * (len(s) // 2) + [1] * (len(s) - len(s) // 2) for s in seqs]
+    assistant = [rng.integers(0, 2, len(s)).astype(bool).tolist() for s in seqs]
+    types = [[i % 4] * len(s) for i, s in enumerate(seqs)]
+    source = datasets.Dataset.from_dict({
+        "input_ids": seqs, "completion_mask": completion, "assistant_masks": assistant, "token_type_ids": types,
+        "text": [f"row {i}" for i in range(len(seqs))], "score": list(range(len(seqs))),
+        "tags": [["a", "b"]] * len(seqs),
+    }).shuffle(seed=1)
+    out, plan = pack_dataset(source, 24, overlong="split", return_result=True)
+    assert out.column_names == [*DEFAULT_COLUMNS, "completion_mask", "assistant_masks", "token_type_ids"]
+    rows = out[:]
+    starts = plan.piece_starts if plan.piece_starts is not None else np.zeros(plan.num_pieces, np.int64)
+    for b in range(plan.num_bins):
+        at = 0
+        for p in range(plan.bin_offsets[b], plan.bin_offsets[b + 1]):
+            seq, s, n = int(plan.order[p]), int(starts[p]), int(plan.placed_lengths[p])
+            row = source[seq]
+            for name in ("completion_mask", "token_type_ids"):
+                assert rows[name][b][at:at + n] == row[name][s:s + n]
+            assert rows["assistant_masks"][b][at:at + n] == [int(v) for v in row["assistant_masks"][s:s + n]]
+            # the masks still build the labels: a target only where both are nonzero (never a piece's first token)
+            piece = zip(row["input_ids"][s:s + n], row["completion_mask"][s:s + n], row["assistant_masks"][s:s + n],
+                        strict=True)
+            want = [t if c and a else -100 for t, c, a in piece]
+            assert rows["labels"][b][at + 1:at + n] == want[1:] and rows["labels"][b][at] == -100
+            at += n
+        for name in ("completion_mask", "assistant_masks", "token_type_ids"):
+            assert set(rows[name][b][at:]) <= {0} and len(rows[name][b]) == 24
+    # a dict of Python lists (booleans included) and a streaming-free Arrow table are carried the same way
+    small = {"input_ids": [[1, 2, 3], [4, 5]], "completion_mask": [[False, True, True], [0, 1]]}
+    assert pack_dataset(small, 5)[:]["completion_mask"] == [[0, 1, 1, 0, 1]]
+    assert pack_dataset(pa.table(small | {"completion_mask": [[0, 1, 1], [0, 1]]}), 5)[:]["completion_mask"] == \
+        [[0, 1, 1, 0, 1]]
+    # carry= chooses instead: [] none (the masks still build the labels), a list exactly those
+    none = pack_dataset(source, 24, overlong="split", carry=[])
+    assert none.column_names == list(DEFAULT_COLUMNS) and none[:]["labels"] == rows["labels"]
+    assert pack_dataset(source, 24, overlong="split", carry=["token_type_ids"]).column_names == \
+        [*DEFAULT_COLUMNS, "token_type_ids"]
+    # the carried columns are part of the content: another choice is another fingerprint (and cache file)
+    saved = tmp_path / "saved"
+    source.flatten_indices().save_to_disk(str(saved))
+    on_disk = datasets.load_from_disk(str(saved))
+    a = pack_dataset(on_disk, 24, overlong="split", carry=[], keep_in_memory=False)
+    b = pack_dataset(on_disk, 24, overlong="split", carry=["token_type_ids"], keep_in_memory=False)
+    assert a._fingerprint != b._fingerprint and a.cache_files != b.cache_files
+    assert a.column_names == list(DEFAULT_COLUMNS) and b.column_names[-1] == "token_type_ids"
+
+
+def test_a_per_token_column_that_cannot_be_carried_is_refused_not_dropped():
+    seqs = [[1, 2, 3], [4, 5]]
+    weights = datasets.Dataset.from_dict({"input_ids": seqs, "weights": [[0.5, 1.0, 1.0], [1.0, 0.5]]})
+    with pytest.raises(InvalidArgumentError, match=r"column 'weights' holds one value per token .* holds double "
+                                                   r"values.*Pass carry= naming the columns to carry without it"):
+        pack_dataset(weights, 8)
+    with pytest.raises(InvalidArgumentError, match=r"column 'words' holds one value per token"):
+        pack_dataset({"input_ids": seqs, "words": [["a", "b", "c"], ["d", "e"]]}, 8)
+    assert pack_dataset(weights, 8, carry=[]).column_names == list(DEFAULT_COLUMNS)  # dropped knowingly
+    # a per-token column with a null row: refused where the row is packed, not silently left out
+    holes = datasets.Dataset.from_dict({"input_ids": seqs, "completion_mask": [[0, 1, 1], None]})
+    with pytest.raises(InvalidTokensError, match=r"completion_mask\[1\] has null but input_ids\[1\] has 2 tokens"):
+        pack_dataset(holes, 8, label_masks=())
+    # a stream carries none yet: its per-token column is refused when read, unless carry=[] leaves it out
+    stream = datasets.Dataset.from_dict({"input_ids": seqs, "labels": seqs, "token_type_ids": [[1, 1, 1], [2, 2]]})
+    with pytest.raises(InvalidArgumentError, match=r"the stream's column 'token_type_ids' holds one value per "
+                                                   r"token .* pass carry=\[\] to leave it out"):
+        list(pack_dataset(stream.to_iterable_dataset(), 8))
+    assert [row["input_ids"] for row in pack_dataset(stream.to_iterable_dataset(), 8, carry=[])] == \
+        [[1, 2, 3, 4, 5, 0, 0, 0]]

@@ -369,3 +369,20 @@ def test_missing_flex_attention_is_a_clear_error(monkeypatch):
         layout.block_mask([[1, 1]])
     assert isinstance(info.value, ImportError)
     assert isinstance(info.value, PadfreeError)
+
+
+@pytest.mark.parametrize("backend", ["numpy", "torch"])
+def test_a_row_length_past_any_row_is_refused_before_it_is_allocated(backend):
+    lengths = [2, 3, 1, 2, 3]
+    lengths = torch.tensor(lengths) if backend == "torch" else np.array(lengths)
+    for build in (layout.lengths_to_segment_ids, layout.lengths_to_position_ids, layout.lengths_to_seq_idx):
+        # seq_len=2**40 asked numpy / torch for 8 TiB per row
+        with pytest.raises(InvalidArgumentError, match=r"seq_len must be None \(the fullest row\) or an integer "
+                                                       r"in \[6 \(the fullest row\), 67108864\] .* got "
+                                                       r"seq_len=1099511627776"):
+            build(lengths, [2, 3], seq_len=2**40)
+        # 40 rows of 2**26: each row within a capacity's bound, the batch past what int32 offsets index
+        with pytest.raises(InvalidArgumentError, match=r"\[2 \(the fullest row\), 53687091\] .* 40 rows"):
+            build(lengths[:1].repeat(40) if backend == "torch" else np.repeat(lengths[:1], 40), [1] * 40,
+                  seq_len=2**26)
+        assert tuple(build(lengths, [2, 3], seq_len=64).shape) == (2, 64)  # a padded row length: as before

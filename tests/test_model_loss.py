@@ -130,7 +130,7 @@ def test_no_target_at_all_is_a_zero_that_keeps_the_graph():
     ({"targets": torch.zeros(2, 3)}, "targets must be integer class ids"),
     ({"targets": torch.full((2, 3), 5)}, r"targets must be in \[0, 5\)"),
     ({"softcap": 0.0}, "softcap must be None or > 0"),
-    ({"chunk_size": 0}, "chunk_size must be None or an integer >= 1"),
+    ({"chunk_size": 0}, "chunk_size must be an integer >= 1 or None, got 0"),
     ({"weight": torch.randn(5, 3)}, "same H"),
 ])
 def test_bad_arguments(kwargs, match):
@@ -267,3 +267,52 @@ def test_a_head_whose_weight_exists_only_inside_its_forward_is_refused():
 def test_causal_lm_loss_bad_input(inputs, kwargs, match):
     with pytest.raises(padfree.InvalidArgumentError, match=match):
         causal_lm_loss(zoo_model("llama"), inputs, **kwargs)
+
+
+def test_a_batch_without_targets_gives_the_models_own_loss_and_gradients():
+    """transformers' mean over no target is NaN (0 / 0), with zero gradients; over a step count it is 0."""
+    model = zoo_model("llama")
+    ids = torch.randint(3, 96, (2, 6), generator=torch.Generator().manual_seed(5))
+    labels = torch.full_like(ids, -100)
+    labels[1, 0] = 7  # a row's first label is never a target: still no target at all
+    nan = []
+    for num_items in (None, 0, 5, torch.tensor(0), torch.tensor(2.5)):
+        kwargs = {} if num_items is None else {"num_items_in_batch": num_items}
+        stock = model(input_ids=ids, labels=labels, use_cache=False, **kwargs).loss
+        stock_grads = torch.autograd.grad(stock, list(model.parameters()), allow_unused=True)
+        mine = causal_lm_loss(model, {"input_ids": ids, "labels": labels}, num_items_in_batch=num_items)
+        torch.testing.assert_close(mine, stock.float(), equal_nan=True, msg=f"num_items_in_batch={num_items}")
+        grads = torch.autograd.grad(mine, list(model.parameters()), allow_unused=True)
+        for g, h in zip(grads, stock_grads, strict=True):
+            for t in (g, h):
+                assert t is None or (t.isfinite().all() and not t.any())
+        nan.append(bool(mine.isnan()))
+    assert nan == [True, True, False, True, False]
+    # negative control: a batch with targets is a number, divided by the count it is given
+    labels[0, 3] = 9
+    assert causal_lm_loss(model, {"input_ids": ids, "labels": labels}).isfinite()
+
+
+def test_ids_and_labels_outside_the_vocabulary_are_named_before_the_forward():
+    model = zoo_model("llama")  # 96 ids
+    ids = torch.tensor([[5, 6, 7, 8]])
+    cases = [
+        ({"input_ids": torch.tensor([[5, 6, 96, 8]]), "labels": ids},
+         r"input_ids\[0, 2\] = 96 is not a token of the model: its vocabulary has 96 ids, \[0, 96\)"),
+        ({"input_ids": ids, "labels": torch.tensor([[-100, 6, 7, 1000]])},
+         r"labels\[0, 3\] = 1000 is not a target of the model: a label is a token id in \[0, 96\) .* or -100"),
+        ({"input_ids": ids, "labels": torch.tensor([[-5, -7, 2, 3]])}, r"labels\[0, 1\] = -7 is not a target"),
+        ({"input_ids": ids, "shift_labels": torch.tensor([[6, -100, -3, -100]])},
+         r"shift_labels\[0, 2\] = -3 is not a target"),
+        ({"input_ids": ids, "labels": [[5, 6, 7, 8]]}, r"inputs\['labels'\] must be an integer tensor .* got \[\[5,"),
+    ]
+    for inputs, match in cases:
+        with pytest.raises(padfree.InvalidArgumentError, match=match):
+            causal_lm_loss(model, inputs)
+    # a row's first label is shifted out, never a target: transformers ignores it, so does the check
+    labels = torch.tensor([[-5, 6, 7, 8]])
+    torch.testing.assert_close(causal_lm_loss(model, {"input_ids": ids, "labels": labels}),
+                               model(input_ids=ids, labels=labels, use_cache=False).loss)
+    with pytest.raises(padfree.InvalidArgumentError, match=r"targets\[1\] = 11 is not a class: targets must be in "
+                                                          r"\[0, 5\)"):
+        linear_cross_entropy(torch.randn(3, 4), torch.randn(5, 4), torch.tensor([1, 11, -100]))

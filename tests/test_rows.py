@@ -222,9 +222,19 @@ def test_a_plan_must_be_a_pack_result(plan):
 
 def test_bad_padding_options():
     rows = packed_rows(pack_sequences([3, 3], 4), [[1, 2, 3], [4, 5, 6]])
-    with pytest.raises(InvalidArgumentError, match=r"pad_to must be 'capacity', 'longest' or an int >= the longest"):
+    with pytest.raises(InvalidArgumentError, match=r"pad_to must be 'capacity', 'longest' or an int in \[3 \(the "
+                                                   r"longest row\), 67108864\], got 2"):
         rows.padded(2)
-    with pytest.raises(InvalidArgumentError, match="pad_to_multiple_of must be an int >= 1"):
+    with pytest.raises(InvalidArgumentError, match=r"pad_to_multiple_of must be None or an int in \[1, 67108864\]"):
         rows.padded(pad_to_multiple_of=0)
     with pytest.raises(InvalidArgumentError, match="attention_mask must be 'binary', 'segments' or None"):
         rows.padded(attention_mask="dense")
+
+
+def test_a_2d_tensor_of_token_ids_is_rows_of_equal_length():
+    torch = pytest.importorskip("torch")
+    plan = pack_sequences([2, 2], 4)
+    block = torch.tensor([[1, 2], [3, 4]])
+    assert packed_rows(plan, block).input_ids.tolist() == packed_rows(plan, [[1, 2], [3, 4]]).input_ids.tolist()
+    with pytest.raises(InvalidTokensError, match=r"token_ids\[1\]\[0\] = 3 is not below the vocabulary size 3"):
+        read_tokens(block, vocab_size=3)

@@ -154,3 +154,14 @@ def test_online_harmonic_k_bins_of_a_class_hold_that_many_items_of_it():
     assert "k=6" in repr(packer)
     with pytest.raises(InvalidArgumentError, match="k must be"):
         StreamPacker(64, strategy="hk", k=0)
+
+
+@pytest.mark.parametrize("strategy", ["obfd", "nf"])
+def test_finish_ends_the_stream_and_flush_does_not(strategy):
+    packer = StreamPacker(8, strategy=strategy)
+    bins = packer.add([5, 2, 4]) + packer.flush()
+    bins += packer.add([3]) + packer.finish()  # flush() empties the buffer mid-stream: adding goes on
+    assert sorted(i for b in bins for i in b.ids.tolist()) == [0, 1, 2, 3]
+    with pytest.raises(InvalidArgumentError, match=r"StreamPacker.add\(\[6\] \(type list\)\) after finish\(\)"):
+        packer.add([6])  # its item would never be emitted: the caller stopped reading at finish()
+    assert packer.finish() == [] and packer.stats()["items"] == 4

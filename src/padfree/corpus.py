@@ -35,6 +35,7 @@ from typing import Any
 
 import numpy as np
 
+from padfree.data._scratch import umask
 from padfree.errors import InvalidArgumentError, TokenizerLoadError
 
 __all__ = [
@@ -240,6 +241,7 @@ def _save_atomically(tokenizer: Any, target: Path) -> None:
     # a sibling temporary directory: same filesystem, so the final rename is atomic
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
     try:
+        tmp.chmod(0o777 & ~umask())  # mkdtemp makes it 0700; the cache gets the mode any new directory gets
         tokenizer.save_pretrained(str(tmp))
         if target.exists():
             # an unreadable old cache: move it out of the way with one rename before deleting it,

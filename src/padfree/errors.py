@@ -15,6 +15,7 @@ __all__ = [
     "InvalidLengthsError",
     "InvalidSampleError",
     "InvalidTokensError",
+    "OutOfRangeError",
     "OverlongSequenceError",
     "PackingDisabledError",
     "PackingMismatchError",
@@ -88,6 +89,11 @@ class PackingDisabledError(PadfreeError):
 
 class PackingMismatchError(PadfreeError):
     """:func:`padfree.verify` found a packed run that differs from the per-sequence runs beyond the tolerance."""
+
+
+class OutOfRangeError(PadfreeError, IndexError):
+    """An index (a row of a packing dataset, a bin of a plan) outside the range there is; also an IndexError, so
+    that ``for row in dataset`` (Python's sequence protocol) still stops at the end."""
 
 
 def describe(value: object, limit: int = 60) -> str:

@@ -68,7 +68,7 @@ import numpy as np
 
 from padfree.arrays import NumpyOps, TorchOps, backend_of, import_torch, torch_module
 from padfree.errors import BackendUnavailableError, InvalidArgumentError, InvalidLayoutError, describe
-from padfree.packing.inputs import as_positive_int
+from padfree.packing.inputs import MAX_CAPACITY, as_positive_int
 
 __all__ = [
     "IGNORE_INDEX",
@@ -109,23 +109,26 @@ _SHAPES = {1: "(n,)", 2: "(batch, seq)", 4: "(batch, heads, seq, seq)"}
 def _ints(value: Any, name: str, ndim: int, *, like: Any = None, bool_ok: bool = False) -> tuple[Any, Any]:
     """``(backend, value as an int64 array of ndim dims)`` in the backend of ``like`` (else its own), or an error."""
     xp = backend_of(like if like is not None else value)
+    shown = ""  # an array is described by its shape and dtype; anything else is shown as given
     if not (xp.is_array(value) or torch_module(value) is not None):
+        shown = f" ({describe(value)})"
         if isinstance(value, (str, bytes, dict)) or np.isscalar(value) or value is None:
             raise InvalidLayoutError(f"{name} must be a {ndim}-D integer array {_SHAPES[ndim]}, got {describe(value)}")
         try:
             value = np.asarray(value)
         except (TypeError, ValueError) as exc:
-            raise InvalidLayoutError(f"{name} could not be read as an array ({exc}); pass a numpy array or a "
-                                     f"tensor") from exc
+            raise InvalidLayoutError(f"{name} must be a {ndim}-D integer array {_SHAPES[ndim]}, got "
+                                     f"{describe(value)}, which is not one: {exc}; pass a numpy array, a tensor or "
+                                     f"equal-length lists of ints") from exc
         if value.size == 0:  # numpy reads [] as float64
             value = value.astype(np.int64)
     arr = xp.asarray(value, like) if like is not None or not xp.is_array(value) else value
     kind = xp.kind(arr)
-    if kind == "f" or (kind == "b" and not bool_ok):
+    if kind == "f" or (kind == "b" and not bool_ok) or getattr(arr.dtype, "kind", "") == "O":
         accepted = "integers or booleans" if bool_ok else "integers"
-        raise InvalidLayoutError(f"{name} must hold {accepted}, got dtype {arr.dtype}")
+        raise InvalidLayoutError(f"{name} must hold {accepted}, got dtype {arr.dtype}{shown}")
     if arr.ndim != ndim:
-        raise InvalidLayoutError(f"{name} must be {ndim}-D {_SHAPES[ndim]}, got shape {tuple(arr.shape)}")
+        raise InvalidLayoutError(f"{name} must be {ndim}-D {_SHAPES[ndim]}, got shape {tuple(arr.shape)}{shown}")
     return xp, xp.cast(arr, xp.int64)
 
 
@@ -366,6 +369,16 @@ def _rows_of(lengths: Any, seqs_per_row: Any, seq_len: Any, check: bool) -> tupl
         seq_len = int(fill.max()) if counts.shape[0] else 0
     else:
         seq_len = as_positive_int(seq_len, "seq_len")
+        # refused before anything is allocated: seq_len is a row length (at most a capacity's bound), and a batch's
+        # positions are indexed by int32 offsets (cu_seqlens) — seq_len=2**40 would otherwise ask for terabytes
+        rows = counts.shape[0]
+        if seq_len > MAX_CAPACITY or rows * seq_len > INT32_MAX:
+            fullest = int(fill.max()) if rows else 0
+            raise InvalidArgumentError(
+                f"seq_len must be None (the fullest row) or an integer in [{fullest} (the fullest row), "
+                f"{min(MAX_CAPACITY, INT32_MAX // max(rows, 1))}] (a row holds at most {MAX_CAPACITY} tokens and "
+                f"int32 offsets index the {rows} rows' positions), got seq_len={seq_len}"
+            )
         if check:
             hit = xp.first_true(fill > seq_len)
             if hit is not None:
@@ -671,10 +684,17 @@ def block_causal_mask_to_segment_ids(mask: Any, sliding_window: int | None = Non
     [[1, 1, 2, 2, 2, 0]]
     """
     xp = backend_of(mask)
+    given = mask
     if not xp.is_array(mask):
-        mask = np.asarray(mask)
-    if mask.ndim != 4 or mask.shape[-1] != mask.shape[-2]:
-        raise InvalidLayoutError(f"mask must be 4-D (batch, heads, seq, seq), got shape {tuple(mask.shape)}")
+        try:
+            mask = np.asarray(mask)
+        except (TypeError, ValueError):
+            mask = None
+    if mask is None or mask.ndim != 4 or mask.shape[-1] != mask.shape[-2]:
+        got = "" if xp.is_array(given) else f"{describe(given)}, "
+        shape = f"shape {tuple(mask.shape)}" if mask is not None else "no array at all"
+        raise InvalidLayoutError(f"mask must be a 4-D array (batch, heads, seq, seq) of booleans or floats, got "
+                                 f"{got}{shape}")
     window = _window(sliding_window)
     if window == 1:
         raise InvalidArgumentError("sliding_window=1 lets every token attend only itself, which hides every boundary; "

@@ -31,6 +31,7 @@ from numba.extending import intrinsic, overload
 
 from padfree.errors import InvalidArgumentError, InvalidTokensError, describe
 from padfree.layout import IGNORE_INDEX
+from padfree.packing.inputs import MAX_CAPACITY
 from padfree.packing.result import PackResult, as_pack_result
 from padfree.samples import as_fill_value, read_tokens
 
@@ -284,11 +285,12 @@ class PackedRows:
         >>> batch["attention_mask"].tolist()
         [[1, 1, 1, 2, 2, 0], [1, 1, 0, 0, 0, 0]]
         """
-        width = self._row_width(pad_to, pad_to_multiple_of)
-        if attention_mask not in (None, "binary", "segments"):
+        width = self.row_width(pad_to, pad_to_multiple_of)
+        if attention_mask is not None and not (isinstance(attention_mask, str) and attention_mask in _MASKS):
             raise InvalidArgumentError(
                 f"attention_mask must be 'binary', 'segments' or None, got {describe(attention_mask)}"
             )
+        padding_value = as_fill_value(padding_value, "padding_value")
         shape = (self.num_rows, width)
         # int64 whatever the source dtype: result_type(uint64, int64) would be float64
         out = {"input_ids": np.empty(shape, np.int64), "labels": np.empty(shape, np.int64),
@@ -309,22 +311,40 @@ class PackedRows:
             out["shift_labels"] = _shifted(out["labels"].reshape(-1), ends, self.label_padding_value).reshape(shape)
         return out
 
-    def _row_width(self, pad_to: int | str, multiple: int | None) -> int:
+    def row_width(self, pad_to: int | str = "capacity", pad_to_multiple_of: int | None = None) -> int:
+        """The padded row length :meth:`padded` lays out, from its arguments (checked here, before anything is
+        allocated): at least the longest row, at most ``MAX_CAPACITY`` tokens (the bound of a capacity, far beyond
+        any context length) — an int ``pad_to`` is a row length, not a count of rows to allocate.
+
+        >>> from padfree import pack_sequences
+        >>> rows = packed_rows(pack_sequences([3, 2, 2], capacity=6), [[1, 2, 3], [4, 5], [6, 7]])
+        >>> rows.row_width(), rows.row_width("longest"), rows.row_width("longest", pad_to_multiple_of=8)
+        (6, 5, 8)
+        """
         longest = int(self.row_lengths.max()) if self.num_rows else 0
-        if pad_to == "capacity":
+        accepted = f"'capacity', 'longest' or an int in [{longest} (the longest row), {MAX_CAPACITY}]"
+        if isinstance(pad_to, str) and pad_to == "capacity":
             width = self.capacity
-        elif pad_to == "longest":
+        elif isinstance(pad_to, str) and pad_to == "longest":
             width = longest
-        elif isinstance(pad_to, (int, np.integer)) and not isinstance(pad_to, bool) and pad_to >= longest:
+        elif isinstance(pad_to, (int, np.integer)) and not isinstance(pad_to, bool) and \
+                longest <= pad_to <= MAX_CAPACITY:
             width = int(pad_to)
         else:
-            raise InvalidArgumentError(
-                f"pad_to must be 'capacity', 'longest' or an int >= the longest row ({longest}), got {describe(pad_to)}"
-            )
-        if multiple is not None:
-            if isinstance(multiple, bool) or not isinstance(multiple, (int, np.integer)) or multiple < 1:
-                raise InvalidArgumentError(f"pad_to_multiple_of must be an int >= 1, got {describe(multiple)}")
-            width = -(-width // multiple) * multiple
+            raise InvalidArgumentError(f"pad_to must be {accepted}, got {describe(pad_to)}")
+        if pad_to_multiple_of is not None:
+            multiple = pad_to_multiple_of
+            if isinstance(multiple, bool) or not isinstance(multiple, (int, np.integer)) or not \
+                    1 <= multiple <= MAX_CAPACITY:
+                raise InvalidArgumentError(f"pad_to_multiple_of must be None or an int in [1, {MAX_CAPACITY}] (a "
+                                           f"row length is rounded up to a multiple of it, e.g. 64), got "
+                                           f"{describe(multiple)}")
+            base, width = width, -(-width // int(multiple)) * int(multiple)
+            if width > MAX_CAPACITY:
+                raise InvalidArgumentError(
+                    f"pad_to_multiple_of={int(multiple)} rounds rows of {base} tokens up to {width}, more than the "
+                    f"{MAX_CAPACITY} tokens a row may hold; pass a multiple of at most {MAX_CAPACITY} (e.g. 64)"
+                )
         return width
 
 
@@ -375,7 +395,7 @@ def packed_rows(
         )
     label_buf = None
     if labels is not None:
-        label_buf = read_tokens(labels, "labels", kind="labels")
+        label_buf = read_tokens(labels, "labels", kind="labels", ignored=(IGNORE_INDEX, label_padding_value))
         if len(label_buf) != len(tokens) or not np.array_equal(label_buf.lengths, lengths):
             diff = np.flatnonzero(label_buf.lengths != lengths) if len(label_buf) == len(tokens) else [len(label_buf)]
             i = int(diff[0]) if len(diff) else 0
@@ -412,6 +432,9 @@ def packed_rows(
         capacity=result.capacity,
         label_padding_value=label_padding_value,
     )
+
+
+_MASKS = ("binary", "segments")
 
 
 def _shifted(labels: np.ndarray, row_ends: np.ndarray, label_padding_value: int) -> np.ndarray:

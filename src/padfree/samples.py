@@ -19,8 +19,10 @@ of a batch or to none
 
 What is accepted: lists or tuples of ints, numpy integer arrays, torch integer tensors, pyarrow list arrays
 (zero-copy), a ``(values, offsets)`` pair, a :class:`TokenBuffers`; samples as token sequences or as dicts with the
-ids under ``input_ids`` (and optionally ``labels``). The checks: every token is an integer that fits int64, token
-ids are >= 0 (and below ``vocab_size`` when it is known), labels are aligned with their ids one per token.
+ids under ``input_ids`` (and optionally ``labels``). The checks: every token is an integer (never a bool) that fits
+int64, token ids are >= 0 (and below ``vocab_size`` when it is known), a label is a token id or the ignored label
+``-100`` (what the loss skips; an entry point with another ``label_padding_value`` accepts that one too), labels are
+aligned with their ids one per token.
 
 The faults, one class each: :class:`~padfree.errors.InvalidSampleError` for a sample's shape (not a sequence, a
 missing key, no tokens, labels of another length, samples of mixed forms) and
@@ -41,6 +43,8 @@ from typing import Any
 import numpy as np
 
 from padfree.errors import InvalidArgumentError, InvalidLayoutError, InvalidSampleError, InvalidTokensError, describe
+from padfree.layout import IGNORE_INDEX
+from padfree.packing.inputs import first_bool
 
 __all__ = [
     "BOUNDARY_KEYS",
@@ -59,7 +63,7 @@ __all__ = [
 ]
 
 _INT64_MAX = np.iinfo(np.int64).max
-_KINDS = ("ids", "labels")
+_KINDS = ("ids", "labels", "values")
 
 
 @dataclass(frozen=True, eq=False)
@@ -121,11 +125,14 @@ def check_tokens(
     kind: str = "ids",
     vocab_size: int | None = None,
     chunks: Sequence[tuple[np.ndarray, int]] | None = None,
+    ignored: Sequence[int] = (IGNORE_INDEX,),
 ) -> tuple[int, int]:
     """Check the tokens of rows ``values[starts[i]:starts[i] + lengths[i]]``; return their ``(min, max)``.
 
     ``kind="ids"``: integers in ``[0, vocab_size)`` (``vocab_size`` None: any non-negative int64); ``"labels"``:
-    integers that fit int64, below ``vocab_size`` unless negative (ignored). ``names(i)`` names row ``i`` in a
+    token ids (below ``vocab_size`` when it is known) or one of the ``ignored`` labels (``-100``: no target) — any
+    other negative value would fail later, inside the loss; ``"values"``: any integer that fits int64 (a carried
+    per-token column). ``names(i)`` names row ``i`` in a
     message. ``chunks`` lists ``(array, base)`` pieces of ``values`` to scan instead of the span the rows cover
     (``values[base:base + array.size]`` is ``array``) — for columns whose chunks lie apart in memory.
 
@@ -151,12 +158,26 @@ def check_tokens(
         faults.append((lambda c: c > _INT64_MAX, "does not fit int64 (token values are at most 2**63 - 1)"))
     if kind == "ids" and low < 0:
         faults.append((lambda c: c < 0, "is negative; token ids are integers >= 0"))
-    if vocab_size is not None and high >= vocab_size:
+    if kind == "labels" and low < 0:
+        allowed = sorted({int(v) for v in ignored if v < 0})
+        spelled = " or ".join(map(str, allowed)) or "none"
+        faults.append((lambda c: _negative_except(c, allowed),
+                       f"is not a label: a label is a token id >= 0 or the ignored label {spelled} (no target)"))
+    if vocab_size is not None and high >= vocab_size and kind != "values":
         faults.append((lambda c: c >= vocab_size, f"is not below the vocabulary size {vocab_size}"))
-    if faults:
-        bad, why = faults[0]
-        _raise_first(chunks, bad, why, starts, lengths, names)
+    for bad, why in faults:
+        # the ignored label is almost always there (low < 0): a fault is looked for before it is located
+        if any(bool(bad(c).any()) for c, _ in chunks):
+            _raise_first(chunks, bad, why, starts, lengths, names)
     return low, high
+
+
+def _negative_except(values: np.ndarray, allowed: Sequence[int]) -> np.ndarray:
+    """``values < 0`` but for the ``allowed`` negative values (the ignored labels)."""
+    bad = values < 0
+    for value in allowed:
+        bad &= values != value
+    return bad
 
 
 def _raise_first(chunks: Sequence[tuple[np.ndarray, int]], bad: Callable[[np.ndarray], np.ndarray], why: str,
@@ -247,7 +268,8 @@ def length_of(obj: Any, where: str) -> int:
         raise InvalidSampleError(f"{where} = {describe(obj)} is not a sequence of token ids") from None
 
 
-def read_sequence(value: Any, where: str, *, kind: str = "ids", vocab_size: int | None = None) -> np.ndarray:
+def read_sequence(value: Any, where: str, *, kind: str = "ids", vocab_size: int | None = None,
+                  ignored: Sequence[int] = (IGNORE_INDEX,)) -> np.ndarray:
     """One sample's ids (or labels) as a checked 1-D integer numpy array; tensors and arrays are not copied.
 
     >>> read_sequence((4, 5, 6), "samples[0]").tolist()
@@ -259,7 +281,7 @@ def read_sequence(value: Any, where: str, *, kind: str = "ids", vocab_size: int 
     """
     arr = _as_array(value, where)
     check_tokens(arr, np.zeros(1, np.int64), np.array([arr.shape[0]]), lambda _: where, kind=kind,
-                 vocab_size=vocab_size)
+                 vocab_size=vocab_size, ignored=ignored)
     return arr
 
 
@@ -275,8 +297,7 @@ def _as_array(value: Any, where: str) -> np.ndarray:
             arr = np.frombuffer(array.array("q", value), np.int64)
         except (TypeError, OverflowError):
             _raise_bad_token(value, where)
-        if value and isinstance(value[0], bool):  # a 0/1 mask passed as ids; checking one token costs nothing
-            raise InvalidTokensError(f"{where}[0] = {describe(value[0])} is not an integer token id")
+        _refuse_bools(value, arr, where)  # array("q") reads True as 1: a 0/1 mask passed as ids
         return arr
     elif isinstance(value, (str, bytes)):
         raise InvalidSampleError(f"{where} is text ({describe(value)}); tokenize it first: samples are token ids")
@@ -295,11 +316,20 @@ def _as_array(value: Any, where: str) -> np.ndarray:
         if arr.dtype != object:
             raise InvalidTokensError(f"{where} must hold integer token ids, got dtype {arr.dtype} "
                                      f"(first value {describe(arr[0].item())})")
+        items = arr.tolist()
         try:
-            arr = np.frombuffer(array.array("q", arr.tolist()), np.int64)
+            arr = np.frombuffer(array.array("q", items), np.int64)
         except (TypeError, OverflowError):
-            _raise_bad_token(arr.tolist(), where)
+            _raise_bad_token(items, where)
+        _refuse_bools(items, arr, where)
     return arr
+
+
+def _refuse_bools(items: Sequence[Any], converted: np.ndarray, where: str) -> None:
+    k = first_bool(items, converted)
+    if k is not None:
+        raise InvalidTokensError(f"{where}[{k}] = {describe(items[k])} is not an integer token id (a bool is not a "
+                                 f"token: pass integer ids)")
 
 
 def _raise_bad_token(values: Sequence[Any], where: str) -> None:
@@ -318,12 +348,12 @@ def _raise_bad_token(values: Sequence[Any], where: str) -> None:
 
 
 def read_tokens(tokens: Any, name: str = "token_ids", *, kind: str = "ids",
-                vocab_size: int | None = None) -> TokenBuffers:
+                vocab_size: int | None = None, ignored: Sequence[int] = (IGNORE_INDEX,)) -> TokenBuffers:
     """Sequences of token ids (or labels) as checked :class:`TokenBuffers`, without copying columnar input.
 
     Accepts a pyarrow ``ListArray`` / ``LargeListArray`` / ``ChunkedArray`` (zero-copy but for several chunks), a
-    ``(values, offsets)`` pair of numpy arrays, a :class:`TokenBuffers`, or a sequence of sequences of ints (lists,
-    tuples, numpy arrays, tensors).
+    ``(values, offsets)`` pair of numpy arrays, a :class:`TokenBuffers`, a ``(sequences, length)`` integer array or
+    tensor (rows of equal length), or a sequence of sequences of ints (lists, tuples, numpy arrays, tensors).
 
     >>> read_tokens([[5, 6, 7], [8, 9]], vocab_size=9)
     Traceback (most recent call last):
@@ -332,6 +362,8 @@ def read_tokens(tokens: Any, name: str = "token_ids", *, kind: str = "ids",
     """
     if kind not in _KINDS:
         raise ValueError(f"kind must be one of {_KINDS}")  # a programming error inside padfree, not a user input
+    if type(tokens).__module__.startswith("torch") and getattr(tokens, "ndim", 0) == 2:
+        tokens = tokens.detach().cpu().numpy()  # a (sequences, length) tensor: read as the numpy block below
     if isinstance(tokens, TokenBuffers):
         buf = tokens
     elif type(tokens).__module__.startswith("pyarrow"):
@@ -340,20 +372,23 @@ def read_tokens(tokens: Any, name: str = "token_ids", *, kind: str = "ids",
         buf = _from_pair(tokens[0], tokens[1], name)
     elif isinstance(tokens, (str, bytes, Mapping)) or not isinstance(tokens, Sequence | np.ndarray):
         raise InvalidSampleError(f"{name} must be a sequence of token-id sequences, got {describe(tokens)}")
+    elif isinstance(tokens, np.ndarray) and tokens.ndim not in (1, 2):
+        raise InvalidSampleError(f"{name} must be a sequence of token-id sequences (a list, or a 2-D integer array of "
+                                 f"equal-length rows), got an array of shape {tokens.shape}: {describe(tokens)}")
     elif isinstance(tokens, np.ndarray) and tokens.ndim == 2 and tokens.dtype.kind in "iu":
         # a (sequences, length) block: rows of equal length, one view
         values = np.ascontiguousarray(tokens).reshape(-1)
         buf = TokenBuffers(values, np.arange(tokens.shape[0] + 1, dtype=np.int64) * tokens.shape[1])
     else:
         return concat_checked([_as_array(seq, f"{name}[{i}]") for i, seq in enumerate(tokens)],
-                              lambda i: f"{name}[{i}]", kind=kind, vocab_size=vocab_size)
+                              lambda i: f"{name}[{i}]", kind=kind, vocab_size=vocab_size, ignored=ignored)
     check_tokens(buf.values, buf.offsets[:-1], buf.lengths, lambda i: f"{name}[{i}]", kind=kind,
-                 vocab_size=vocab_size)
+                 vocab_size=vocab_size, ignored=ignored)
     return buf
 
 
 def concat_checked(arrays: Sequence[np.ndarray], names: Callable[[int], str], *, kind: str = "ids",
-                   vocab_size: int | None = None) -> TokenBuffers:
+                   vocab_size: int | None = None, ignored: Sequence[int] = (IGNORE_INDEX,)) -> TokenBuffers:
     """:func:`concat` after one check of every value (int64 overflow, negative ids, vocabulary) across arrays."""
     for i, a in enumerate(arrays):  # per sequence, never per token: only uint64 can hold what int64 cannot
         if a.dtype == np.uint64 and a.size and a.max() > _INT64_MAX:
@@ -361,7 +396,7 @@ def concat_checked(arrays: Sequence[np.ndarray], names: Callable[[int], str], *,
             raise InvalidTokensError(f"{names(i)}[{k}] = {a[k]} does not fit int64 (token values are at most "
                                      f"2**63 - 1)")
     buf = concat(arrays)
-    check_tokens(buf.values, buf.offsets[:-1], buf.lengths, names, kind=kind, vocab_size=vocab_size)
+    check_tokens(buf.values, buf.offsets[:-1], buf.lengths, names, kind=kind, vocab_size=vocab_size, ignored=ignored)
     return buf
 
 
@@ -385,7 +420,8 @@ def _from_arrow(tokens: Any, name: str) -> TokenBuffers:
 
 def read_arrow_chunks(column: Any, name: str, *, kind: str = "ids", vocab_size: int | None = None,
                       mask: bool = False, rows: Callable[[int], str] | None = None,
-                      nulls: list[np.ndarray] | None = None) -> list[TokenBuffers]:
+                      nulls: list[np.ndarray] | None = None,
+                      ignored: Sequence[int] = (IGNORE_INDEX,)) -> list[TokenBuffers]:
     """A pyarrow list column (``ListArray``, ``LargeListArray``, ``FixedSizeListArray`` or a ``ChunkedArray`` of
     them) as one checked :class:`TokenBuffers` per chunk, zero-copy: a memory-mapped dataset stays mapped.
 
@@ -436,7 +472,7 @@ def read_arrow_chunks(column: Any, name: str, *, kind: str = "ids", vocab_size: 
         buf = TokenBuffers(values, offsets)
         if not mask:
             check_tokens(values, offsets[:-1], np.diff(offsets), lambda i, b=base: rows(b + i), kind=kind,
-                         vocab_size=vocab_size)
+                         vocab_size=vocab_size, ignored=ignored)
         out.append(buf)
         base += n
     return out
@@ -453,7 +489,7 @@ class Samples:
 
 
 def read_samples(samples: Any, *, name: str = "samples", ids_key: str = "input_ids", labels_key: str = "labels",
-                 vocab_size: int | None = None) -> Samples:
+                 vocab_size: int | None = None, ignored: Sequence[int] = (IGNORE_INDEX,)) -> Samples:
     """A loader batch (token sequences, or dicts with ``ids_key`` / ``labels_key``) as checked flat buffers.
 
     Already-packed rows (dicts carrying any of :data:`BOUNDARY_KEYS`: ``seq_lens``, TRL's ``seq_lengths``,
@@ -493,7 +529,8 @@ def read_samples(samples: Any, *, name: str = "samples", ids_key: str = "input_i
     refuse_empty(lengths, lambda i: f"{name}[{i}]{field}")
     lab = None
     if has_labels:
-        lab = concat_checked(labels, lambda i: f"{name}[{i}][{labels_key!r}]", kind="labels", vocab_size=vocab_size)
+        lab = concat_checked(labels, lambda i: f"{name}[{i}][{labels_key!r}]", kind="labels", vocab_size=vocab_size,
+                             ignored=ignored)
         if not np.array_equal(lab.lengths, lengths):
             i = int(np.argmax(lab.lengths != lengths))
             raise InvalidSampleError(f"{name}[{i}][{labels_key!r}] has {lab.lengths[i]} entries but its {ids_key} "
@@ -554,6 +591,9 @@ the sequences of the row start ([2, 3] vs [3, 2])
     padfree.errors.InvalidLayoutError: samples[0]['attention_mask'][3] = 0 marks padding, but a sample holds no \
 padding (the collators pad rows themselves); give the real tokens only
     """
+    if not isinstance(sample, Mapping):
+        raise InvalidSampleError(f"{where} = {describe(sample)} is not a packed row: row_boundaries reads a dict "
+                                 f"sample (input_ids and any of {', '.join(BOUNDARY_KEYS)})")
     found: list[tuple[str, np.ndarray]] = []
     for key in BOUNDARY_KEYS:
         value = sample.get(key)

@@ -11,7 +11,15 @@ and written (``_output``), and the training runs of ``demo`` and ``bench`` (``_t
 This package is the only place in padfree that prints. Library code raises :class:`~padfree.errors.PadfreeError`
 for bad input; :func:`main` turns it into one line, ``padfree: error: ...``, on stderr and exit status 2 (the
 status argparse uses for usage errors), and ``pack`` writes no output file: it builds its output beside
-``--output`` and renames it into place only when complete.
+``--output`` and renames it into place only when complete. A file the system cannot read or write (a full disk, a
+file-size limit, no permission) is one line too, naming the path and the errno (``... : No space left on device
+(ENOSPC, errno 28)``), exit status 1.
+
+Signals: SIGINT (Ctrl-C) and SIGTERM (what job schedulers send before they kill) both unwind the command — the
+work directory and every temporary file are removed, ``--output`` is left as it was — and end it with
+``padfree: interrupted`` / ``padfree: terminated`` and exit status ``128 + the signal's number`` (130, 143), as a
+shell reports a process the signal killed. A process killed outright (SIGKILL) cannot clean up; the temporary
+files it leaves are removed by the next run that writes into the same directory.
 
 Optional packages: ``padfree --help`` and every ``padfree COMMAND --help`` need only numpy and numba. A command
 checks the packages its work needs after its cheap argument checks and before it reads, tokenizes or trains
@@ -24,9 +32,12 @@ front). An ``ImportError`` that still escapes becomes one line too (:func:`main`
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
+import signal
 import sys
-from collections.abc import Callable, Sequence
+import threading
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from padfree import __version__
@@ -34,9 +45,10 @@ from padfree.cli import analyze, bench, demo, pack, verify
 from padfree.cli._optional import install_hint
 from padfree.cli._output import one_line
 from padfree.cli.demo import DEMO_PNG
+from padfree.data._scratch import os_error_message
 from padfree.errors import PadfreeError
 
-__all__ = ["COMMANDS", "DEMO_PNG", "build_parser", "main"]
+__all__ = ["COMMANDS", "DEMO_PNG", "Terminated", "build_parser", "main"]
 
 logger = logging.getLogger("padfree")
 
@@ -50,7 +62,9 @@ COMMANDS: dict[str, Callable[[Any], None]] = {
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the ``padfree`` command line with ``argv`` (default ``sys.argv[1:]``); return the exit status.
 
-    0: success; 2: a usage error (argparse prints the usage) or a :class:`PadfreeError` (one line on stderr).
+    0: success; 1: a file the system could not read or write (one line naming it and the errno); 2: a usage error
+    (argparse prints the usage) or a :class:`PadfreeError` (one line on stderr); 130 / 143: SIGINT / SIGTERM (the
+    command cleaned up before it stopped).
 
     >>> main(["analyze", "--capacity", "0"])  # stderr: padfree: error: --capacity must be an integer >= 1, got 0
     2
@@ -62,10 +76,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         return exc.code if isinstance(exc.code, int) else 0
     _configure_logging(args.verbose)
     try:
-        return args.run(args)
+        with _terminate_as_interrupt():
+            return args.run(args)
     except PadfreeError as exc:
         print(f"padfree: error: {one_line(exc)}", file=sys.stderr)
         return 2
+    except OSError as exc:  # the system, not the input: a full disk, a size limit, a permission
+        print(f"padfree: error: {os_error_message(exc)}", file=sys.stderr)
+        return 1
     except ImportError as exc:  # an optional package a path needs that no require() named up front
         missing = exc.name or "a package"
         fix = ("this padfree installation is incomplete: reinstall padfree" if missing.partition(".")[0] == "padfree"
@@ -73,9 +91,36 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"padfree: error: padfree {args.command} could not import {missing} ({one_line(exc)}); {fix}",
               file=sys.stderr)
         return 2
+    except Terminated:
+        print("padfree: terminated", file=sys.stderr)
+        return 128 + signal.SIGTERM
     except KeyboardInterrupt:
         print("padfree: interrupted", file=sys.stderr)
-        return 130
+        return 128 + signal.SIGINT
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised in the main thread like Ctrl-C's KeyboardInterrupt, so that every cleanup that runs on an
+    interrupt (ours, pyarrow's, datasets') runs on it too."""
+
+
+@contextlib.contextmanager
+def _terminate_as_interrupt() -> Iterator[None]:
+    """SIGTERM raises :class:`Terminated` while the command runs (the default would end the process on the spot,
+    leaving its temporary files); a second SIGTERM during the cleanup is ignored. The old handler comes back after."""
+    if threading.current_thread() is not threading.main_thread():  # signal handlers belong to the main thread
+        yield
+        return
+
+    def terminate(signum: int, frame: Any) -> None:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        raise Terminated()
+
+    previous = signal.signal(signal.SIGTERM, terminate)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def build_parser() -> argparse.ArgumentParser:

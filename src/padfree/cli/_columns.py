@@ -114,9 +114,11 @@ def lengths_from_column(table: Any, column: str) -> tuple[np.ndarray, int]:
 def token_ids_from_column(ds: Any, ids_column: str, labels_column: str | None, *,
                           ids_named: bool = True) -> tuple[Any, str]:
     """``ds`` narrowed to what :func:`padfree.pack_dataset` reads — ``input_ids`` and ``labels`` (or TRL's mask
-    columns) — renamed from ``--input-ids-column`` / ``--labels-column``, and a note saying where they came from.
+    columns) — renamed from ``--input-ids-column`` / ``--labels-column``, plus the other per-token columns it
+    carries into the packed rows (``token_type_ids``, the masks, ...), and a note saying where they came from.
 
     ``ids_named``: whether ``--input-ids-column`` named ``ids_column`` (else it is DATA's own ``input_ids``).
+    A per-token column that packed rows cannot hold (floats, strings) is left out with a note on stderr.
     """
     from padfree.data.hf import LABEL_MASK_COLUMNS
 
@@ -145,8 +147,42 @@ def token_ids_from_column(ds: Any, ids_column: str, labels_column: str | None, *
         keep.update({m: m for m in masks})
         if masks:
             measure += ", targets where " + " and ".join(map(repr, masks)) + " are nonzero"
+    carried = _per_token_columns(ds, ids_column, [name for name in schema.names if name not in keep])
+    keep.update({name: name for name in carried})
+    carried = list(dict.fromkeys([*(m for m in keep if m in LABEL_MASK_COLUMNS), *carried]))
+    if carried:
+        measure += "; carried per token: " + ", ".join(map(repr, carried))
     ds = ds.select_columns(list(keep)).rename_columns({k: v for k, v in keep.items() if k != v})
     return ds, measure
+
+
+def _per_token_columns(ds: Any, ids_column: str, names: list[str]) -> list[str]:
+    """The columns of ``names`` that hold one integer (or boolean) per token of ``ids_column`` — every row as long as
+    its ids, null rows aside — which :func:`padfree.pack_dataset` carries into the packed rows; a per-token column
+    of any other values gets a note saying it is not written (the command has no other place to put it)."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    from padfree.cli._output import note
+    from padfree.data.hf import NOT_CARRIED
+
+    table = ds.data.table if getattr(ds, "_indices", None) is None else ds.with_format("arrow")[:]
+    want = pc.list_value_length(table[ids_column]).to_numpy(zero_copy_only=False)
+    carried = []
+    for name in names:
+        kind = table.schema.field(name).type
+        if name in NOT_CARRIED or (not _is_list(kind) and not pa.types.is_fixed_size_list(kind)):
+            continue
+        lengths = pc.list_value_length(table[name]).to_numpy(zero_copy_only=False)
+        present = ~np.isnan(lengths) if lengths.dtype.kind == "f" else np.ones(lengths.shape, bool)
+        if not present.any() or not np.array_equal(lengths[present], want[present]):
+            continue
+        if pa.types.is_integer(kind.value_type) or pa.types.is_boolean(kind.value_type):
+            carried.append(name)
+        else:
+            note(f"column {name!r} holds one {kind.value_type} value per token; packed rows carry only integer or "
+                 f"boolean per-token columns, so it is not written")
+    return carried
 
 
 def _is_list(arrow_type: Any) -> bool:

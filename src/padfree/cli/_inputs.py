@@ -69,6 +69,16 @@ def read_dataset(data: str, flag: str = "DATA") -> Any:
     return dataset
 
 
+def check_data_path(data: str, flag: str = "DATA") -> Path:
+    """The cheap checks of ``data`` — it exists, and a file has a type the readers know — made before a command
+    imports its heavy packages (a mistyped path fails in a fraction of a second, not after loading transformers)."""
+    path = _data_path(data, flag)
+    if not path.is_dir() and path.suffix.lower() not in _EXPECTED:
+        raise DataLoadError(f"{flag} {data!r}: unsupported file type {path.suffix or '(none)'!r}; expected "
+                            f"{DATA_FORMATS}")
+    return path
+
+
 def is_saved_dataset(path: Path) -> bool:
     """Whether the directory ``path`` was written by ``datasets.Dataset.save_to_disk``."""
     return (path / "dataset_info.json").is_file() or (path / "state.json").is_file()
@@ -217,8 +227,11 @@ def _records_table(records: list[Any], what: str, name: Any) -> Any:
     import pyarrow as pa
 
     records = [r for _, r in _check_records(enumerate(records), what, name, _EXPECTED[".json"])]
+    # every key of every record, in the order they first appear: pyarrow's from_pylist takes the first record's
+    # keys as the columns and would drop a key that only a later record has (a record without it reads as null)
+    keys = list(dict.fromkeys(key for record in records for key in record))
     try:
-        return pa.Table.from_pylist(records)
+        return pa.Table.from_pydict({key: [record.get(key) for record in records] for key in keys})
     except (pa.ArrowException, ValueError, TypeError) as exc:
         raise DataLoadError(f"{what}: its records could not be made into columns ({_first_line(exc)})") from exc
 

@@ -8,15 +8,14 @@ from __future__ import annotations
 
 import contextlib
 import os
-import shutil
 import sys
-import tempfile
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from padfree.data._scratch import ScratchDir, ScratchFile, os_error_message, remove_stale, with_path
 from padfree.errors import InvalidArgumentError
 
 
@@ -125,18 +124,25 @@ def save_png(fig: Any, path: Path, what: str) -> None:
     """Write ``fig`` to ``path`` as a PNG; ``what`` (the argument that chose ``path``) starts the error otherwise.
 
     The picture is written next to the target, then renamed: a failed or interrupted write never leaves a broken
-    PNG behind.
+    PNG behind (a killed one leaves a temporary file that the next write into that directory removes). The file
+    gets the mode any new file gets (``0666`` less the umask).
     """
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".png", dir=path.parent)
-    os.close(fd)
+    remove_stale(path.parent)
     try:
-        fig.savefig(tmp, format="png")
-        os.replace(tmp, path)
+        tmp = ScratchFile(path.parent, path.name)
     except OSError as exc:
-        raise InvalidArgumentError(f"{what} could not be written ({exc})") from exc
+        raise InvalidArgumentError(f"{what} could not be written ({os_error_message(with_path(exc, path))})") from exc
+    try:
+        fig.savefig(tmp.path, format="png")
+        os.replace(tmp.path, path)
+    except OSError as exc:
+        tmp.discard()
+        raise InvalidArgumentError(f"{what} could not be written ({os_error_message(with_path(exc, path))})") from exc
+    except BaseException:
+        tmp.discard()
+        raise
     finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+        tmp.close()
 
 
 @contextlib.contextmanager
@@ -165,8 +171,10 @@ class AtomicOutput:
     ``staged`` is where the output is written, ``cache`` where intermediate files go (tokenized rows, the packed
     Arrow file). :meth:`commit` renames ``staged`` to the output path — one ``rename`` on the same filesystem, so
     the path holds either nothing, the old output, or the complete new one. Leaving the block deletes the work
-    directory, whatever happened; only a killed process leaves it behind (``.<name>.padfree-*``, never at the
-    output path itself).
+    directory, whatever happened (SIGINT and SIGTERM included, see :func:`padfree.cli.main`). A killed process
+    (``kill -9``) leaves it behind as ``.<name>.padfree-<pid>-<random>``, never at the output path itself; the next
+    run that writes into the same directory removes it (:func:`padfree.data._scratch.remove_stale`: its owner is
+    gone and its lock is free) and says so.
     """
 
     def __init__(self, path: Path, *, replace: bool) -> None:
@@ -174,10 +182,15 @@ class AtomicOutput:
         self.replace = replace
 
     def __enter__(self) -> AtomicOutput:
+        stale = remove_stale(self.path.parent)
+        if stale:
+            note(f"removed {len(stale)} temporary {'entry' if len(stale) == 1 else 'entries'} left in "
+                 f"{str(self.path.parent)!r} by runs that were killed: {', '.join(p.name for p in stale)}")
         try:
-            self.work = Path(tempfile.mkdtemp(prefix=f".{self.path.name}.padfree-", dir=self.path.parent))
+            self._scratch = ScratchDir(self.path.parent, self.path.name)
         except OSError as exc:
-            raise InvalidArgumentError(f"--output {str(self.path)!r} cannot be written ({exc})") from exc
+            raise with_path(exc, self.path.parent) from exc
+        self.work = self._scratch.path
         self.cache = self.work / "cache"
         self.cache.mkdir()
         self.staged = self.work / "output"
@@ -200,4 +213,4 @@ class AtomicOutput:
             os.replace(self.staged, self.path)
 
     def __exit__(self, *exc: object) -> None:
-        shutil.rmtree(self.work, ignore_errors=True)
+        self._scratch.remove()

@@ -15,7 +15,23 @@ import numpy as np
 
 from padfree.cli._columns import join_text
 from padfree.cli._output import bar
+from padfree.data._scratch import with_path
+from padfree.errors import OverlongSequenceError
 from padfree.layout import IGNORE_INDEX
+
+#: how the commands say what ``--overlong`` offers instead of refusing
+OVERLONG_CHOICES = ("--overlong truncate (keep the first CAPACITY tokens), split (cut into pieces of CAPACITY) or "
+                    "drop (leave it out)")
+
+
+def overlong_error(source: str, record: int, tokens: int, capacity: int, counted: str) -> OverlongSequenceError:
+    """The one refusal of a record longer than ``--capacity`` under ``--overlong error``, in the command's terms.
+
+    ``counted``: how many are longer (``"3 of 100 records are longer, the longest has 9,000"``), or where the search
+    stopped.
+    """
+    return OverlongSequenceError(f"{source}: record {record} has {tokens:,} tokens, more than --capacity {capacity:,} "
+                                 f"({counted}); raise --capacity or pass {OVERLONG_CHOICES}")
 
 
 def load_tokenizer(path: str | None) -> tuple[Any, str]:
@@ -44,24 +60,30 @@ def token_ids(texts: list[str], tokenizer: Any, batch_size: int = 64) -> list[li
 
 
 def tokenize_dataset(ds: Any, tokenizer: Any, *, prompt: list[str], completion: str | None, add_special_tokens: bool,
-                     eos: int | None, num_proc: int, cache: Path) -> Any:
+                     eos: int | None, num_proc: int, cache: Path, refuse_over: tuple[int, str] | None = None) -> Any:
     """``ds`` tokenized into a dataset of ``input_ids`` (and ``labels`` with a ``completion`` column).
 
     ``prompt``: the text columns joined with newlines (then the completion, when there is one: only its tokens are
     targets). ``eos``: a token appended to every row (a target). The rows are written to ``cache/tokenized.arrow``.
+    ``refuse_over``: ``(capacity, source)`` — stop at the first batch holding a record longer than ``capacity``
+    (:func:`overlong_error`, naming the record of ``source``) instead of tokenizing the rest first.
     """
     function = functools.partial(_tokenize_batch, tokenizer=tokenizer, prompt=prompt, completion=completion,
-                                 add_special_tokens=add_special_tokens, eos=eos)
-    return ds.with_format("arrow").map(
-        function, batched=True, batch_size=1000, num_proc=num_proc if num_proc > 1 else None,
-        remove_columns=ds.column_names, cache_file_name=str(cache / "tokenized.arrow"), load_from_cache_file=False,
-        new_fingerprint=uuid.uuid4().hex, desc="tokenizing",
-    ).with_format(None)
+                                 add_special_tokens=add_special_tokens, eos=eos, refuse_over=refuse_over)
+    try:
+        return ds.with_format("arrow").map(
+            function, batched=True, batch_size=1000, num_proc=num_proc if num_proc > 1 else None, with_indices=True,
+            remove_columns=ds.column_names, cache_file_name=str(cache / "tokenized.arrow"), load_from_cache_file=False,
+            new_fingerprint=uuid.uuid4().hex, desc="tokenizing",
+        ).with_format(None)
+    except OSError as exc:  # a full disk while writing the tokenized rows: name the file (padfree.cli.main)
+        raise with_path(exc, cache / "tokenized.arrow") from exc
 
 
-def _tokenize_batch(batch: Any, *, tokenizer: Any, prompt: list[str], completion: str | None,
-                    add_special_tokens: bool, eos: int | None) -> Any:
-    """One ``datasets.map`` batch (a ``pyarrow.Table``) -> ``input_ids`` (and ``labels`` with a completion)."""
+def _tokenize_batch(batch: Any, indices: list[int], *, tokenizer: Any, prompt: list[str], completion: str | None,
+                    add_special_tokens: bool, eos: int | None, refuse_over: tuple[int, str] | None = None) -> Any:
+    """One ``datasets.map`` batch (a ``pyarrow.Table``; ``indices``: its records) -> ``input_ids`` (and ``labels``
+    with a completion)."""
     import pyarrow as pa
     import pyarrow.compute as pc
 
@@ -86,6 +108,14 @@ def _tokenize_batch(batch: Any, *, tokenizer: Any, prompt: list[str], completion
         for row in ids:
             row.append(eos)
     ids_array = pa.array(ids, pa.list_(pa.int32()))
+    if refuse_over is not None:
+        capacity, source = refuse_over
+        lengths = pc.list_value_length(ids_array).to_numpy(zero_copy_only=False)
+        if lengths.size and lengths.max() > capacity:
+            i = int(np.argmax(lengths > capacity))
+            raise overlong_error(source, int(indices[i]), int(lengths[i]), capacity,
+                                 f"found while tokenizing, which stopped there: {int((lengths > capacity).sum())} of "
+                                 f"the {len(indices):,} records {indices[0]}..{indices[-1]} are longer")
     if boundary is None:
         return pa.table({"input_ids": ids_array})
     spans = encoded["offset_mapping"]

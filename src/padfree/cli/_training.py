@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from padfree.cli._columns import texts_from_columns
-from padfree.cli._inputs import DATA_FORMATS, optional_positive, read_table
+from padfree.cli._inputs import DATA_FORMATS, check_data_path, optional_positive, read_table
 from padfree.cli._output import Progress, bar
 from padfree.cli._tokens import load_tokenizer, token_ids
 from padfree.errors import DataLoadError, InvalidArgumentError
@@ -85,6 +85,8 @@ def training_options(args: argparse.Namespace, command: str) -> TrainingOptions:
         values.append(default if value is None else as_positive_int(value, flag))
     if args.data is None and args.fields:
         raise InvalidArgumentError("--field needs --data: the embedded corpus has no columns")
+    if args.data is not None:
+        check_data_path(args.data, "--data")
     if args.model is not None and not Path(args.model).expanduser().is_dir():
         raise InvalidArgumentError(f"--model {args.model!r} is not a directory; expected a checkpoint written by "
                                    "save_pretrained (config.json and the weights)")

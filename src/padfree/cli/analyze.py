@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 
 from padfree.cli._columns import lengths_from_column, texts_from_columns
-from padfree.cli._inputs import DATA_FORMATS, optional_positive, read_table
+from padfree.cli._inputs import DATA_FORMATS, check_data_path, optional_positive, read_table
 from padfree.cli._optional import importable, require
 from padfree.cli._output import log_bins, new_figure, num, save_png, table
 from padfree.cli._tokens import load_tokenizer
@@ -65,8 +65,6 @@ class _Lengths:
 
 def run(args: argparse.Namespace) -> int:
     """Measure the lengths of DATA, analyze them, print the report (or JSON), draw ``--plot``."""
-    from padfree.analysis import analyze_lengths
-
     # every cheap check first, so a typo fails in milliseconds and not after tokenizing
     capacity = as_positive_int(args.capacity, "--capacity")
     batch_size = as_positive_int(args.batch_size, "--batch-size")
@@ -84,10 +82,14 @@ def run(args: argparse.Namespace) -> int:
             raise InvalidArgumentError("--tokenizer is not used with --lengths-column (nothing is tokenized)")
     if args.data is None and args.fields:
         raise InvalidArgumentError("--field needs DATA: the embedded corpus has no columns")
+    if args.data is not None:
+        check_data_path(args.data)
     if plot is not None:
         require("padfree analyze --plot", "matplotlib")
     if args.lengths_column is None:
         require("padfree analyze (it tokenizes the text)", "transformers")
+
+    from padfree.analysis import analyze_lengths
 
     measured = _measure(args, limit)
     analysis = analyze_lengths(measured.lengths, capacity, batch_size=batch_size, strategies=strategies, seed=seed)

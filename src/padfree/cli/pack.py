@@ -1,8 +1,14 @@
-"""``padfree pack [DATA] -o OUT``: pack a dataset into rows of CAPACITY tokens, written as Arrow or Parquet.
+"""``padfree pack [DATA] -o OUT``: pack a dataset into rows of CAPACITY tokens, written as Arrow, Parquet or JSON Lines.
 
 The rows are made by the library's :func:`padfree.pack_dataset`; this command only reads DATA (tokenizing text when
 it holds no token ids), writes the result atomically and reports. The output is built in a hidden work directory
 beside ``--output`` and renamed into place only when complete (:class:`~padfree.cli._output.AtomicOutput`).
+
+The format follows ``--format``, else the extension of ``--output``: none (a directory) is ``arrow``, ``.parquet``
+is ``parquet``, ``.jsonl`` is ``jsonl``; any other extension is refused (``-o out.json`` or ``-o out.csv`` would
+otherwise be an Arrow directory under a file's name). A sequence longer than ``--capacity`` under the default
+``--overlong error`` is refused in the command's own terms, before the rest is tokenized where the text is
+tokenized here.
 """
 
 from __future__ import annotations
@@ -18,16 +24,19 @@ from typing import Any
 import numpy as np
 
 from padfree.cli._columns import describe_columns, is_text, text_columns, token_ids_from_column
-from padfree.cli._inputs import DATA_FORMATS, is_saved_dataset, optional_positive, read_dataset
+from padfree.cli._inputs import DATA_FORMATS, check_data_path, is_saved_dataset, optional_positive, read_dataset
 from padfree.cli._optional import require
 from padfree.cli._output import AtomicOutput, Progress, disk_size, num, progress_bars, size
-from padfree.cli._tokens import load_tokenizer, tokenize_dataset
+from padfree.cli._tokens import load_tokenizer, overlong_error, tokenize_dataset
+from padfree.data._scratch import with_path
 from padfree.errors import DataLoadError, InvalidArgumentError, TokenizerLoadError
 from padfree.layout import IGNORE_INDEX
 from padfree.packing import STRATEGIES, as_strategy
 from padfree.packing.inputs import as_positive_int, as_seed
 
-PACK_FORMATS = ("arrow", "parquet")
+PACK_FORMATS = ("arrow", "parquet", "jsonl")
+#: the format an extension of --output asks for ("": a directory)
+_FORMAT_OF_SUFFIX = {"": "arrow", ".parquet": "parquet", ".jsonl": "jsonl"}
 _PADDINGS = ("capacity", "longest", "none")
 _MASKS = ("binary", "segments", "none")
 _INT32_RANGE = (-(2**31), 2**31 - 1)
@@ -41,18 +50,20 @@ def add_parser(subparsers: Any) -> None:
 
     p = subparsers.add_parser(
         "pack",
-        help="pack a dataset into rows of CAPACITY tokens and write them as an Arrow or Parquet dataset",
+        help="pack a dataset into rows of CAPACITY tokens and write them as Arrow, Parquet or JSON Lines",
         description=(
             "Read token ids (or tokenize text), pack every sequence of the dataset into rows of CAPACITY tokens "
             "with one global plan, and write the rows with the columns of padfree.pack_dataset: a "
-            "datasets.save_to_disk directory (--format arrow) or one Parquet file. The output is built beside "
+            "datasets.save_to_disk directory (--format arrow), one Parquet file or one JSON Lines file. The output "
+            "is built beside "
             "--output and renamed into place only when complete: an interrupted run leaves nothing at --output. "
             "Without DATA: the embedded corpus (CPython's standard library and pydoc topics), offline."
         ),
     )
     p.add_argument("data", nargs="?", metavar="DATA", help=f"dataset: {DATA_FORMATS}")
     p.add_argument("-o", "--output", required=True, metavar="PATH",
-                   help="where to write the packed dataset (a directory for arrow, a file for parquet)")
+                   help="where to write the packed dataset: a directory for arrow (a name without an extension), "
+                        "NAME.parquet, or NAME.jsonl")
 
     g = p.add_argument_group("input")
     g.add_argument("--input-ids-column", metavar="COL",
@@ -90,8 +101,9 @@ def add_parser(subparsers: Any) -> None:
 
     g = p.add_argument_group("output")
     g.add_argument("--format", metavar="FMT",
-                   help="arrow (a datasets.save_to_disk directory: datasets.load_from_disk reads it) or parquet "
-                        "(one file); default: parquet when --output ends with .parquet, else arrow")
+                   help="arrow (a datasets.save_to_disk directory: datasets.load_from_disk reads it), parquet "
+                        "(one file) or jsonl (JSON Lines, one row per line); default: from the extension of "
+                        "--output (none: arrow, .parquet, .jsonl; any other is refused)")
     g.add_argument("--columns", metavar="LIST",
                    help=f"comma-separated columns to write, each COL or COL=NAME to rename it, from "
                         f"{','.join(COLUMNS)} (default: {','.join(DEFAULT_COLUMNS)}); sequence_ids are rows of DATA")
@@ -160,12 +172,16 @@ def run(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     opts = _pack_options(args)  # every cheap check first: a typo fails before anything is read or tokenized
     _check_input_args(args)
+    if args.data is not None:
+        check_data_path(args.data)
     require("padfree pack", "pyarrow", "datasets")
     if args.data is None or (args.input_ids_column is None and _text_flags(args)):
         require("padfree pack (it tokenizes the text)", "transformers")
     say = Progress(enabled=not args.quiet)
     with progress_bars(not args.quiet), AtomicOutput(opts.output, replace=args.overwrite) as out:
         packing = _pack_input(args, opts, out.cache, say)
+        if opts.overlong == "error" and opts.strategy != "wrapped":
+            _refuse_overlong(packing, opts, args.data)
         say(f"packing {packing.dataset.num_rows:,} sequences into rows of {opts.capacity:,} tokens ({opts.strategy})")
         packed, result = padfree.pack_dataset(
             packing.dataset, opts.capacity, opts.strategy, opts.seed, opts.padding_value, opts.label_padding_value,
@@ -179,12 +195,14 @@ def run(args: argparse.Namespace) -> int:
         try:
             if opts.format == "arrow":
                 packed.save_to_disk(str(out.staged))
-            else:
+            elif opts.format == "parquet":
                 packed.to_parquet(str(out.staged))
+            else:
+                packed.to_json(str(out.staged), lines=True)
             written = disk_size(out.staged)
             out.commit()
-        except OSError as exc:
-            raise InvalidArgumentError(f"--output {str(opts.output)!r} could not be written ({exc})") from exc
+        except OSError as exc:  # a full disk, a size limit: one line naming the file (padfree.cli.main)
+            raise with_path(exc, out.staged) from exc
     summary = _summary(args, opts, packing, result, packed.column_names, written, time.perf_counter() - started)
     print(json.dumps(summary, indent=2) if args.json else render_pack_summary(summary, packing))
     return 0
@@ -251,7 +269,13 @@ def _check_output(output: str, fmt: str | None, overwrite: bool, data: str | Non
     """``--output`` as a path and the format to write; refuse what would lose data the user did not ask to lose."""
     path = Path(output).expanduser()
     if fmt is None:
-        fmt = "parquet" if path.suffix.lower() == ".parquet" else "arrow"
+        fmt = _FORMAT_OF_SUFFIX.get(path.suffix.lower())
+        if fmt is None:
+            raise InvalidArgumentError(
+                f"--output {output!r}: padfree pack writes arrow (a directory: a name without an extension, such as "
+                f"packed/), parquet (NAME.parquet) or jsonl (NAME.jsonl); the extension {path.suffix!r} asks for "
+                f"none of them. Choose one of those names, or --format {'|'.join(PACK_FORMATS)} to keep this one"
+            )
     elif fmt not in PACK_FORMATS:
         raise InvalidArgumentError(f"--format must be one of {', '.join(PACK_FORMATS)}, got {fmt!r}")
     if not path.name or path.name in (".", ".."):
@@ -341,6 +365,23 @@ def _pack_input(args: argparse.Namespace, opts: _PackOptions, cache: Path, say: 
     return _PackInput(tokens, ds.num_rows, kept, source, measure)
 
 
+def _refuse_overlong(packing: _PackInput, opts: _PackOptions, data: str | None) -> None:
+    """Refuse a sequence longer than ``--capacity`` (``--overlong error``) naming its record and the flags, before
+    the library would refuse it in its own terms (``capacity=``, ``overlong='truncate'``)."""
+    import pyarrow.compute as pc
+
+    lengths = pc.list_value_length(packing.dataset.with_format("arrow")["input_ids"]).to_numpy(zero_copy_only=False)
+    over = lengths > opts.capacity
+    if not over.any():
+        return
+    i = int(np.argmax(over))
+    record = i if packing.kept is None else int(packing.kept[i])
+    source = "the embedded corpus" if data is None else f"DATA {data!r}"
+    raise overlong_error(source, record, int(lengths[i]), opts.capacity,
+                         f"{int(over.sum()):,} of {lengths.size:,} sequences are longer, the longest has "
+                         f"{int(lengths.max()):,}")
+
+
 def _check_token_ids(tokens: Any, kept: np.ndarray | None, name: str) -> None:
     """The library's check of every token id (pack_dataset makes it too), here to name a bad one by its record of
     DATA: ``kept`` maps the rows left after :func:`_drop_empty` back to records."""
@@ -385,8 +426,10 @@ def _tokenize(ds: Any, args: argparse.Namespace, opts: _PackOptions, cache: Path
             raise TokenizerLoadError(f"--append-eos: the tokenizer {name} has no EOS token")
     num_proc = min(opts.num_proc or 1, ds.num_rows)
     say(f"tokenizing {ds.num_rows:,} records with {name}" + (f" in {num_proc} processes" if num_proc > 1 else ""))
+    refuse = (opts.capacity, source) if opts.overlong == "error" and opts.strategy != "wrapped" else None
     tokens = tokenize_dataset(ds, tokenizer, prompt=prompt, completion=completion,
-                              add_special_tokens=args.add_special_tokens, eos=eos, num_proc=num_proc, cache=cache)
+                              add_special_tokens=args.add_special_tokens, eos=eos, num_proc=num_proc, cache=cache,
+                              refuse_over=refuse)
     extras = [flag for flag, on in (("special tokens", args.add_special_tokens), ("EOS appended", eos is not None))
               if on]
     return tokens, f"{note}, tokenized by {name}" + (f" ({', '.join(extras)})" if extras else "")
@@ -491,8 +534,8 @@ def render_pack_summary(summary: dict[str, Any], packing: _PackInput) -> str:
     else:
         over = f"none: every sequence fits in {cap} tokens, no token lost"
     out.append(f"  overlong    {over} (--overlong {s['overlong']})")
-    what = ("a datasets.save_to_disk directory (datasets.load_from_disk)" if s["format"] == "arrow"
-            else "one Parquet file")
+    what = {"arrow": "a datasets.save_to_disk directory (datasets.load_from_disk)", "parquet": "one Parquet file",
+            "jsonl": "one JSON Lines file"}[s["format"]]
     out += textwrap.wrap(f"{s['output']}: {what}, {num(s['bins'])} rows, {size(s['bytes'])}; columns "
                          f"{', '.join(s['columns'])}", width=110, initial_indent="  written     ",
                          subsequent_indent=" " * 14)

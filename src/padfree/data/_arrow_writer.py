@@ -4,7 +4,7 @@ buffers, returned as an in-memory Arrow table or written to an Arrow IPC stream 
 :func:`plan` decides everything once (column types, row offsets, chunks, the schema); a builder lays out the rows of
 a chunk with :func:`padfree.rows.fill_rows` on several threads; :func:`table` keeps the chunks in memory,
 :func:`write_file` writes them with pyarrow's own stream writer, atomically (a temporary file renamed into place: a
-failed call leaves no file).
+failed call leaves no file, a killed process a temporary file that the next call in that directory removes).
 
 Two things are added to pyarrow's writer: chunk ``k + 1`` is built while chunk ``k`` is written, and the pages
 written are dropped from the page cache behind the writer (``POSIX_FADV_DONTNEED``). Together they make a call on
@@ -23,7 +23,6 @@ import contextlib
 import itertools
 import mmap
 import os
-import uuid
 from collections.abc import Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -32,6 +31,7 @@ from typing import Any, Protocol
 import numpy as np
 import pyarrow as pa
 
+from padfree.data._scratch import ScratchFile, remove_stale, with_path
 from padfree.errors import InvalidArgumentError
 from padfree.packing import PackResult
 from padfree.rows import fill_rows, mask_labels
@@ -307,19 +307,35 @@ def table(plan: Plan) -> Any:
 
 
 def write_file(path: str, plan: Plan) -> Any:
-    """Write the rows of ``plan`` to an Arrow stream file at ``path``, atomically; return it memory-mapped."""
+    """Write the rows of ``plan`` to an Arrow stream file at ``path``, atomically; return it memory-mapped.
+
+    The file is written as ``.<name>.padfree-<pid>-<random>.tmp`` beside ``path`` (:mod:`padfree.data._scratch`:
+    locked while this process lives, so that a later call removes it if this process is killed) and renamed into
+    place when complete. An ``OSError`` (a full disk, a file-size limit) names the file it could not write.
+    """
     directory = os.path.dirname(os.path.abspath(path))
-    os.makedirs(directory, exist_ok=True)
-    tmp = os.path.join(directory, f".{os.path.basename(path)}.{uuid.uuid4().hex[:12]}.tmp")
+    try:
+        os.makedirs(directory, exist_ok=True)
+    except OSError as exc:
+        raise with_path(exc, directory) from exc
+    remove_stale(directory)
+    try:
+        tmp = ScratchFile(directory, os.path.basename(path))
+    except OSError as exc:
+        raise with_path(exc, directory) from exc
     try:
         with _builder(plan) as builder:
-            messages = _write_stream(tmp, builder)
-        _cache_message_headers(tmp, messages)
-        os.replace(tmp, path)
+            messages = _write_stream(tmp.path, builder)
+        _cache_message_headers(tmp.path, messages)
+        os.replace(tmp.path, path)
+    except OSError as exc:
+        tmp.discard()
+        raise with_path(exc, tmp.path) from exc
     except BaseException:
-        if os.path.exists(tmp):
-            os.remove(tmp)
+        tmp.discard()
         raise
+    finally:
+        tmp.close()
     return _memory_mapped_table(path)
 
 

@@ -22,8 +22,14 @@ _STREAM_COLUMNS = ("input_ids", "attention_mask", "labels", "position_ids", "seq
 
 
 def pack_stream(data: Any, capacity: int, strategy: str, seed: int | None, overlong: str,
-                max_sequences_per_bin: int | None, opts: Any, buffer_size: int) -> Any:
-    """The packed rows of the stream ``data`` as a ``datasets.IterableDataset`` (``opts``: pack_dataset's options)."""
+                max_sequences_per_bin: int | None, opts: Any, buffer_size: int, *, refuse_per_token: bool = False,
+                not_carried: frozenset[str] = frozenset()) -> Any:
+    """The packed rows of the stream ``data`` as a ``datasets.IterableDataset`` (``opts``: pack_dataset's options).
+
+    ``refuse_per_token``: a stream's rows are packed without their other columns, so a per-token column (a list as
+    long as the row's ``input_ids``, outside ``not_carried``) is refused when the rows holding it are read, rather
+    than dropped without a word (``pack_dataset(carry=None)``; ``carry=[]`` leaves them out knowingly).
+    """
     import datasets
 
     if opts.padding == "longest":
@@ -41,9 +47,35 @@ def pack_stream(data: Any, capacity: int, strategy: str, seed: int | None, overl
     if masks and "labels" not in names:
         raise InvalidArgumentError(f"the stream has {masks} but no labels: pack_dataset folds those masks into labels "
                                    f"for a map-style dataset only; map them into a 'labels' column first")
+    if refuse_per_token:
+        data = data.map(_refuse_per_token_columns, batched=True, with_indices=True,
+                        fn_kwargs={"not_carried": not_carried})
     kwargs = {"data": data, "capacity": capacity, "strategy": strategy, "seed": seed, "overlong": overlong,
               "max_sequences_per_bin": max_sequences_per_bin, "opts": opts, "buffer_size": buffer_size}
     return datasets.IterableDataset.from_generator(_rows, gen_kwargs=kwargs)
+
+
+def _refuse_per_token_columns(batch: dict[str, list[Any]], indices: list[int], *,
+                              not_carried: frozenset[str]) -> dict[str, list[Any]]:
+    """Pass a batch of the stream through unchanged, or refuse its first per-token column (one ``len`` per row)."""
+    ids = batch.get("input_ids")
+    if ids is None:
+        return {}
+    want = [None if row is None else len(row) for row in ids]
+    for name, values in batch.items():
+        if name in not_carried:
+            continue
+        lengths = [len(v) if isinstance(v, (list, tuple, np.ndarray)) else None for v in values]
+        if any(n is not None for n in lengths) and all(n is None or n == w for n, w in zip(lengths, want,
+                                                                                            strict=True)):
+            row = indices[next(i for i, n in enumerate(lengths) if n is not None)]
+            raise InvalidArgumentError(
+                f"the stream's column {name!r} holds one value per token (row {row} is as long as its input_ids), "
+                f"which pack_dataset cannot carry into the packed rows of a stream yet; pass carry=[] to leave it "
+                f"out, remove it first (stream.remove_columns([{name!r}])), or load the data as a map-style "
+                f"datasets.Dataset (which carries it)"
+            )
+    return {}
 
 
 def _rows(data: Any, capacity: int, strategy: str, seed: int | None, overlong: str,

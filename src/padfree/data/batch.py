@@ -56,7 +56,15 @@ from padfree.errors import (
     describe,
 )
 from padfree.layout import IGNORE_INDEX
-from padfree.packing.inputs import as_capacity, as_choice, as_positive_int, as_seed, refuse_overlong
+from padfree.packing.inputs import (
+    MAX_CAPACITY,
+    as_capacity,
+    as_choice,
+    as_flag,
+    as_positive_int,
+    as_seed,
+    refuse_overlong,
+)
 from padfree.packing.result import PackResult
 from padfree.packing.strategies import DEFAULT_STRATEGY, STRATEGIES, Packer
 from padfree.rows import PackedRows, packed_rows
@@ -203,7 +211,8 @@ class PackedBatch:
     def to(self, device: Any, non_blocking: bool = False) -> PackedBatch:
         """A copy with every tensor on ``device`` (``non_blocking`` as in ``Tensor.to``; pin memory first to
         overlap the copy with compute). Accelerate's ``send_to_device`` calls this method."""
-        return self._map_tensors(lambda t: t.to(device, non_blocking=non_blocking))
+        device = as_device(device)
+        return self._map_tensors(lambda t: _moved(t, device, non_blocking))
 
     def pin_memory(self) -> PackedBatch:
         """A copy in pinned host memory; ``DataLoader(pin_memory=True)`` calls this method."""
@@ -316,7 +325,32 @@ def _padded_stream_offsets(seq_lens: np.ndarray, spr: np.ndarray, fill: np.ndarr
 def _tensor(array: np.ndarray, dtype: Any, device: Any) -> torch.Tensor:
     # from_numpy shares the buffer; the cast copies only when the dtype differs
     t = torch.from_numpy(np.ascontiguousarray(array)).to(dtype)
-    return t if device is None else t.to(device)
+    return t if device is None else _moved(t, device)
+
+
+def as_device(device: Any) -> torch.device | None:
+    """``device`` as a ``torch.device`` (None stays None), or :class:`~padfree.errors.InvalidArgumentError` naming it.
+
+    >>> as_device("cpu"), as_device(None)
+    (device(type='cpu'), None)
+    """
+    if device is None:
+        return None
+    accepted = "None, a torch.device, a device string such as 'cpu' or 'cuda:0', or a device index"
+    if isinstance(device, (bool, np.bool_)) or not isinstance(device, (str, int, np.integer, torch.device)):
+        raise InvalidArgumentError(f"device must be {accepted}, got {describe(device)}")
+    try:
+        return torch.device(int(device) if isinstance(device, np.integer) else device)
+    except (RuntimeError, TypeError, ValueError) as exc:
+        raise InvalidArgumentError(f"device must be {accepted}, got {describe(device)}: {exc}") from None
+
+
+def _moved(t: torch.Tensor, device: torch.device, non_blocking: bool = False) -> torch.Tensor:
+    """``t.to(device)``; a device torch parses but cannot reach here (no such accelerator) names the device."""
+    try:
+        return t.to(device, non_blocking=non_blocking)
+    except (RuntimeError, AssertionError) as exc:  # torch built without CUDA raises AssertionError
+        raise InvalidArgumentError(f"device={str(device)!r} is not usable on this machine: {exc}") from None
 
 
 def _to_batch(
@@ -373,13 +407,36 @@ def _as_mask_kind(value: Any) -> str | None:
     return as_choice(value, "attention_mask", _MASK_KINDS)
 
 
-def _as_pad_to(pad_to: Any, capacity: int | None) -> int | str:
+def _as_pad_to(pad_to: Any, capacity: int) -> int | str:
+    """A collator's ``pad_to``: a row is at least ``capacity`` long and, as a capacity, at most ``MAX_CAPACITY``."""
     if isinstance(pad_to, str) and pad_to in ("capacity", "longest"):
         return pad_to
-    if isinstance(pad_to, (int, np.integer)) and not isinstance(pad_to, bool) and pad_to >= (capacity or 1):
+    if isinstance(pad_to, (int, np.integer)) and not isinstance(pad_to, bool) and capacity <= pad_to <= MAX_CAPACITY:
         return int(pad_to)
-    floor = f"an int >= capacity ({capacity})" if capacity is not None else "an int"
-    raise InvalidArgumentError(f"pad_to must be 'capacity', 'longest' or {floor}, got {describe(pad_to)}")
+    raise InvalidArgumentError(f"pad_to must be 'capacity', 'longest' or a row length in [{capacity} (capacity), "
+                               f"{MAX_CAPACITY}], got {describe(pad_to)}")
+
+
+def _as_multiple(value: Any) -> int | None:
+    """``pad_to_multiple_of``: None or a rounding of the row length (8, 64, 128, ...), at most ``MAX_CAPACITY``."""
+    multiple = as_positive_int(value, "pad_to_multiple_of", allow_none=True)
+    if multiple is not None and multiple > MAX_CAPACITY:
+        raise InvalidArgumentError(f"pad_to_multiple_of must be None or an integer in [1, {MAX_CAPACITY}] (row lengths "
+                                   f"are rounded up to a multiple of it, e.g. 64), got {multiple}")
+    return multiple
+
+
+def _padded(rows: PackedRows, pad_to: Any, multiple: Any, **options: Any) -> dict[str, np.ndarray]:
+    """:meth:`PackedRows.padded`, after refusing a batch whose positions int32 flash-attn offsets cannot index —
+    before its arrays are allocated, not after."""
+    width = rows.row_width(pad_to, multiple)
+    if rows.num_rows * width > _INT32_MAX:
+        raise InvalidArgumentError(
+            f"a batch of {rows.num_rows} rows x {width} tokens (pad_to={pad_to!r}, pad_to_multiple_of={multiple}) "
+            f"has {rows.num_rows * width} positions, more than int32 flash-attn offsets can index ({_INT32_MAX}); "
+            f"use fewer or shorter rows"
+        )
+    return rows.padded(width, **options)
 
 
 def pack_result_to_tensors(
@@ -427,20 +484,18 @@ def pack_result_to_tensors(
     [0, 3, 8, 10, 12, 16]
     """
     mask_kind = _as_mask_kind(attention_mask)
+    device = as_device(device)
+    seq_idx, shift_labels = as_flag(seq_idx, "seq_idx"), as_flag(shift_labels, "shift_labels")
+    padding_value = as_fill_value(padding_value, "padding_value")
     rows = packed_rows(result, token_ids, labels=labels, label_padding_value=as_fill_value(label_padding_value,
                                                                                       "label_padding_value"))
-    arrays = rows.padded(
-        pad_to,
-        pad_to_multiple_of=pad_to_multiple_of,
-        padding_value=as_fill_value(padding_value, "padding_value"),
-        attention_mask=mask_kind,
-        shift_labels=bool(shift_labels),
-    )
+    arrays = _padded(rows, pad_to, _as_multiple(pad_to_multiple_of), padding_value=padding_value,
+                     attention_mask=mask_kind, shift_labels=shift_labels)
     return _to_batch(
         arrays,
         rows,
         mask_kind=mask_kind,
-        seq_idx=bool(seq_idx),
+        seq_idx=seq_idx,
         device=device,
         num_dropped=int(result.dropped.shape[0]),
         truncated_tokens=int(result.truncated_tokens),
@@ -481,11 +536,11 @@ class PackedCollator:
         self.padding_value = as_fill_value(padding_value, "padding_value")
         self.label_padding_value = as_fill_value(label_padding_value, "label_padding_value")
         self.pad_to = _as_pad_to(pad_to, self.capacity)
-        self.pad_to_multiple_of = as_positive_int(pad_to_multiple_of, "pad_to_multiple_of", allow_none=True)
+        self.pad_to_multiple_of = _as_multiple(pad_to_multiple_of)
         self.mask_kind = _as_mask_kind(attention_mask)
-        self.seq_idx = bool(seq_idx)
-        self.shift_labels = bool(shift_labels)
-        self.return_dict = bool(return_dict)
+        self.seq_idx = as_flag(seq_idx, "seq_idx")
+        self.shift_labels = as_flag(shift_labels, "shift_labels")
+        self.return_dict = as_flag(return_dict, "return_dict")
         self.epoch = 0
         self.calls = 0
 
@@ -510,20 +565,15 @@ class PackedCollator:
         return int(np.random.SeedSequence(key).generate_state(1, np.uint32)[0])
 
     def __call__(self, samples: Sequence[Any]) -> PackedBatch | dict[str, Any]:
-        read = read_samples(samples)
+        read = read_samples(samples, ignored=(IGNORE_INDEX, self.label_padding_value))
         ids, labels = read.ids, read.labels
         lengths = ids.lengths
         if self.packer.overlong == "error":
             refuse_overlong(lengths, self.capacity, names=lambda i: f"samples[{i}]")
         result = self.packer.pack(lengths, seed=self._next_seed())
         rows = packed_rows(result, ids, labels=labels, label_padding_value=self.label_padding_value)
-        arrays = rows.padded(
-            self.pad_to,
-            pad_to_multiple_of=self.pad_to_multiple_of,
-            padding_value=self.padding_value,
-            attention_mask=self.mask_kind,
-            shift_labels=self.shift_labels,
-        )
+        arrays = _padded(rows, self.pad_to, self.pad_to_multiple_of, padding_value=self.padding_value,
+                         attention_mask=self.mask_kind, shift_labels=self.shift_labels)
         batch = _to_batch(
             arrays,
             rows,
@@ -671,16 +721,16 @@ class PaddingFreeCollator:
         padding_value: int = 0,
     ) -> None:
         self.label_padding_value = as_fill_value(label_padding_value, "label_padding_value")
-        self.pad_to_multiple_of = as_positive_int(pad_to_multiple_of, "pad_to_multiple_of", allow_none=True)
+        self.pad_to_multiple_of = _as_multiple(pad_to_multiple_of)
         self.padding_value = as_fill_value(padding_value, "padding_value")
         self.mask_kind = _as_mask_kind(attention_mask)
-        self.seq_idx = bool(seq_idx)
-        self.shift_labels = bool(shift_labels)
-        self.return_dict = bool(return_dict)
+        self.seq_idx = as_flag(seq_idx, "seq_idx")
+        self.shift_labels = as_flag(shift_labels, "shift_labels")
+        self.return_dict = as_flag(return_dict, "return_dict")
         self.max_tokens = as_capacity(max_tokens, "max_tokens") if max_tokens is not None else None
 
     def __call__(self, samples: Sequence[Any]) -> PackedBatch | dict[str, Any]:
-        read = read_samples(samples)
+        read = read_samples(samples, ignored=(IGNORE_INDEX, self.label_padding_value))
         ids, labels = read.ids, read.labels
         lengths = ids.lengths
         n, total = int(lengths.shape[0]), int(ids.offsets[-1])
@@ -705,8 +755,8 @@ class PaddingFreeCollator:
         multiple = self.pad_to_multiple_of
         if multiple is not None and total % multiple:
             # the padding tail laid out by the rows kernel, which holds the padding rules of every collator
-            arrays = rows.padded(total, pad_to_multiple_of=multiple, padding_value=self.padding_value,
-                                 attention_mask=self.mask_kind, shift_labels=self.shift_labels)
+            arrays = _padded(rows, total, multiple, padding_value=self.padding_value,
+                             attention_mask=self.mask_kind, shift_labels=self.shift_labels)
             batch = _to_batch(arrays, rows, mask_kind=self.mask_kind, seq_idx=self.seq_idx, device=None)
             return batch.model_inputs() if self.return_dict else batch
         # one row without padding: the flat buffers are the (1, T) arrays, no scatter needed

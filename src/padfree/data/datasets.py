@@ -39,9 +39,10 @@ restart, ``ds.load_state_dict(state)`` on a dataset built with the same argument
 seed), then a new loader with the same ``batch_size`` (and, for the iterable dataset, the same ``num_workers``)
 yields exactly the batches the stopped run had not yet consumed, in the same order. The resume point belongs to the
 saved epoch: ``set_epoch`` to another epoch clears it, ``set_epoch`` to the same one keeps it, and iterating that
-epoch again (without ``set_epoch``) resumes from the same point again. A state from another configuration raises
-:class:`~padfree.errors.StateMismatchError`. States are plain dicts of ints, strings and lists (``torch.save`` and
-``json`` both work).
+epoch again (without ``set_epoch``) resumes from the same point again. A state from another configuration, or
+saved over other data (the state carries a fingerprint of the data's tokens; for a stream, of its first
+samples), raises :class:`~padfree.errors.StateMismatchError`. States are plain dicts of ints, strings and lists
+(``torch.save`` and ``json`` both work).
 
 >>> from torch.utils.data import DataLoader
 >>> stream = IterablePackingDataset(samples, max_length=5, buffer_size=8, seed=0)
@@ -79,6 +80,7 @@ from padfree.errors import (
     BackendUnavailableError,
     InvalidArgumentError,
     InvalidSampleError,
+    OutOfRangeError,
     StateMismatchError,
     describe,
 )
@@ -125,6 +127,13 @@ logger = logging.getLogger("padfree")
 _STATE_VERSION = 1
 _READ_BLOCK = 1024  # samples read from a stream per step; any value gives the same rows (see _packed_stream)
 _SEED_PACK, _SEED_ORDER = 1, 2  # purposes of the seeds derived from (seed, epoch)
+_FINGERPRINT_SAMPLES, _FINGERPRINT_TOKENS = 64, 16  # a saved state's fingerprint of the data's tokens
+# what a state's "data" fingerprints stand for, in messages
+_FINGERPRINTS = {
+    "tokens_crc32": f"the tokens (the first {_FINGERPRINT_TOKENS} of {_FINGERPRINT_SAMPLES} samples spread over the "
+                    f"dataset)",
+    "stream_crc32": f"the stream (the lengths of its first {_READ_BLOCK} samples and the tokens of its first 8)",
+}
 
 
 # --------------------------------------------------------------------------------------------------
@@ -178,7 +187,18 @@ def _as_count(value: Any, name: str) -> int:
     return as_int(value, name, minimum=0)  # type: ignore[return-value]
 
 
+def _crc32(arrays: Iterable[np.ndarray]) -> int:
+    """One crc32 over int64 arrays, in order."""
+    crc = 0
+    for a in arrays:
+        crc = zlib.crc32(np.ascontiguousarray(a, dtype=np.int64).tobytes(), crc)
+    return crc
+
+
 def _loader_batch_size(loader: Any, dataset: Any) -> int:
+    if not isinstance(loader, torch.utils.data.DataLoader):
+        raise InvalidArgumentError(f"loader must be the torch DataLoader over this dataset (or None, with "
+                                   f"batch_size=... instead), got {describe(loader)}")
     if getattr(loader, "dataset", None) is not dataset:
         raise InvalidArgumentError(
             f"loader iterates {describe(getattr(loader, 'dataset', None))}, not this dataset; pass the DataLoader "
@@ -221,6 +241,8 @@ class _PackingBase:
         self.input_ids_key = input_ids_key
         self.labels_key = labels_key
         self.epoch = 0
+        # a label is a token id or one of these (no target): any other negative value would fail inside the loss
+        self._ignored = (IGNORE_INDEX, self.label_padding_value)
 
     def _config(self) -> dict[str, Any]:
         """What must be equal for a saved state to apply (the seed is checked on its own, see load_state_dict)."""
@@ -235,27 +257,39 @@ class _PackingBase:
             "labels_key": self.labels_key,
         }
 
+    def _fingerprint(self, epoch: int) -> dict[str, int]:
+        """Fingerprints of the data itself (not of the arguments) that a state saved over it carries, so that a state
+        saved over other data of the same shape — equal lengths, other tokens — is refused."""
+        return {}
+
     def _new_state(self, **position: Any) -> dict[str, Any]:
         return {
             "format": f"padfree.{self._kind}",
             "version": _STATE_VERSION,
             "config": self._config(),
+            "data": self._fingerprint(self.epoch),
             "seed": self.seed,
             "epoch": self.epoch,
             **position,
         }
 
     def _check_state(self, state: Any) -> None:
-        """Refuse a state that is not ours, from another configuration, or with another seed than one we were given."""
+        """Refuse a state that is not ours, from another configuration or other data, or with another seed than one
+        we were given."""
         if not isinstance(state, Mapping) or state.get("format") != f"padfree.{self._kind}":
-            got = state.get("format") if isinstance(state, Mapping) else describe(state)
+            got = f"format {state.get('format')!r}" if isinstance(state, Mapping) else "no format"
             raise StateMismatchError(
-                f"load_state_dict expects a state from {self._kind}.state_dict(), got a state of format {got!r}"
+                f"load_state_dict expects a state from {self._kind}.state_dict() (format 'padfree.{self._kind}'), "
+                f"got {describe(state)}, of {got}"
             )
         if state.get("version") != _STATE_VERSION:
             raise StateMismatchError(
                 f"the state has version {state.get('version')!r}; this padfree reads version {_STATE_VERSION}"
             )
+        for key in ("config", "data"):
+            if not isinstance(state.get(key, {}), Mapping):
+                raise StateMismatchError(f"the state's {key!r} is {describe(state.get(key))}; a state from "
+                                         f"{self._kind}.state_dict() holds a dict there")
         saved, ours = dict(state.get("config", {})), self._config()
         diffs = [f"{k}={saved.get(k)!r} (this dataset: {ours.get(k)!r})" for k in sorted(set(saved) | set(ours))
                  if saved.get(k) != ours.get(k)]
@@ -274,6 +308,17 @@ class _PackingBase:
                 f"the state was saved with seed={state.get('seed')!r} but this dataset has seed={self.seed}; "
                 f"pass the same seed, or seed=None to adopt the saved one"
             )
+        saved_data = state.get("data", {})  # absent from states of older padfree versions: nothing to compare
+        if saved_data:
+            ours_data = self._fingerprint(int(state["epoch"]))
+            for key in sorted(set(saved_data) | set(ours_data)):
+                if saved_data.get(key) != ours_data.get(key):
+                    what = _FINGERPRINTS.get(key, key)
+                    raise StateMismatchError(
+                        f"the state was saved over other data: {what} differ ({key}={saved_data.get(key)!r} in the "
+                        f"state, {ours_data.get(key)!r} here); build the dataset over the data of the run that saved "
+                        f"it"
+                    )
 
 
 # --------------------------------------------------------------------------------------------------
@@ -325,9 +370,10 @@ class _Column:
         return state
 
 
-def _arrow_chunks(dataset: Any, key: str, kind: str = "ids") -> list[TokenBuffers]:
+def _arrow_chunks(dataset: Any, key: str, kind: str = "ids",
+                  ignored: tuple[int, ...] = (IGNORE_INDEX,)) -> list[TokenBuffers]:
     """The chunks of list column ``key`` of a ``datasets.Dataset``'s table, zero-copy (physical row order)."""
-    return read_arrow_chunks(dataset.data.column(key), f"column {key!r}", kind=kind,
+    return read_arrow_chunks(dataset.data.column(key), f"column {key!r}", kind=kind, ignored=ignored,
                              rows=lambda i: f"row {i} (in table order)[{key!r}]")
 
 
@@ -442,7 +488,7 @@ class PackingDataset(_PackingBase, _TorchDataset):
             self._rows = indices.column(0).to_numpy().astype(np.int64, copy=False)
         self._labels = None
         if lkey is not None and lkey in names:
-            self._labels = _Column(loader=functools.partial(_arrow_chunks, dataset, lkey, "labels"))
+            self._labels = _Column(loader=functools.partial(_arrow_chunks, dataset, lkey, "labels", self._ignored))
             ids_len, lab_len = self._ids.lengths, self._labels.lengths
             if self._rows is not None:
                 ids_len, lab_len = ids_len[self._rows], lab_len[self._rows]
@@ -461,10 +507,15 @@ class PackingDataset(_PackingBase, _TorchDataset):
                 f"dataset must be a datasets.Dataset or a sequence of samples (len and indexing), got "
                 f"{describe(dataset)}; for a stream use IterablePackingDataset"
             )
+        try:
+            count = len(dataset)
+        except TypeError:  # a 0-d numpy array has __len__ and refuses it
+            raise InvalidArgumentError(f"dataset must be a datasets.Dataset or a sequence of samples (len and "
+                                       f"indexing), got {describe(dataset)}, which has no length") from None
         ids: list[np.ndarray] = []
         labels: list[np.ndarray | None] = []
         self._keyed = False
-        for i in range(len(dataset)):  # per sample: each is a Python object that has to be read once
+        for i in range(count):  # per sample: each is a Python object that has to be read once
             raw_ids, raw_labels, where = split_sample(dataset[i], f"dataset[{i}]", self.input_ids_key,
                                                        self.labels_key)
             self._keyed = self._keyed or where != f"dataset[{i}]"
@@ -473,7 +524,8 @@ class PackingDataset(_PackingBase, _TorchDataset):
             if raw_labels is None:
                 labels.append(None)
                 continue
-            lab = read_sequence(raw_labels, f"dataset[{i}][{self.labels_key!r}]", kind="labels")
+            lab = read_sequence(raw_labels, f"dataset[{i}][{self.labels_key!r}]", kind="labels",
+                                ignored=self._ignored)
             if lab.shape[0] != arr.shape[0]:
                 raise InvalidSampleError(
                     f"dataset[{i}][{self.labels_key!r}] has {lab.shape[0]} entries but {where} has {arr.shape[0]} "
@@ -541,12 +593,15 @@ class PackingDataset(_PackingBase, _TorchDataset):
         """Row ``index`` of the current epoch: ``input_ids``, ``labels``, ``position_ids`` ``(T,)``, ``seq_lens``
         ``(n,)``, all ``torch.long``."""
         try:
+            if isinstance(index, (bool, np.bool_)):
+                raise TypeError
             i = operator.index(index)
         except TypeError:
             raise InvalidArgumentError(f"index must be an integer, got {describe(index)}") from None
         n = len(self)
         if not -n <= i < n:
-            raise IndexError(f"row {i} out of range for {n} rows")
+            accepted = f"index in [{-n}, {n - 1}], negative counting from the end" if n else "no index is"
+            raise OutOfRangeError(f"index = {i} is not a row of this epoch: it has {n} rows ({accepted})")
         plan = self.plan
         b = int(self._order[self._start + i % n])
         p0, p1 = int(plan.bin_offsets[b]), int(plan.bin_offsets[b + 1])
@@ -576,13 +631,13 @@ class PackingDataset(_PackingBase, _TorchDataset):
         """
         k = _as_count(batches_consumed, "batches_consumed")
         if loader is not None:
+            size = _loader_batch_size(loader, self)
             if not isinstance(getattr(loader, "sampler", None), SequentialSampler):
                 raise InvalidArgumentError(
                     f"resuming by position needs the loader's default sequential sampler, got "
                     f"{describe(getattr(loader, 'sampler', None))}; build the loader with shuffle=False (the "
                     f"dataset shuffles itself per epoch, see set_epoch)"
                 )
-            size = _loader_batch_size(loader, self)
         else:
             size = 1 if batch_size is None else as_positive_int(batch_size, "batch_size")  # type: ignore[assignment]
         consumed = min(self._start + k * size, self.plan.num_bins)
@@ -613,6 +668,16 @@ class PackingDataset(_PackingBase, _TorchDataset):
             "num_samples": int(lengths.shape[0]),
             "lengths_crc32": zlib.crc32(lengths.tobytes()),
         }
+
+    def _fingerprint(self, epoch: int) -> dict[str, int]:
+        # equal lengths are common (data cut into fixed-size blocks): a few tokens of samples spread over the dataset
+        # tell two such datasets apart, read without touching the rest of a memory-mapped table
+        n = int(self.lengths.shape[0])
+        picked = np.unique(np.linspace(0, n - 1, min(n, _FINGERPRINT_SAMPLES)).astype(np.int64)) if n else \
+            np.zeros(0, np.int64)
+        rows = picked if self._rows is None else self._rows[picked]
+        tokens = self._ids.gather(rows, np.zeros_like(rows), np.minimum(self.lengths[picked], _FINGERPRINT_TOKENS))
+        return {"tokens_crc32": _crc32([tokens.values])}
 
     def __repr__(self) -> str:
         return (
@@ -696,7 +761,8 @@ class IterablePackingDataset(_PackingBase, _TorchIterableDataset):
                 f"resumption read the stream again; pass a re-iterable object (a list, a datasets.IterableDataset)"
                 f" or a callable returning a fresh iterator, e.g. lambda: my_generator()"
             )
-        if not hasattr(iterable, "__iter__") and not callable(iterable):
+        if (not hasattr(iterable, "__iter__") and not callable(iterable)) or (
+                isinstance(iterable, np.ndarray) and iterable.ndim == 0):
             raise InvalidArgumentError(
                 f"iterable must be an iterable of samples or a callable returning one, got {describe(iterable)}"
             )
@@ -759,6 +825,41 @@ class IterablePackingDataset(_PackingBase, _TorchIterableDataset):
     def _config(self) -> dict[str, Any]:
         return {**super()._config(), "buffer_size": self.buffer_size}
 
+    def _fingerprint(self, epoch: int) -> dict[str, int]:
+        # a stream cannot be measured without reading it: its first block (what every pass reads first) stands for
+        # it, read once per epoch and kept (every iteration gives the same samples, see the class docstring)
+        cache = self.__dict__.setdefault("_fingerprints", {})
+        if epoch not in cache:
+            blocks = self._open(epoch)
+            try:
+                lengths, payloads = next(blocks, (np.zeros(0, np.int64), []))
+            finally:
+                blocks.close()
+            heads = [read_sequence(p[0], f"sample {j} of the stream") for j, p in enumerate(payloads[:8])]
+            cache[epoch] = _crc32([lengths, *heads])
+        return {"stream_crc32": cache[epoch]}
+
+    def _samples(self) -> Iterator[Any]:
+        """An iterator over the source's samples: the source's own, or that of what the callable returned."""
+        source = self.source
+        if hasattr(source, "__iter__"):
+            try:
+                return iter(source)
+            except TypeError as exc:  # an object that declares __iter__ and cannot iterate (a 0-d numpy array)
+                raise InvalidArgumentError(f"iterable must be an iterable of samples, got {describe(source)}, which "
+                                           f"cannot be iterated ({exc})") from None
+        made = source()  # type: ignore[operator]
+        accepted = ("iterable is a callable, so each call must return an iterable of samples (a list, a generator, "
+                    "a datasets.IterableDataset, ...)")
+        if isinstance(made, (str, bytes, Mapping)):
+            raise InvalidArgumentError(f"{accepted}; {describe(source)} returned {describe(made)}, which is one "
+                                       f"sample or text, not a stream of samples")
+        try:
+            return iter(made)
+        except TypeError:
+            raise InvalidArgumentError(f"{accepted}; {describe(source)} returned {describe(made)}, which is not "
+                                       f"iterable") from None
+
     def _position(self, worker: int, num_workers: int) -> tuple[int, int]:
         """``(virtual worker, rows to skip)`` for this worker: whose rows it yields, and how many were consumed."""
         if self._resume is None or self._resume[0] != self.epoch:
@@ -793,12 +894,13 @@ class IterablePackingDataset(_PackingBase, _TorchIterableDataset):
                 f"{rows}; it was saved over other data"
             )
 
-    def _open(self) -> Iterator[tuple[np.ndarray, list[list[Any]]]]:
-        """Blocks of ``(lengths (n,) int64, payloads)`` in stream order; a payload is ``[ids, labels or None]``, as
-        read (converted to arrays when first laid out)."""
+    def _open(self, epoch: int | None = None) -> Iterator[tuple[np.ndarray, list[list[Any]]]]:
+        """Blocks of ``(lengths (n,) int64, payloads)`` in stream order, of ``epoch`` (None: the current one); a
+        payload is ``[ids, labels or None]``, as read (converted to arrays when first laid out)."""
         source = self.source
         if callable(getattr(source, "set_epoch", None)):
-            source.set_epoch(self.epoch)  # the copy in this process: e.g. a shuffled datasets.IterableDataset
+            # the copy in this process: e.g. a shuffled datasets.IterableDataset
+            source.set_epoch(self.epoch if epoch is None else epoch)
         ids_key, labels_key = self.input_ids_key, self.labels_key
         hf = tuple(c for c in (_hf_class("Dataset"), _hf_class("IterableDataset")) if c is not None)
         seen = 0
@@ -824,7 +926,7 @@ class IterablePackingDataset(_PackingBase, _TorchIterableDataset):
                 seen += n
                 yield lengths, payloads
             return
-        iterator = iter(source() if not hasattr(source, "__iter__") else source)  # type: ignore[operator]
+        iterator = self._samples()
         while True:
             block = list(islice(iterator, _READ_BLOCK))
             if not block:
@@ -897,7 +999,8 @@ class IterablePackingDataset(_PackingBase, _TorchIterableDataset):
             ids.append(payload[0][start : start + length])
             if payload[1] is not None:
                 has_labels = True
-                payload[1] = read_sequence(payload[1], f"{name}[{self.labels_key!r}]", kind="labels")
+                payload[1] = read_sequence(payload[1], f"{name}[{self.labels_key!r}]", kind="labels",
+                                           ignored=self._ignored)
                 labels.append(payload[1][start : start + length])
             else:
                 labels.append(ids[-1])

@@ -30,8 +30,17 @@ What goes in
     token is a target only where every present mask is nonzero). The columns are read from the dataset's Arrow
     table without copying, chunk by chunk, through any indices mapping (after ``select``/``shuffle``/``sort``), so
     a memory-mapped dataset stays memory-mapped. Also accepted: a ``pyarrow.Table``, a dict of columns, a pyarrow
-    list array, or a list of token-id lists (with ``labels=`` for their labels). Other columns are not carried over:
-    a packed row mixes several input rows.
+    list array, or a list of token-id lists (with ``labels=`` for their labels).
+
+Other columns
+    Every other *per-token* column — a list column whose every row is as long as its ``input_ids`` row, such as
+    ``token_type_ids``, or ``completion_mask`` / ``assistant_masks`` (which also build the labels, see above) — is
+    carried into the packed rows by default, as TRL's ``pack_dataset`` packs every list column: laid out exactly
+    like ``input_ids`` (the same pieces in the same order, the same truncation and splitting), ``0`` on padding,
+    ``list<int32>`` (int64 when a value does not fit), after the columns of ``columns``, under its own name. A
+    per-token column that cannot be carried (floats, strings, nested lists) is refused, naming it and ``carry=``,
+    rather than dropped; ``carry=`` chooses instead (``[]``: none). Columns that are not per-token (text, scalars,
+    lists of another length such as ``messages``) are not carried: a packed row mixes several input rows.
 
 What comes out
     One row per bin of the plan, with the columns of ``columns`` (default: ``input_ids``, ``attention_mask``,
@@ -64,10 +73,11 @@ Memory and disk
     input dataset's own cache files (as ``datasets.Dataset.map`` does; ``padfree-pack-<fingerprint>.arrow``), else
     in ``datasets``' temporary directory, which is deleted when the Python session ends (``save_to_disk`` the
     result to keep it). The file is written by pyarrow's stream writer while the next chunk is built, atomically
-    (a failed call leaves no file), and its pages leave the page cache behind the writer (the output is written
-    once and read later). Peak memory grows by the input pages the gather reads (1x the token bytes at most) plus a
-    working set that does not grow with the data — two chunks of rows, ~0.1 GB with the defaults — never by the
-    size of the output.
+    (a failed call leaves no file; a killed process leaves ``.<name>.padfree-<pid>-<random>.tmp``, which the next
+    call writing into that directory removes once that process is gone; a full disk is an ``OSError`` naming the
+    file), and its pages leave the page cache behind the writer (the output is written once and read later). Peak
+    memory grows by the input pages the gather reads (1x the token bytes at most) plus a working set that does not
+    grow with the data — two chunks of rows, ~0.1 GB with the defaults — never by the size of the output.
 
 The plan
     ``return_result=True`` returns ``(dataset, result)``: the :class:`~padfree.PackResult` whose bins are the
@@ -115,6 +125,7 @@ __all__ = [
     "DEFAULT_COLUMNS",
     "IN_MEMORY_MAX_BYTES",
     "LABEL_MASK_COLUMNS",
+    "NOT_CARRIED",
     "pack_dataset",
     "pack_dataset_from_result",
 ]
@@ -315,7 +326,7 @@ def _read(data: Any, labels: Any, label_masks: Sequence[str], carry: Any = None)
         return _table_data(data, data.column_names, None, labels, label_masks, "data", None, None, None, carry)
     if isinstance(data, Mapping):
         return _table_data(data, list(data), None, labels, label_masks, "data", None, None, None, carry)
-    if carry is not None:
+    if carry is not None and not _carries_none(carry):
         raise InvalidArgumentError("carry= names columns of a table; data is a list of sequences, which has none")
     ids = _any_source(data, "data")
     label_source = None if labels is None else _any_source(labels, "labels", kind="labels")
@@ -341,13 +352,102 @@ def _table_data(table: Any, names: list[str], indices: np.ndarray | None, labels
     masks: tuple[_Source, ...] = ()
     if label_source is None:
         masks = tuple(_any_source(column(m), m, mask=True) for m in label_masks if m in names)
-    carried = tuple((name, _any_source(column(name), name, kind="labels", mask=_is_bool_list(column(name))))
-                    for name in _carried_names(carry, table, names))
+    if carry is None:
+        carried = _per_token_columns(table, names, column, ids, indices)
+    else:
+        carried = tuple((name, _carried_source(column(name), name)) for name in _carried_names(carry, table, names))
     return _Data(ids, label_source, masks, indices, fingerprint, cache_dir, split, carried=carried)
 
 
-# what pack_dataset reads or writes itself: never carried as an input column
-_NOT_CARRIED = frozenset({*COLUMNS, "seq_lengths"})
+#: What pack_dataset reads or writes itself: never carried as an input column (an input ``attention_mask`` or
+#: ``position_ids`` is replaced by the packed rows' own).
+NOT_CARRIED = frozenset({*COLUMNS, "seq_lengths"})
+
+
+def _per_token_columns(table: Any, names: list[str], column: Any, ids: _Source,
+                       indices: np.ndarray | None) -> tuple[tuple[str, _Source], ...]:
+    """``carry=None``: every per-token column of the table — a list column whose every row (null rows aside) is as
+    long as its ``input_ids`` row, other than :data:`NOT_CARRIED` — read for carrying; refuse one that cannot be.
+
+    Rows are compared through the indices mapping (the rows that will be packed). A list column of another length
+    (messages, a list of tags) and a non-list column (text, scalars) is not per-token and is left out, as before.
+    A per-token column of floats, strings or nested lists cannot be laid out as an integer list column: refused,
+    naming the column and ``carry=``, rather than dropped without a word.
+    """
+    want = ids.lengths if indices is None else ids.lengths[indices]
+    carried = []
+    for name in names:
+        if name in NOT_CARRIED:
+            continue
+        values = column(name)
+        lengths = _row_lengths(values, len(ids.lengths))
+        if lengths is None:
+            continue
+        theirs = lengths if indices is None else lengths[indices]
+        present = theirs >= 0
+        if not present.any() or not np.array_equal(theirs[present], want[present]):
+            continue
+        try:
+            carried.append((name, _carried_source(values, name)))
+        except (InvalidTokensError, InvalidSampleError) as exc:
+            raise InvalidArgumentError(
+                f"column {name!r} holds one value per token (each row as long as its input_ids row), so "
+                f"pack_dataset would carry it into the packed rows, but it cannot: {exc}. Pass carry= naming the "
+                f"columns to carry without it (carry=[] carries none), or remove it first "
+                f"(dataset.remove_columns([{name!r}]))"
+            ) from exc
+    return tuple(carried)
+
+
+def _row_lengths(values: Any, rows: int) -> np.ndarray | None:
+    """``(rows,) int64``: the length of every row of a list column (-1 for a null row), or None when ``values`` is
+    not a list column of ``rows`` rows. One vectorized call for Arrow; one ``len`` per row (never per token) else."""
+    if type(values).__module__.startswith("pyarrow"):
+        import pyarrow as pa
+        import pyarrow.compute as pc
+
+        kind = values.type
+        if not (pa.types.is_list(kind) or pa.types.is_large_list(kind) or pa.types.is_fixed_size_list(kind)):
+            return None
+        if len(values) != rows:
+            return None
+        return pc.fill_null(pc.list_value_length(values), -1).to_numpy(zero_copy_only=False).astype(np.int64)
+    if isinstance(values, (str, bytes)) or not isinstance(values, Sequence | np.ndarray) or len(values) != rows:
+        return None
+    lengths = np.empty(rows, np.int64)
+    for i, row in enumerate(values):
+        if row is None:
+            lengths[i] = -1
+        elif isinstance(row, (str, bytes, Mapping)) or not hasattr(row, "__len__"):
+            return None
+        else:
+            lengths[i] = len(row)
+    return lengths
+
+
+def _carried_source(values: Any, name: str) -> _Source:
+    """A carried column, read without value checks (its values are copied, never interpreted): integers as they
+    are, booleans as 0/1."""
+    if type(values).__module__.startswith("pyarrow"):
+        import pyarrow as pa
+
+        inner = values.type.value_type
+        if not (pa.types.is_integer(inner) or pa.types.is_boolean(inner)):
+            raise InvalidTokensError(f"{name} holds {inner} values, and only integers or booleans can be carried")
+        return _arrow_source(values, name, mask=True)  # mask=True: integers or booleans, no value checks
+    rows, lengths = [], np.empty(len(values), np.int64)
+    for i, row in enumerate(values):  # one array per row, never a Python loop per token
+        array = np.zeros(0, np.int64) if row is None else np.asarray(row)
+        if array.ndim != 1 or (array.size and array.dtype.kind not in "biu") or (
+                array.size and array.dtype.kind == "u" and array.max() > np.iinfo(np.int64).max):
+            raise InvalidTokensError(f"{name}[{i}] is {describe(row)}, and only lists of integers (int64) or "
+                                     f"booleans can be carried")
+        lengths[i] = -1 if row is None else array.size
+        rows.append(array.astype(np.int64))
+    flat = np.concatenate(rows) if rows else np.zeros(0, np.int64)
+    starts = np.concatenate(([0], np.cumsum(np.maximum(lengths, 0))[:-1])).astype(np.int64)
+    flat.flags.writeable = False
+    return _Source(name, flat, starts, lengths, (flat,))
 
 
 def _carried_names(carry: Any, table: Any, names: list[str]) -> list[str]:
@@ -365,11 +465,11 @@ def _carried_names(carry: Any, table: Any, names: list[str]) -> list[str]:
             listed = pa.types.is_list(kind) or pa.types.is_large_list(kind) or pa.types.is_fixed_size_list(kind)
             return listed and (pa.types.is_integer(kind.value_type) or pa.types.is_boolean(kind.value_type))
 
-        return [n for n in names if n not in _NOT_CARRIED and per_token(table.schema.field(n).type)]
+        return [n for n in names if n not in NOT_CARRIED and per_token(table.schema.field(n).type)]
     if isinstance(carry, str) or not isinstance(carry, Sequence) or not all(isinstance(c, str) for c in carry):
         raise InvalidArgumentError(f"carry must be 'all', None or a list of column names, got {describe(carry)}")
     for name in carry:
-        if name in _NOT_CARRIED:
+        if name in NOT_CARRIED:
             raise InvalidArgumentError(f"carry names {name!r}, which pack_dataset reads or writes itself; carry "
                                        f"other per-token columns (e.g. 'completion_mask', 'token_type_ids')")
         if name not in names:
@@ -559,10 +659,14 @@ def pack_dataset(
         token_ids: SeqPacker's name for ``data`` (``pack_dataset(token_ids=..., capacity=...)`` as its documents
             write it); give one of the two.
         carry: other per-token columns of ``data`` to pack in parallel with ``input_ids`` (each row of them must have
-            its ``input_ids`` row's length; padding writes 0), as TRL's ``pack_dataset`` packs every list column:
-            a list of names, or ``"all"`` (every list column of integers or booleans of a table that pack_dataset
-            does not read or write itself, such as ``completion_mask`` or ``token_type_ids``). Kept under their own
-            names, after the columns of ``columns``.
+            its ``input_ids`` row's length; padding writes 0), as TRL's ``pack_dataset`` packs every list column.
+            None (default): every per-token column of the table (a list column whose every row — null rows aside,
+            which are then refused — is as long as its ``input_ids`` row) other than :data:`NOT_CARRIED`; one of
+            floats, strings or nested lists is refused, naming it. A list of names: exactly those (``[]``: none;
+            a column of another length is refused). ``"all"``: every list column of integers or booleans of a typed
+            table that pack_dataset does not read or write itself. Kept under their own names, after the columns of
+            ``columns``. A stream carries none: with None, a per-token column of the stream is refused when its
+            rows are read (pass ``carry=[]`` to leave such columns out).
         buffer_size: for a streaming ``datasets.IterableDataset``: the sequences a :class:`~padfree.StreamPacker`
             holds while it packs (the result is then an ``IterableDataset`` packed as it is read, through
             :class:`~padfree.IterablePackingDataset`; ``return_result`` does not apply, ``padding="longest"`` and
@@ -593,11 +697,13 @@ def pack_dataset(
     if isinstance(data, datasets.IterableDataset):
         if return_result:
             raise InvalidArgumentError("return_result=True needs a global plan, which a stream does not have")
-        if carry is not None:
+        if carry is not None and not _carries_none(carry):
             raise InvalidArgumentError("carry= is not supported for a stream yet; map the stream to the columns "
-                                       "it needs, or load it as a map-style datasets.Dataset")
+                                       "it needs, load it as a map-style datasets.Dataset, or pass carry=[] to "
+                                       "leave its other per-token columns out")
         return pack_stream(data, capacity, strategy, seed, overlong, max_sequences_per_bin, opts,
-                           as_positive_int(buffer_size, "buffer_size"))
+                           as_positive_int(buffer_size, "buffer_size"), refuse_per_token=carry is None,
+                           not_carried=NOT_CARRIED)
     source = _read(data, labels, opts.label_masks, carry)
     _refuse_name_clash(source, opts)
     lengths = _check(source)
@@ -668,6 +774,10 @@ def pack_dataset_from_result(
     return _write(result, source, opts)
 
 
+def _carries_none(carry: Any) -> bool:
+    return not isinstance(carry, str) and isinstance(carry, Sequence) and len(carry) == 0
+
+
 def _refuse_name_clash(source: _Data, opts: _Options) -> None:
     written = {out for _, out in opts.columns}
     clash = [name for name, _ in source.carried if name in written]
@@ -699,7 +809,8 @@ def _fingerprint(result: PackResult, source: _Data, opts: _Options) -> str:
         return generate_random_fingerprint()
     h = xxhash.xxh64()
     content = (opts.padding_value, opts.label_padding_value, opts.padding, opts.pad_to_multiple_of,
-               opts.attention_mask, opts.columns, opts.label_masks, result.capacity)  # not how it is written
+               opts.attention_mask, opts.columns, opts.label_masks, result.capacity,
+               tuple(name for name, _ in source.carried))  # not how it is written
     h.update(f"padfree.pack_dataset|{source.fingerprint}|{content!r}".encode())
     for array in (result.order, result.bin_offsets, result.piece_starts, result.piece_lengths):
         if array is not None:

@@ -30,6 +30,13 @@ with the reason logged, on the same grounds as :class:`padfree.SFTTrainer`'s (an
 collator, a processor or vision-language model, a model padfree cannot make exact) and for prompt-learning PEFT
 adapters, whose virtual tokens belong to each sequence. ``padfree.packing_status(trainer)`` says which mode runs.
 
+The datasets are read through :mod:`padfree.integrations.preference_data` before TRL sees them, whatever the mode:
+a missing column, a None, a value of another type, an empty completion or no rows is one
+:class:`~padfree.errors.InvalidSampleError` naming the column and the row. The pairs TRL drops (with
+``truncation_mode="keep_start"``, those whose prompt fills ``max_length``) are counted in
+``packing_status(trainer).dropped`` and logged once at WARNING; a ``max_length`` that would drop them all is refused
+before training.
+
     from padfree import DPOConfig, DPOTrainer
     trainer = DPOTrainer(model=model, args=DPOConfig("out", padding_free=True), train_dataset=pairs,
                          processing_class=tokenizer)
@@ -43,6 +50,7 @@ adapters, whose virtual tokens belong to each sequence. ``padfree.packing_status
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import logging
 from collections.abc import Iterator, Sequence
@@ -66,11 +74,20 @@ from padfree.integrations.decide import (
     skip_reason,
     warn_once,
 )
+from padfree.integrations.preference_data import (
+    DPO_DATA,
+    DropRule,
+    check_dataset,
+    check_datasets,
+    dataset_label,
+    drop_counted,
+    refuse_long_pairs,
+)
 from padfree.integrations.status import PACKING, PADDING_FREE, STANDARD, PackingStatus, model_facts
 from padfree.integrations.telemetry import PackingTelemetryCallback, attach_telemetry, is_train_log
 from padfree.integrations.trainer import SamplerEpoch, batch_sampler_dataloader
 from padfree.integrations.unpadded import unpadded_forwards
-from padfree.packing.inputs import as_flag
+from padfree.packing.inputs import as_capacity, as_flag
 from padfree.packing.strategies import DEFAULT_STRATEGY, pack_sequences
 
 try:
@@ -141,6 +158,16 @@ def _list_lengths(table: pa.Table, name: str) -> np.ndarray:
     return pc.list_value_length(table.column(name)).to_numpy(zero_copy_only=False).astype(np.int64)
 
 
+def _pair_lengths(table: pa.Table, max_length: int | None) -> tuple[np.ndarray, np.ndarray]:
+    """Each pair's ``prompt + chosen`` and ``prompt + rejected`` tokens, each cut to ``max_length`` as TRL's
+    collator cuts them, ``(pairs,)`` each."""
+    prompt = _list_lengths(table, "prompt_ids")
+    chosen, rejected = prompt + _list_lengths(table, "chosen_ids"), prompt + _list_lengths(table, "rejected_ids")
+    if max_length is not None:
+        chosen, rejected = np.minimum(chosen, max_length), np.minimum(rejected, max_length)
+    return chosen, rejected
+
+
 def pack_pairs(dataset: datasets.Dataset, capacity: int, max_length: int | None = None,
                strategy: str = DEFAULT_STRATEGY, seed: int | None = None) -> tuple[datasets.Dataset, Any]:
     """Group tokenized preference pairs into micro-batches of at most ``capacity`` tokens, each pair whole in one.
@@ -158,7 +185,7 @@ def pack_pairs(dataset: datasets.Dataset, capacity: int, max_length: int | None 
         ``(bins, plan)``: the dataset of micro-batches and the :class:`~padfree.PackResult`.
 
     Raises:
-        OverlongSequenceError: a pair longer than ``capacity``.
+        OverlongSequenceError: a pair longer than ``capacity``, named with its row.
 
     >>> pairs = datasets.Dataset.from_dict({"prompt_ids": [[1, 2], [3], [4, 5, 6]], "chosen_ids": [[7], [8, 9], [1]],
     ...                                     "rejected_ids": [[2, 3], [4], [5]]})
@@ -171,10 +198,10 @@ def pack_pairs(dataset: datasets.Dataset, capacity: int, max_length: int | None 
         raise InvalidArgumentError(f"packing pairs needs the tokenized columns {list(_PAIR_COLUMNS)}; the dataset has "
                                    f"{dataset.column_names} (missing {missing})")
     table = dataset.with_format("arrow")[:]  # a selected or shuffled view comes out in its own order
-    prompt = _list_lengths(table, "prompt_ids")
-    chosen, rejected = prompt + _list_lengths(table, "chosen_ids"), prompt + _list_lengths(table, "rejected_ids")
-    if max_length is not None:
-        chosen, rejected = np.minimum(chosen, max_length), np.minimum(rejected, max_length)
+    capacity = as_capacity(capacity)
+    chosen, rejected = _pair_lengths(table, max_length)
+    refuse_long_pairs(chosen, rejected, capacity, setting="capacity", trainer="pack_pairs", name="dataset",
+                      max_length=max_length)
     plan = pack_sequences(chosen + rejected, capacity, strategy=strategy, seed=seed)
     order = pa.array(np.asarray(plan.order, dtype=np.int64))
     offsets = pa.array(np.asarray(plan.bin_offsets, dtype=np.int32))
@@ -313,11 +340,16 @@ class DPOMixin:
     _padfree_step_pairs: torch.Tensor | None = None
     _padfree_telemetry: PackingTelemetryCallback | None = None
     _padfree_sampler: Any = None
+    _padfree_checked: tuple[int, ...] = ()
 
     def __init__(self, model: Any, ref_model: Any = None, args: Any = None, data_collator: Any = None,
                  train_dataset: Any = None, eval_dataset: Any = None, processing_class: Any = None, *rest: Any,
                  **kwargs: Any) -> None:
         args = _as_config(args, model)
+        # before TRL reads a row: each fault of the data is one error naming the column and the row
+        self._padfree_checked = tuple(map(id, check_datasets(DPO_DATA, train_dataset, eval_dataset)))
+        self._padfree_dropped: dict[str, int] = {}
+        self._padfree_kept: np.ndarray | None = None  # train rows kept by TRL's rule (None: all)
         config = model_config(model, args)
         decision = _decide(args, model, ref_model, config, processing_class, data_collator, train_dataset)
         self._padfree_decision = decision
@@ -349,7 +381,7 @@ class DPOMixin:
             efficiency=None if plan is None else float(plan.efficiency),
             rows=None if plan is None else int(plan.num_bins),
             sequences=None if plan is None else 2 * int(plan.num_pieces), balance=self._padfree_balance_note(),
-            **model_facts(self.model))
+            dropped=self._padfree_dropped, **model_facts(self.model))
         logger.info("%s", self._padfree_status)
         if decision.auto and decision.mode == STANDARD and "not supported because" in decision.reason:
             warn_once(f"padfree: {decision.reason}; training with standard batching")
@@ -380,6 +412,9 @@ class DPOMixin:
         if not isinstance(self.train_dataset, datasets.Dataset):
             raise InvalidArgumentError(f"packing=True needs a datasets.Dataset train set, got "
                                        f"{describe(self.train_dataset)}")
+        chosen, rejected = _pair_lengths(self.train_dataset.with_format("arrow")[:], args.max_length)
+        refuse_long_pairs(chosen, rejected, capacity, setting="packing_length", trainer="DPOTrainer",
+                          name="train_dataset", rows=self._padfree_kept, max_length=args.max_length)
         self.train_dataset, plan = pack_pairs(self.train_dataset, capacity, args.max_length, seed=args.seed)
         self._padfree_pair_collator = self.data_collator
         self.data_collator = PairBinsCollator(self.data_collator)
@@ -422,6 +457,30 @@ class DPOMixin:
             return super().get_eval_dataloader(eval_dataset)
         finally:
             self.data_collator = packed
+
+    # ---- the data --------------------------------------------------------------------------------------
+
+    def _prepare_dataset(self, dataset: Any, processing_class: Any, args: Any, dataset_name: str) -> Any:
+        """TRL's preparation (prompt extraction, EOS, tokenization), the data checked first and the pairs TRL drops
+        counted: with ``truncation_mode="keep_start"`` a pair whose prompt fills ``max_length`` would keep no
+        completion token, and TRL drops it — here the same rule, counted and logged
+        (:func:`~padfree.integrations.preference_data.drop_counted`)."""
+        if id(dataset) not in self._padfree_checked:  # a dataset handed to evaluate() later
+            check_dataset(dataset, DPO_DATA, dataset_label(dataset_name))
+        limit = args.max_length if args.truncation_mode == "keep_start" else None
+        if limit is None:
+            return super()._prepare_dataset(dataset, processing_class, args, dataset_name)
+        unfiltered = copy.copy(args)
+        unfiltered.max_length = None  # TRL's only use of it here is that filter, applied (and counted) below
+        prepared = super()._prepare_dataset(dataset, processing_class, unfiltered, dataset_name)
+        rule = DropRule(("prompt_ids",), lambda n: n["prompt_ids"] + 1, limit, "max_length", "prompt fills max_length",
+                        f"prompt alone fills max_length={limit} tokens, so truncation_mode='keep_start' would leave "
+                        f"no completion token to learn from (TRL's DPOTrainer drops such pairs)")
+        prepared, kept = drop_counted(prepared, rule, trainer="DPOTrainer", split=dataset_name,
+                                      dropped=self._padfree_dropped)
+        if dataset_name == "train":
+            self._padfree_kept = kept
+        return prepared
 
     # ---- the forwards ----------------------------------------------------------------------------------
 
@@ -494,7 +553,9 @@ class DPOTrainer(DPOMixin, trl.DPOTrainer):
     Raises:
         InvalidArgumentError: ``padding_free=True`` / ``packing=True`` with a custom ``data_collator`` or a
             ``ProcessorMixin``; ``packing=True`` with a batch-coupled loss type, an ``IterableDataset`` or a bad
-            ``packing_length``.
+            ``packing_length``; a ``max_length`` that drops every pair of a dataset.
+        InvalidSampleError: a dataset TRL cannot train (missing column, None, wrong type, empty completion, no rows).
+        OverlongSequenceError: ``packing=True`` with a pair longer than ``packing_length``, named with its row.
         UnsupportedModelError: an explicit padfree mode on a vision-language or unsupported model (policy or
             reference), or a prompt-learning PEFT adapter.
     """

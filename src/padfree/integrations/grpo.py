@@ -26,6 +26,10 @@ Modes, from :class:`GRPOConfig`'s ``padding_free``:
 construction, and ``trainer.padfree_forwards`` counts the packed forwards run so far (rows, real tokens, and the
 padded positions TRL's forward would have computed).
 
+The datasets are read through :mod:`padfree.integrations.preference_data` before TRL sees them: a missing
+``prompt`` column (unless an ``environment_factory`` supplies the prompts), a None, a value of another type, an
+empty prompt or no rows is one :class:`~padfree.errors.InvalidSampleError` naming the column and the row.
+
 >>> cfg = GRPOConfig("out", report_to="none", use_cpu=True)
 >>> cfg.padding_free, cfg.auto_padding_free
 (None, True)
@@ -53,6 +57,7 @@ from padfree.integrations.decide import (
     skip_reason,
     warn_once,
 )
+from padfree.integrations.preference_data import GRPO_DATA, check_datasets
 from padfree.integrations.status import PADDING_FREE, STANDARD, PackingStatus, model_facts
 from padfree.integrations.telemetry import PackingTelemetryCallback, attach_telemetry, is_train_log
 from padfree.integrations.unpadded import unpadded_forwards
@@ -128,6 +133,8 @@ class GRPOMixin:
     Raises:
         InvalidArgumentError: ``padding_free`` that is not a bool or None; ``padding_free=True`` with a
             ``ProcessorMixin``; multimodal inputs reaching the padding-free forward.
+        InvalidSampleError: a dataset TRL cannot train (no ``prompt`` column, None, wrong type, empty prompt, no
+            rows).
         UnsupportedModelError: ``padding_free=True`` on a vision-language or unsupported model, or a policy or
             reference model that ``configure_packing`` cannot make exact.
     """
@@ -141,6 +148,9 @@ class GRPOMixin:
             args = GRPOConfig(default_output_dir(model, "GRPO"))
         elif not isinstance(args, trl.GRPOConfig):
             raise InvalidArgumentError(f"args must be a GRPOConfig (padfree's or trl's), got {describe(args)}")
+        # an environment_factory (keyword, or TRL's 8th argument after processing_class) supplies the prompts
+        environment = kwargs.get("environment_factory", rest[7] if len(rest) > 7 else None)
+        check_datasets(GRPO_DATA, train_dataset, eval_dataset, require=environment is None)
         decision = _decide(args, model, model_config(model, args), processing_class, train_dataset)
         on = decision.mode == PADDING_FREE
         if on and not isinstance(model, str):

@@ -25,6 +25,13 @@ automatic choice would skip; ``padding_free=False`` is TRL's padded path. ``padf
 which mode runs. Each micro-batch's loss is TRL's mean over its pairs, so gradient accumulation and data parallelism
 are what they are for the padded trainer.
 
+The datasets are read through :mod:`padfree.integrations.preference_data` before TRL sees them, whatever the mode:
+a missing column, a None, a value of another type, an empty completion or no rows is one
+:class:`~padfree.errors.InvalidSampleError` naming the column and the row (:class:`~padfree.errors.InvalidTokensError`
+for a tokenized pair's id outside the vocabulary). The pairs TRL drops (a chosen or rejected sequence longer than
+``max_length``) are counted in ``packing_status(trainer).dropped`` and logged once at WARNING; a ``max_length`` that
+would drop them all is refused before training.
+
     from padfree.integrations.reward import RewardConfig, RewardTrainer
     trainer = RewardTrainer(model=seq_cls_model, args=RewardConfig("out"), train_dataset=pairs,
                             processing_class=tokenizer)
@@ -47,10 +54,13 @@ are what they are for the padded trainer.
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import logging
 from collections.abc import Iterator
 from typing import Any
+
+import numpy as np
 
 from padfree.errors import BackendUnavailableError, InvalidArgumentError, UnsupportedModelError, describe
 from padfree.integrations.decide import (
@@ -66,6 +76,14 @@ from padfree.integrations.decide import (
     refuse_unsafe,
     skip_reason,
     warn_once,
+)
+from padfree.integrations.preference_data import (
+    REWARD_DATA,
+    DropRule,
+    check_dataset,
+    check_datasets,
+    dataset_label,
+    drop_counted,
 )
 from padfree.integrations.status import PADDING_FREE, STANDARD, PackingStatus, model_facts
 from padfree.integrations.telemetry import PackingTelemetryCallback, attach_telemetry, is_train_log
@@ -312,11 +330,20 @@ class RewardMixin:
 
     _padfree_decision: Decision | None = None
     _padfree_telemetry: PackingTelemetryCallback | None = None
+    _padfree_checked: tuple[int, ...] = ()
+    _padfree_vocab: int | None = None
 
     def __init__(self, model: Any, args: Any = None, data_collator: Any = None, train_dataset: Any = None,
                  eval_dataset: Any = None, processing_class: Any = None, *rest: Any, **kwargs: Any) -> None:
         args = _as_config(args, model)
         config = model_config(model, args)
+        text = config.get_text_config() if hasattr(config, "get_text_config") else config
+        # tokenized pairs' ids must fit the embedding (which a cloned chat template may still grow)
+        self._padfree_vocab = None if getattr(args, "chat_template_path", None) else getattr(text, "vocab_size", None)
+        # before TRL reads a row: each fault of the data is one error naming the column and the row
+        self._padfree_checked = tuple(map(id, check_datasets(REWARD_DATA, train_dataset, eval_dataset,
+                                                             vocab_size=self._padfree_vocab)))
+        self._padfree_dropped: dict[str, int] = {}
         decision = _decide(args, model, config, processing_class, data_collator, train_dataset)
         if decision.mode != STANDARD and not isinstance(model, str):
             configure_for(_backbone(model), decision)  # fail before tokenizing anything
@@ -336,7 +363,7 @@ class RewardMixin:
             args.padding_free = on
         facts = model_facts(_backbone(self.model) if on else self.model)
         self._padfree_status = PackingStatus(mode=decision.mode, reason=decision.reason, auto=decision.auto,
-                                             packing=False, padding_free=on, **facts)
+                                             packing=False, padding_free=on, dropped=self._padfree_dropped, **facts)
         logger.info("%s", self._padfree_status)
         if on and getattr(args, "padfree_telemetry", True):
             self._padfree_telemetry = attach_telemetry(self)
@@ -346,6 +373,25 @@ class RewardMixin:
     @property
     def _padfree_on(self) -> bool:
         return self._padfree_decision is not None and self._padfree_decision.mode != STANDARD
+
+    def _prepare_dataset(self, dataset: Any, processing_class: Any, args: Any, dataset_name: str) -> Any:
+        """TRL's preparation (EOS, tokenization), the data checked first and the pairs TRL drops counted: a pair
+        whose chosen or rejected sequence is longer than ``max_length`` — here the same rule, counted and logged
+        (:func:`~padfree.integrations.preference_data.drop_counted`)."""
+        if id(dataset) not in self._padfree_checked:  # a dataset handed to evaluate() later
+            check_dataset(dataset, REWARD_DATA, dataset_label(dataset_name), vocab_size=self._padfree_vocab)
+        limit = args.max_length
+        if limit is None:
+            return super()._prepare_dataset(dataset, processing_class, args, dataset_name)
+        unfiltered = copy.copy(args)
+        unfiltered.max_length = None  # TRL's only use of it here is that filter, applied (and counted) below
+        prepared = super()._prepare_dataset(dataset, processing_class, unfiltered, dataset_name)
+        rule = DropRule(("chosen_ids", "rejected_ids"), lambda n: np.maximum(n["chosen_ids"], n["rejected_ids"]),
+                        limit, "max_length", "longer than max_length",
+                        f"chosen or rejected sequence is longer than max_length={limit} tokens (TRL's RewardTrainer "
+                        f"drops such pairs)")
+        return drop_counted(prepared, rule, trainer="RewardTrainer", split=dataset_name,
+                            dropped=self._padfree_dropped)[0]
 
     def compute_loss(self, model: Any, inputs: dict[str, Any], return_outputs: bool = False,
                      num_items_in_batch: Any = None) -> Any:
@@ -373,7 +419,10 @@ class RewardTrainer(RewardMixin, trl.RewardTrainer):
 
     Raises:
         InvalidArgumentError: ``padding_free=True`` with a custom ``data_collator`` or a ``ProcessorMixin``; a
-            ``padding_free`` that is not a bool or None; ``args`` of another kind.
+            ``padding_free`` that is not a bool or None; ``args`` of another kind; a ``max_length`` that drops
+            every pair of a dataset.
+        InvalidSampleError: a dataset TRL cannot train (missing column, None, wrong type, empty completion, no rows).
+        InvalidTokensError: a tokenized pair's id that is negative or not below the model's vocabulary size.
         UnsupportedModelError: ``padding_free=True`` on a vision-language model, a head padfree cannot feed
             (:func:`score_head_reason`), a prompt-learning adapter, or a backbone ``configure_packing`` refuses.
     """

@@ -57,6 +57,9 @@ class PackingStatus:
         balance: how the packed rows are dealt to data-parallel ranks (``world_size > 1`` with a train dataset of
             packed rows only, else None): ``"balanced across W ranks: ..."`` with the idle time left by the
             imbalance of tokens and of attention cost (Σ len²), or why the Trainer's own sampler is used.
+        dropped: rows the trainer dropped from its datasets by its own rule, counted: ``"split: reason"`` -> rows
+            (``{"train: longer than max_length": 7}``); empty when none was (a streamed dataset's count grows as
+            it is read).
     """
 
     mode: str
@@ -73,6 +76,7 @@ class PackingStatus:
     sequences: int | None = None
     balance: str | None = None
     sequence_parallel: str | None = None
+    dropped: dict[str, int] = dataclasses.field(default_factory=dict)
 
     @property
     def enabled(self) -> bool:
@@ -93,6 +97,8 @@ class PackingStatus:
             text += f"; loss = {self.loss} mean over the optimizer step"
         if self.balance is not None:
             text += f"; {self.balance}"
+        if self.dropped:
+            text += f"; dropped {', '.join(f'{n} rows ({why})' for why, n in self.dropped.items())}"
         return text
 
 

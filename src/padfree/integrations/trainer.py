@@ -236,6 +236,8 @@ class PadfreeTrainerMixin:
         which = 0 if self.padfree_loss == "token" else 1
         denom = self._padfree_denominator(which, num_items_in_batch)
         count = denom if denom is not None else loss_count(inputs, self.padfree_loss)
+        # the loss rule's batch without targets is 0 (reduce_loss); causal_lm_loss's mean, as transformers', is NaN
+        count = torch.where(count > 0, count, torch.ones_like(count))
         weights = None if which == 0 else sequence_weights(inputs)
         if getattr(self, "aux_loss_enabled", False):  # TRL asks MoE models for their router logits
             inputs = {**inputs, "output_router_logits": True}

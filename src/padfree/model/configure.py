@@ -52,6 +52,13 @@ from padfree.model.install import (
     unconfigure_packing,
 )
 from padfree.model.state import packing_state
+from padfree.model.wrappers import (
+    adapter_problems,
+    follow_copied_configs,
+    prompt_learning_adapter,
+    transformers_model,
+    wrapper_chain,
+)
 
 __all__ = [
     "BACKEND_CHOICES",
@@ -83,7 +90,11 @@ def configure_packing(model: Any, *, backend: str = "auto", strict: bool = True,
     """Make ``model`` compute exactly, for a packed batch, what it computes for each sequence alone.
 
     Args:
-        model: a transformers decoder-only causal LM (``*ForCausalLM``, or its base ``*Model``).
+        model: a transformers decoder-only causal LM (``*ForCausalLM``, or its base ``*Model``), bare or wrapped:
+            PEFT's ``PeftModel`` (LoRA, DoRA, ``modules_to_save``, ...), DDP / FSDP / DeepSpeed, ``torch.compile``,
+            nested in any order; the transformers model inside is configured (:mod:`padfree.model.wrappers`). A
+            prompt-learning adapter (prefix / prompt tuning, P-tuning) is refused whatever ``strict`` says, and
+            an adapter on a convolution over the sequence as any other module padfree cannot make exact.
         backend: ``"auto"`` (the fastest exact backend here: flash-attn or torch varlen on CUDA, per-segment SDPA
             otherwise), ``"sdpa"``, ``"eager"``, ``"flex_attention"``, ``"varlen"`` (CUDA), ``"flash_attention_2"``
             (CUDA + flash-attn), or a ``padfree_*`` name.
@@ -107,42 +118,94 @@ def configure_packing(model: Any, *, backend: str = "auto", strict: bool = True,
     mask (:class:`PackingDisabledError`). Unpacked batches, and generation, run transformers' own code under the
     base backend (``sdpa`` for ``padfree_sdpa``, ...).
     """
-    report = install_packing(model, backend=backend, strict=strict, sequence_parallel=sequence_parallel)
+    inner = _configurable(model)
+    problems = adapter_problems(inner)
+    if problems and strict:
+        raise UnsupportedModelError(f"cannot make {type(inner).__name__} packing-exact: {_joined(problems)}")
+    report = install_packing(inner, backend=backend, strict=strict, sequence_parallel=sequence_parallel)
+    problems.update(follow_copied_configs(inner, report.attention_modules))
+    if problems and strict:
+        unconfigure_packing(inner)
+        raise UnsupportedModelError(f"cannot make {type(inner).__name__} packing-exact: {_joined(problems)}")
+    if problems:  # strict=False: configured, the adapters said unsupported
+        report.unsupported.update(problems)
+        report.supported = False
+        warnings.warn(f"padfree: {type(inner).__name__} is only partly packing-exact: {_joined(problems)}",
+                      stacklevel=2)
     if report.unsupported:  # strict=False: some modules stay as they are; nothing to prove
         report.proof = "none: some modules could not be made exact"
         return report
-    verdict = decide(model, report)
+    verdict = decide(inner, report)
     report.proof = verdict.how
     if not verdict.ok:
         report.supported = False
-        report.unsupported[verdict.module or type(model).__name__] = verdict.reason
-        message = f"cannot make {type(model).__name__} packing-exact: {verdict.module or 'the model'}: " \
+        report.unsupported[verdict.module or type(inner).__name__] = verdict.reason
+        message = f"cannot make {type(inner).__name__} packing-exact: {verdict.module or 'the model'}: " \
                   f"{verdict.reason}"
         if strict:
-            unconfigure_packing(model)
+            unconfigure_packing(inner)
             raise UnsupportedModelError(message)
         warnings.warn(f"padfree: {message} (strict=False: configured anyway)", stacklevel=2)
-    log.info("configure_packing(%s): %s", type(model).__name__, report)
+    log.info("configure_packing(%s): %s", type(inner).__name__, report)
     return report
+
+
+def _configurable(model: Any) -> Any:
+    """The transformers model inside ``model``'s wrappers, or :class:`UnsupportedModelError`: ``model`` is none,
+    or carries a prompt-learning adapter (refused whatever ``strict`` says: its virtual tokens belong before every
+    sequence of a packed row, so nothing can be configured that would make the row exact)."""
+    inner = transformers_model(model, "model")
+    prompt = prompt_learning_adapter(model)
+    if prompt is not None:
+        raise UnsupportedModelError(
+            f"cannot make {_chain(model)} packing-exact: it has a prompt-learning PEFT adapter ({prompt}), "
+            f"whose virtual tokens are prepended to every sequence and cannot be placed in a packed row of several "
+            f"sequences; train it unpacked, or use an adapter on the layers (LoRA, DoRA, IA3, modules_to_save)")
+    return inner
+
+
+def _chain(model: Any) -> str:
+    """``model``'s wrappers and the model inside, outermost first: ``"OptimizedModule > PeftModelForCausalLM >
+    LlamaForCausalLM"``."""
+    return " > ".join(type(m).__name__ for m in wrapper_chain(model))
+
+
+def _joined(problems: Mapping[str, str]) -> str:
+    """``"a, b: why; c: why"``: the modules refused for one reason named together, the reason said once."""
+    by_reason: dict[str, list[str]] = {}
+    for name, why in problems.items():
+        by_reason.setdefault(why, []).append(name)
+    return "; ".join(f"{', '.join(names)}: {why}" for why, names in by_reason.items())
 
 
 def check_packing_support(model: Any, *, backend: str = "auto") -> Any:
     """Whether :func:`configure_packing` would accept ``model`` on ``backend``, without configuring it: a
     :class:`~padfree.model.registry.Verdict` (``ok``, ``how``, ``reason``, ``module``) from the scan, the support
-    table, or an on-the-spot certification (cached). Trainers ask this before choosing a padding-free mode."""
-    state = packing_state(model)
+    table, or an on-the-spot certification (cached). Trainers ask this before choosing a padding-free mode.
+
+    ``model`` is what :func:`configure_packing` takes, wrapped or not; anything with no transformers model inside
+    raises :class:`UnsupportedModelError` (a question about no model has no verdict)."""
+    inner = transformers_model(model, "model")
+    prompt = prompt_learning_adapter(model)
+    if prompt is not None:
+        return registry.Verdict(False, "configure_packing's scan", f"a prompt-learning PEFT adapter ({prompt}) "
+                                f"prepends virtual tokens to every sequence, which a packed row cannot hold",
+                                _chain(model))
+    problems = adapter_problems(inner)
+    if problems:
+        return registry.Verdict(False, "configure_packing's scan", _joined(problems), next(iter(problems)))
+    state = packing_state(inner)
     if state is not None:  # already configured: its report says
         report = state.report
         return registry.Verdict(report.supported, report.proof, "; ".join(report.unsupported.values()))
     try:
-        report = install_packing(model, backend=backend, strict=True)
+        report = install_packing(inner, backend=backend, strict=True)
     except UnsupportedModelError as exc:
         return registry.Verdict(False, "configure_packing's scan", str(exc))
     try:
-        return decide(model, report)
+        return decide(inner, report)
     finally:
-        unconfigure_packing(model)
-
+        unconfigure_packing(inner)
 
 
 def decide(model: Any, report: PackingReport) -> registry.Verdict:

@@ -208,13 +208,12 @@ def _kernels() -> dict[str, bool]:
 
 
 def _check_model(model: Any) -> tuple[Any, str]:
-    from transformers import PreTrainedModel
+    from padfree.model.wrappers import transformers_model
 
-    if not isinstance(model, PreTrainedModel):
+    if transformers_model(model) is not model:  # the machinery installs on the model it is given, never a wrapper
         raise UnsupportedModelError(
-            f"model must be a transformers PreTrainedModel (a causal LM such as LlamaForCausalLM), got "
-            f"{describe(model, 40)}"
-        )
+            f"install_packing takes the transformers model itself, got the wrapper {type(model).__name__}; "
+            f"configure_packing (or padfree.model.wrappers.unwrap_model) finds the model inside")
     from padfree.model import kinds
 
     why = kinds.not_a_causal_lm(model)
@@ -522,8 +521,12 @@ def _uninstall_families(model: torch.nn.Module) -> None:
         module.uninstall(model)
 
 
-def unconfigure_packing(model: torch.nn.Module) -> bool:
-    """Undo :func:`configure_packing` (hooks, attention implementation, ``use_cache``); False if not configured."""
+def unconfigure_packing(model: Any) -> bool:
+    """Undo :func:`configure_packing` (hooks, attention implementation, ``use_cache``) on ``model`` or the
+    transformers model inside its wrappers (PEFT, DDP / FSDP, ``torch.compile``); False if not configured."""
+    from padfree.model.wrappers import restore_copied_configs, transformers_model
+
+    model = transformers_model(model)
     state = packing_state(model)
     if state is None:
         return False
@@ -534,6 +537,7 @@ def unconfigure_packing(model: torch.nn.Module) -> bool:
         for attr in (OWNER_ATTR, SHARDED_CALLS, "_padfree_calls_before"):
             module.__dict__.pop(attr, None)
     _uninstall_families(model)
+    restore_copied_configs(model)
     attn, use_cache = state.previous
     if attn is not None:
         model.set_attn_implementation(attn)

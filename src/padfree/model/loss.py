@@ -28,6 +28,7 @@ True
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -37,9 +38,11 @@ import torch.nn.functional as F
 from padfree.errors import InvalidArgumentError, UnsupportedModelError, describe
 from padfree.layout import IGNORE_INDEX
 from padfree.model.wrappers import unwrap_model
+from padfree.packing.inputs import as_int
 
 __all__ = ["IGNORE_INDEX", "causal_lm_loss", "default_chunk_size", "head_transform", "linear_cross_entropy"]
 
+_INT64_MAX = 2**63 - 1
 _CHUNK_BYTES = 1 << 27  # one chunk of float32 logits: 128 MiB (1,024 positions of a 32k vocabulary)
 
 
@@ -193,6 +196,28 @@ def linear_cross_entropy(
     >>> int(n), bool(torch.allclose(loss, ref))
     (8, True)
     """
+    return _linear_cross_entropy(hidden, weight, targets, bias=bias, scale=scale, softcap=softcap,
+                                 ignore_index=ignore_index, chunk_size=chunk_size, with_stats=with_stats,
+                                 weights=weights, checked=False)
+
+
+def _linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *,
+                          bias: torch.Tensor | None, scale: float, softcap: float | None, ignore_index: int,
+                          chunk_size: int | None, with_stats: bool, weights: torch.Tensor | None,
+                          checked: bool) -> tuple[torch.Tensor, ...]:
+    """:func:`linear_cross_entropy`; ``checked``: the targets' range was already checked by the caller (in the one
+    host read it makes anyway), so it is not read back again here."""
+    for name, value in (("hidden", hidden), ("weight", weight), ("targets", targets)):
+        if not isinstance(value, torch.Tensor):
+            raise InvalidArgumentError(f"{name} must be a torch tensor, got {describe(value)}")
+    for name, value in (("bias", bias), ("weights", weights)):
+        if value is not None and not isinstance(value, torch.Tensor):
+            raise InvalidArgumentError(f"{name} must be None or a torch tensor, got {describe(value)}")
+    if not math.isfinite(_number(scale, "scale", "a finite number")):
+        raise InvalidArgumentError(f"scale must be a finite number, got {describe(scale)}")
+    if softcap is not None:
+        _number(softcap, "softcap", "None or a number > 0")
+    as_int(chunk_size, "chunk_size", minimum=1, allow_none=True)
     if hidden.dim() < 1 or weight.dim() != 2 or hidden.shape[-1] != weight.shape[1]:
         raise InvalidArgumentError(f"hidden must be (..., H) and weight (V, H) with the same H, got hidden "
                                    f"{tuple(hidden.shape)} and weight {tuple(weight.shape)}")
@@ -204,8 +229,6 @@ def linear_cross_entropy(
     if softcap is not None and not softcap > 0:
         raise InvalidArgumentError(f"softcap must be None or > 0, got {describe(softcap)}")
     chunk = default_chunk_size(weight.shape[0]) if chunk_size is None else int(chunk_size)
-    if chunk < 1:
-        raise InvalidArgumentError(f"chunk_size must be None or an integer >= 1, got {describe(chunk_size)}")
     flat_t = targets.reshape(-1)
     keep = (flat_t != ignore_index).nonzero().squeeze(1)
     h = hidden.reshape(-1, hidden.shape[-1]).index_select(0, keep)  # positions without a target never reach the head
@@ -216,11 +239,13 @@ def linear_cross_entropy(
             raise InvalidArgumentError(f"weights must be floats of the targets' shape {tuple(targets.shape)}, got "
                                        f"{tuple(weights.shape)} {weights.dtype}")
         w = weights.reshape(-1).index_select(0, keep).float().detach()
-    lo, hi = (int(t.min()), int(t.max())) if t.numel() else (0, 0)
-    if lo < 0 or hi >= weight.shape[0]:
-        bad = lo if lo < 0 else hi
-        raise InvalidArgumentError(f"targets must be in [0, {weight.shape[0]}) or ignore_index={ignore_index}, got "
-                                   f"{bad}")
+    if not checked and t.numel():
+        lo, hi = torch.stack([t.min(), t.max()]).tolist()  # one host read for both ends
+        if lo < 0 or hi >= weight.shape[0]:
+            bad = (targets != ignore_index) & ((targets < 0) | (targets >= weight.shape[0]))
+            where = _first(bad)
+            raise InvalidArgumentError(f"targets{list(where)} = {int(targets[where])} is not a class: targets must be "
+                                       f"in [0, {weight.shape[0]}) or ignore_index={ignore_index}")
     count = torch.tensor(t.numel(), dtype=torch.int64)
     if t.numel() == 0:  # keep the graph: a zero that still flows into every input's gradient
         zero = (hidden.sum() * 0 + weight.sum() * 0).float()
@@ -235,6 +260,68 @@ def linear_cross_entropy(
 # --------------------------------------------------------------------------------------------------
 # A Hugging Face causal LM
 # --------------------------------------------------------------------------------------------------
+
+
+def _number(value: Any, name: str, accepted: str) -> float:
+    """``float(value)`` of a real number (a numpy or 0-d torch one too), never a bool or a string."""
+    try:
+        if isinstance(value, (bool, str, bytes)):
+            raise TypeError
+        return float(value)
+    except (TypeError, ValueError, RuntimeError):
+        raise InvalidArgumentError(f"{name} must be {accepted}, got {describe(value)}") from None
+
+
+def _first(bad: torch.Tensor) -> tuple[int, ...]:
+    """The index of the first True of ``bad``, row-major (error path only)."""
+    return tuple(int(i) for i in bad.nonzero()[0].tolist())
+
+
+def _vocabulary(module: Any, config: Any) -> int:
+    """Rows of an embedding or head — or the config's ``vocab_size`` where its weight is not materialised here."""
+    weight = getattr(module, "weight", None)
+    if isinstance(weight, torch.Tensor) and weight.dim() == 2 and weight.shape[0] > 0:
+        return int(weight.shape[0])
+    return int(getattr(config, "vocab_size", 0) or 0)
+
+
+def _check_ids_and_labels(base: Any, inputs: Mapping[str, Any], key: str) -> None:
+    """Refuse, before the forward, ids the input embedding has no row for and labels that are not a class of the
+    head nor the ignored label — the embedding would stop with a bare IndexError (a device-side assert on CUDA),
+    the loss with another. One host read for the whole check, which the loss makes anyway (it used to read the
+    targets' range back after the forward); the offender is located only on the error path."""
+    config = base.config.get_text_config() if hasattr(base.config, "get_text_config") else base.config
+    labels = inputs[key]
+    if not isinstance(labels, torch.Tensor) or labels.dtype.is_floating_point or labels.dtype == torch.bool:
+        raise InvalidArgumentError(f"inputs[{key!r}] must be an integer tensor of labels, got {describe(labels)}")
+    ids = inputs.get("input_ids")
+    ids = ids if isinstance(ids, torch.Tensor) and not ids.dtype.is_floating_point else None
+    head_vocab = _vocabulary(base.get_output_embeddings(), config)
+    in_vocab = _vocabulary(base.get_input_embeddings(), config) if hasattr(base, "get_input_embeddings") else 0
+    if key == "labels":  # the first label of a row is shifted out, never a target (transformers ignores it too)
+        labels = labels[..., 1:]
+    real = labels != IGNORE_INDEX
+    ends = []  # min and max of the labels that are targets, then of the ids: gathered on one device, read once
+    if labels.numel():
+        masked = torch.where(real, labels, 0)
+        ends += [masked.min(), masked.max()]
+    with_ids = ids is not None and in_vocab > 0 and ids.numel() > 0
+    if with_ids:
+        ends += [ids.min().to(labels.device), ids.max().to(labels.device)]
+    values = torch.stack([e.to(torch.int64) for e in ends]).tolist() if ends else []
+    if labels.numel() and (values[0] < 0 or (head_vocab and values[1] >= head_vocab)):
+        where = _first(real & ((labels < 0) | (labels >= (head_vocab or _INT64_MAX))))
+        value = int(labels[where])
+        if key == "labels":
+            where = (*where[:-1], where[-1] + 1)
+        raise InvalidArgumentError(
+            f"{key}{list(where)} = {value} is not a target of the model: a label is a token id in "
+            f"[0, {head_vocab}) (the head's vocabulary) or {IGNORE_INDEX} (no target)")
+    if with_ids and (values[-2] < 0 or values[-1] >= in_vocab):
+        where = _first((ids < 0) | (ids >= in_vocab))
+        raise InvalidArgumentError(
+            f"input_ids{list(where)} = {int(ids[where])} is not a token of the model: its vocabulary has {in_vocab} "
+            f"ids, [0, {in_vocab}) (the input embedding's rows)")
 
 
 def head_transform(model: Any) -> tuple[float, float | None]:
@@ -336,6 +423,21 @@ def _check_head(model: Any) -> tuple[float, float | None]:
     return scale, softcap
 
 
+def _mean(total: torch.Tensor, denom: Any) -> torch.Tensor:
+    """``total / denom`` as transformers' causal-LM loss divides: its mean over no target (or a step count of 0) is
+    NaN, with zero gradients — never a silent 0. Any other denominator divides as given (a step's count over the
+    ranks may be a fraction)."""
+    denom = denom.to(total.device) if isinstance(denom, torch.Tensor) else torch.tensor(float(denom),
+                                                                                     device=total.device)
+    denom = denom.to(total.dtype)
+    empty = denom == 0
+    safe = torch.where(empty, torch.ones_like(denom), denom)
+    # the value of total / 0 (NaN for a sum of no targets), added without a gradient: the gradients stay those of
+    # total / 1, which are zero when there is no target — what F.cross_entropy's empty mean gives
+    nothing = total.detach() / denom - total.detach()
+    return total / safe + torch.where(empty, nothing, torch.zeros_like(nothing))
+
+
 def causal_lm_loss(
     model: Any,
     inputs: Mapping[str, Any],
@@ -361,7 +463,8 @@ def causal_lm_loss(
         inputs: the model's keyword arguments with ``labels`` (aligned with ``input_ids``; the loss shifts them, as
             transformers does) or ``shift_labels`` (already shifted: target of position ``i`` at ``i``).
         num_items_in_batch: divide the sum by this (the Trainer's count of the whole step's targets) instead of
-            this batch's count.
+            this batch's count. As in transformers, a mean over nothing is NaN: no target at all (without
+            ``num_items_in_batch``), or ``num_items_in_batch=0``.
         reduction: ``"mean"`` (default; over targets, or ``num_items_in_batch``) or ``"sum"``.
         chunk_size: positions per chunk of logits (default :func:`default_chunk_size`).
         weights: floats shaped like the labels given (``labels`` or ``shift_labels``): the weight of each label's
@@ -372,6 +475,10 @@ def causal_lm_loss(
 
     Returns:
         ``()`` float32 — the loss, differentiable through the model (and the stats with ``with_stats``).
+
+    Input ids outside the input embedding and target labels that are neither a class of the head nor ``-100`` are
+    refused before the forward (:class:`~padfree.errors.InvalidArgumentError` naming the value and its position), in
+    one read back to the host — the one that used to check the targets after the forward.
     """
     if reduction not in ("mean", "sum"):
         raise InvalidArgumentError(f"reduction must be 'mean' or 'sum', got {describe(reduction)}")
@@ -381,6 +488,7 @@ def causal_lm_loss(
                                    f"(pre-shifted), got keys {sorted(inputs)}")
     base = unwrap_model(model)
     scale, softcap = _check_head(base)
+    _check_ids_and_labels(base, inputs, "shift_labels" if has_shifted else "labels")
     kwargs = {k: v for k, v in inputs.items() if k not in ("labels", "shift_labels")}
     kwargs.setdefault("use_cache", False)
     with _head_inputs(base) as seen:
@@ -402,15 +510,13 @@ def causal_lm_loss(
         raise InvalidArgumentError(f"the labels' shape {tuple(targets.shape)} does not match the model's positions "
                                    f"{tuple(hidden.shape[:-1])}")
     head = _materialised_head(base, hidden)
-    loss, count, *stats = linear_cross_entropy(hidden, head.weight, targets.to(hidden.device), bias=head.bias,
-                                               scale=scale, softcap=softcap, chunk_size=chunk_size,
-                                               with_stats=with_stats,
-                                               weights=None if weights is None else weights.to(hidden.device))
+    loss, count, *stats = _linear_cross_entropy(hidden, head.weight, targets.to(hidden.device), bias=head.bias,
+                                                scale=scale, softcap=softcap, ignore_index=IGNORE_INDEX,
+                                                chunk_size=chunk_size, with_stats=with_stats,
+                                                weights=None if weights is None else weights.to(hidden.device),
+                                                checked=True)
     if reduction == "mean":
-        denom = count if num_items_in_batch is None else num_items_in_batch
-        denom = denom.to(loss.device) if isinstance(denom, torch.Tensor) else torch.tensor(float(denom))
-        denom = denom.to(loss.dtype)
-        loss = loss / torch.where(denom > 0, denom, torch.ones_like(denom))  # a step's count over ranks: a fraction
+        loss = _mean(loss, count if num_items_in_batch is None else num_items_in_batch)
     aux = getattr(out, "aux_loss", None)
     coef = getattr(base.config, "router_aux_loss_coef", None)
     if aux is not None and coef is not None:  # as the MoE models' own forward adds it when given labels

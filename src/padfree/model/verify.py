@@ -37,8 +37,15 @@ import torch
 import torch.nn.functional as F
 
 from padfree.data.batch import PackedBatch, pack_result_to_tensors
-from padfree.errors import InvalidArgumentError, InvalidTokensError, PackingMismatchError, describe
+from padfree.errors import (
+    InvalidArgumentError,
+    InvalidTokensError,
+    PackingMismatchError,
+    UnsupportedModelError,
+    describe,
+)
 from padfree.layout import IGNORE_INDEX
+from padfree.model.wrappers import prompt_learning_adapter, transformers_model
 from padfree.packing.inputs import as_positive_int
 from padfree.packing.strategies import pack_sequences
 from padfree.samples import check_tokens, read_tokens
@@ -164,8 +171,10 @@ def verify(
     """Run ``model`` packed and per sequence on the same weights and compare logits, loss and gradients.
 
     Args:
-        model: a causal LM returning ``.logits`` (normally after :func:`padfree.configure_packing`; an
-            unconfigured model can be checked too, to see whether — and how much — it leaks).
+        model: a transformers causal LM returning ``.logits`` (normally after :func:`padfree.configure_packing`;
+            an unconfigured model can be checked too, to see whether — and how much — it leaks), bare or wrapped
+            as :func:`~padfree.configure_packing` takes it (PEFT, DDP / FSDP, ``torch.compile``): the wrapper is
+            what runs, so its adapters are part of the check and its gradients are the ones compared.
         data: a list of token-id sequences (each ``(n_i,)``, ``n_i >= 2``), packed here into rows of ``capacity``
             tokens (default: all in one row), or a :class:`~padfree.PackedBatch` (its real sequences are checked;
             padding tails are not sequences).
@@ -175,6 +184,8 @@ def verify(
         capacity: row length when ``data`` is a list.
 
     Raises:
+        UnsupportedModelError: ``model`` holds no transformers model, or carries a prompt-learning PEFT adapter
+            (its virtual tokens make a packed row and its sequences different inputs).
         InvalidTokensError: ``data`` is not token-id sequences, or holds an id the model has no embedding for
             (negative, or at least its vocabulary size); the message names the sample and the position.
 
@@ -184,7 +195,14 @@ def verify(
     """
     if not (isinstance(atol, (int, float)) and math.isfinite(atol) and atol >= 0):
         raise InvalidArgumentError(f"atol must be a finite number >= 0, got {describe(atol)}")
-    batch = _as_batch(data, capacity, _vocab_size(model))
+    inner = transformers_model(model, "model")
+    prompt = prompt_learning_adapter(model)
+    if prompt is not None:
+        raise UnsupportedModelError(
+            f"verify: model has a prompt-learning PEFT adapter ({prompt}), whose virtual tokens are prepended to "
+            f"every sequence: a packed row cannot hold them, so there is no packed run to compare; verify accepts "
+            f"models with adapters on their layers (LoRA, DoRA, IA3, modules_to_save)")
+    batch = _as_batch(data, capacity, _vocab_size(inner))
     device = next(model.parameters()).device
     batch = batch.to(device) if hasattr(batch, "to") else batch
     was_training = model.training
@@ -199,7 +217,8 @@ def verify(
             n_targets = int((labels[:, 1:] != IGNORE_INDEX).sum())
             loss = _ce_sum(logits[:, :-1].reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1)) / max(n_targets, 1)
             if check_grads:
-                loss.backward()
+                if loss.requires_grad:  # else no trainable parameter reaches the packed logits: all its grads are 0
+                    loss.backward()
                 packed_grads = _grads(model)
                 for p in model.parameters():
                     p.grad = None
@@ -213,7 +232,7 @@ def verify(
                               use_cache=False).logits[0]
                 target = labels[r, c + 1:c + n]
                 ce_alone = _ce_sum(alone[:-1], target)
-                if check_grads:
+                if check_grads and ce_alone.requires_grad:
                     (ce_alone / max(n_targets, 1)).backward()
                 packed_part = logits[r, c:c + n]
                 ce_packed = _ce_sum(packed_part[:-1], target)
@@ -223,12 +242,12 @@ def verify(
                 total += float(ce_alone.detach())
         worst, worst_name = None, None
         if check_grads:
-            worst = 0.0
             alone_grads = _grads(model)
-            for name, g in packed_grads.items():
-                other = alone_grads.get(name, torch.zeros_like(g))
-                d = float((g - other).abs().max())
-                if d > worst or worst_name is None:
+            # a parameter one run reaches and the other does not has a zero gradient there, not no difference
+            zero = torch.zeros(())  # a 0-dim CPU tensor broadcasts against a gradient on any device
+            for name in sorted(packed_grads.keys() | alone_grads.keys()):
+                d = float((packed_grads.get(name, zero) - alone_grads.get(name, zero)).abs().max())
+                if worst is None or d > worst:
                     worst, worst_name = d, name
     finally:
         for n, p in model.named_parameters():
@@ -237,7 +256,7 @@ def verify(
     return VerifyReport(
         sequences=checks, max_logit_diff=max(s.max_logit_diff for s in checks), loss_packed=float(loss.detach()),
         loss_separate=total / max(n_targets, 1), max_grad_diff=worst, worst_parameter=worst_name, atol=float(atol),
-        backend=str(getattr(getattr(model, "config", None), "_attn_implementation", "?")),
+        backend=str(getattr(inner.config, "_attn_implementation", "?")),
         rows=int(batch.input_ids.shape[0]),
     )
 

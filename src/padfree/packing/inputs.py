@@ -91,6 +91,10 @@ def as_lengths(lengths: Any, name: str = "lengths") -> np.ndarray:
         arr = arr.astype(np.int64)
     elif kind == "i":
         arr = arr.astype(np.int64, copy=False)
+        k = first_bool(lengths, arr) if isinstance(lengths, (list, tuple)) else None
+        if k is not None:  # numpy reads [3, True] as [3, 1]
+            raise InvalidLengthsError(f"{name}[{k}] = {describe(lengths[k])} is not an integer; a length is an integer "
+                                      f">= 1, never a bool")
     else:
         raise InvalidLengthsError(
             f"{name} must hold integers, got dtype {arr.dtype} (first value {describe(arr.flat[0])})"
@@ -110,6 +114,28 @@ def as_lengths(lengths: Any, name: str = "lengths") -> np.ndarray:
             f"lengths are token counts of sequences that exist (the largest here is {int(arr.max())})"
         )
     return arr
+
+
+def first_bool(values: Any, converted: np.ndarray) -> int | None:
+    """The position of the first Python ``bool`` in the list or tuple ``values``, which ``converted`` (its int64
+    conversion, one entry per item) read as 0 or 1 — or None.
+
+    numpy and ``array("q")`` both take ``True`` for 1: a 0/1 mask passed where ids or lengths belong would pass
+    unseen. Only items that converted to 0 or 1 can be bools, so only those are looked at, by C-level iteration
+    (``itemgetter`` and ``map(type, ...)``), never a Python loop over the items.
+
+    >>> first_bool([5, 1, True], np.array([5, 1, 1])), first_bool([5, 1], np.array([5, 1]))
+    (2, None)
+    """
+    small = np.flatnonzero(converted.view(np.uint64) <= 1) if converted.dtype == np.int64 else np.flatnonzero(
+        (converted == 0) | (converted == 1))
+    if small.shape[0] == 0:
+        return None
+    picked = operator.itemgetter(*small.tolist())(values)
+    types = list(map(type, picked if small.shape[0] > 1 else (picked,)))
+    if bool not in types:
+        return None
+    return int(small[types.index(bool)])
 
 
 def exact_sum(values: np.ndarray) -> int:

@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from padfree.errors import InvalidArgumentError, InvalidLengthsError, PadfreeError, describe
+from padfree.errors import InvalidArgumentError, InvalidLengthsError, OutOfRangeError, PadfreeError, describe
 from padfree.packing.inputs import INT64_MAX, as_capacity, as_int, as_seed, exact_sum
 from padfree.packing.metrics import Pack, PackMetrics, build_metrics, build_packs
 
@@ -156,8 +156,10 @@ class PackResult:
 
     def bin(self, b: int) -> np.ndarray:
         """``(pieces in bin b,) int64`` — the sequence ids in bin ``b``, without building the list view."""
+        b = as_int(b, "b")  # type: ignore[assignment]
         if not -self.num_bins <= b < self.num_bins:
-            raise IndexError(f"bin {b} out of range for {self.num_bins} bins")
+            raise OutOfRangeError(f"b = {b} is not a bin of this plan: it has {self.num_bins} bins (b in "
+                                  f"[{-self.num_bins}, {self.num_bins - 1}], negative counting from the end)")
         b %= self.num_bins
         return self.order[self.bin_offsets[b] : self.bin_offsets[b + 1]]
 

@@ -147,6 +147,7 @@ class StreamPacker:
         self._dropped_tokens = 0
         self._online = OnlineState(self.capacity, strategy, self.k, self.max_sequences_per_bin) if self.online else None
         self._open: dict[int, list[list[Any]]] = {}  # online: bin id -> [ids, starts, lengths, items] of its pieces
+        self._finished = False  # finish() ends the stream: nothing is added after it
 
     # ---- public ----------------------------------------------------------------------------------
 
@@ -161,8 +162,14 @@ class StreamPacker:
         """Add items by their lengths (an int or a 1-D array-like); return the bins completed by this call.
 
         ``items`` (same length as ``lengths``) are payloads carried into :attr:`StreamBin.items`; give them on
-        every call or on none.
+        every call or on none. Refused after :meth:`finish`, which ended the stream (:meth:`flush` does not).
         """
+        if self._finished:
+            raise InvalidArgumentError(
+                f"StreamPacker.add({describe(lengths)}) after finish(): finish() ended the stream and emitted its last "
+                f"bins; add items before finish(), call flush() to empty the buffer mid-stream, or start a new "
+                f"StreamPacker"
+            )
         if isinstance(lengths, (int, np.integer)) and not isinstance(lengths, bool):
             lengths = [lengths]
             items = None if items is None else [items]
@@ -218,7 +225,9 @@ class StreamPacker:
         return self._round(final=True) if self.pending else []
 
     def finish(self) -> list[StreamBin]:
-        """End the stream: the last bins (SeqPacker's name; :meth:`flush` does the same)."""
+        """End the stream: the last bins (SeqPacker's name). Like :meth:`flush`, and the stream stays ended: a later
+        :meth:`add` is refused (its items would never be emitted by a caller that stopped reading)."""
+        self._finished = True
         return self.flush()
 
     def __repr__(self) -> str:
