@@ -207,6 +207,27 @@ def test_two_configured_models_interleaved_each_recompute_their_own():
     assert grad_diff(got, want) <= ATOL
 
 
+@pytest.mark.parametrize("model_type", ["qwen3_5_text", "bloom"])
+def test_a_deep_copy_of_a_configured_model_runs_its_own_hooks_with_its_own_state(model_type):
+    """TRL's ``create_reference_model`` (a deep copy), an EMA copy: the copy's hooks, mixers and attention read the
+    copy's state — its packed step is exact, interleaved with the original's — and undoing one leaves the other."""
+    trl = pytest.importorskip("trl")
+    model = _model(model_type)
+    case, other = packed_case(_vocab(model), ROWS, 1), packed_case(_vocab(model), OTHER, 2)
+    want = _alone(model, case[0], case[2])
+    padfree.configure_packing(model)
+    _checkpointed(model, "reentrant")
+    copied = trl.create_reference_model(model)
+    copied.train()
+    for p in copied.parameters():
+        p.requires_grad_(True)
+    got = _interleaved_step(copied, case, lambda: model(input_ids=other[0], position_ids=other[1],
+                                                          use_cache=False).logits)
+    assert grad_diff(got, want) <= ATOL
+    assert padfree.unconfigure_packing(copied)
+    assert grad_diff(_interleaved_step(model, case, *_others(copied, other)), want) <= ATOL
+
+
 def test_a_forward_nested_in_another_models_forward_reads_its_own_layout():
     """A configured model called inside another's forward (a reward or reference model in a layer hook): the inner
     forward's frame is innermost, and the outer model's layers still read the outer layout."""

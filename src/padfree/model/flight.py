@@ -34,6 +34,7 @@ True
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import functools
 from collections.abc import Callable, Iterator
@@ -44,7 +45,7 @@ import torch
 
 from padfree.errors import PackingDisabledError
 
-__all__ = ["Frame", "bind_checkpoints", "enter", "forward_of", "layer_hooks", "layout_in_flight", "leave",
+__all__ = ["LAYER_ATTR", "Frame", "bind_checkpoints", "enter", "forward_of", "layer_hooks", "layout_in_flight", "leave",
            "unbind_checkpoints"]
 
 
@@ -202,36 +203,58 @@ class _Inputs:
         return None if hit is None or hit[0].expired() else hit[1]
 
 
+LAYER_ATTR = "_padfree_layer"
+
+
+@dataclasses.dataclass(eq=False)
+class _Layer:
+    """What a decoder layer's hooks read from the layer: its model's state, the keyword argument that carries a
+    layout, the inputs it ran on, and the frames its pre-hooks entered."""
+
+    state: Any
+    layout_kwarg: str
+    inputs: _Inputs = dataclasses.field(default_factory=_Inputs)
+    tokens: list = dataclasses.field(default_factory=list)
+
+    def __deepcopy__(self, memo: dict) -> _Layer:
+        # a copied model's layer: the copy's state, none of the original's inputs or calls in flight
+        return _Layer(copy.deepcopy(self.state, memo), self.layout_kwarg)
+
+
 def layer_hooks(layer: torch.nn.Module, state: Any, layout_kwarg: str) -> list:
     """Hooks on a decoder layer that give it the frame of its forward whenever it runs: in the forward, the frame in
     flight (recorded against the layer's input); in a recompute outside any forward, the layout in its keyword
     arguments (``layout_kwarg``) or the frame recorded against its input tensor, else a frame that refuses."""
-    inputs = _Inputs()
-    tokens: list[Token] = []
+    layer.__dict__[LAYER_ATTR] = _Layer(state, layout_kwarg)
+    return [layer.register_forward_pre_hook(_layer_pre_hook, with_kwargs=True),
+            layer.register_forward_hook(_layer_post_hook, with_kwargs=True, always_call=True)]
 
-    def before(module: torch.nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
-        frame = frame_of(state)
-        hidden = _first_tensor(args, kwargs)
-        if frame is not None:
-            if hidden is not None:
-                inputs.record(hidden, frame)
-            tokens.append(_FRAMES.set(_FRAMES.get()))  # nothing new: the pop below stays balanced
-            return
-        carried = kwargs.get(layout_kwarg)
-        found = inputs.find(hidden) if hidden is not None else None
-        if carried is not None:
-            frame = Frame(state, carried)
-        elif found is not None:
-            frame = found
-        elif _in_backward():
-            frame = Frame(state, None, f"{type(module).__name__} was recomputed with an input it never ran on")
-        else:
-            frame = Frame(state, None)  # called on its own, outside any forward: an ordinary batch
-        tokens.append(_FRAMES.set((*_FRAMES.get(), frame)))
 
-    def after(module: torch.nn.Module, args: tuple, kwargs: dict[str, Any], output: Any) -> None:
-        if tokens:
-            _FRAMES.reset(tokens.pop())
+@torch.compiler.disable
+def _layer_pre_hook(module: torch.nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
+    info: _Layer = module.__dict__[LAYER_ATTR]
+    frame = frame_of(info.state)
+    hidden = _first_tensor(args, kwargs)
+    if frame is not None:
+        if hidden is not None:
+            info.inputs.record(hidden, frame)
+        info.tokens.append(_FRAMES.set(_FRAMES.get()))  # nothing new: the post-hook's reset stays balanced
+        return
+    carried = kwargs.get(info.layout_kwarg)
+    found = info.inputs.find(hidden) if hidden is not None else None
+    if carried is not None:
+        frame = Frame(info.state, carried)
+    elif found is not None:
+        frame = found
+    elif _in_backward():
+        frame = Frame(info.state, None, f"{type(module).__name__} was recomputed with an input it never ran on")
+    else:
+        frame = Frame(info.state, None)  # called on its own, outside any forward: an ordinary batch
+    info.tokens.append(_FRAMES.set((*_FRAMES.get(), frame)))
 
-    return [layer.register_forward_pre_hook(torch.compiler.disable(before), with_kwargs=True),
-            layer.register_forward_hook(torch.compiler.disable(after), with_kwargs=True, always_call=True)]
+
+@torch.compiler.disable
+def _layer_post_hook(module: torch.nn.Module, args: tuple, kwargs: dict[str, Any], output: Any) -> None:
+    info: _Layer = module.__dict__[LAYER_ATTR]
+    if info.tokens:
+        _FRAMES.reset(info.tokens.pop())

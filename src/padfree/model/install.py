@@ -429,26 +429,56 @@ def install_packing(model: Any, *, backend: str = "auto", strict: bool = True, s
     decoder = model.get_decoder() if hasattr(model, "get_decoder") else model
     forward, positions = _route(decoder, bool(attention))
     target = decoder if forward else model
-    # Under torch.compile the hooks (like the packed attention and the mixers' segment primitives) run outside the
-    # graphs: they read the boundaries on the host, and traced, each new set of lengths would fail a guard and
-    # recompile — after eight, dynamo gives up on the model. Outside, the graphs see only (dynamic) tensor shapes.
-    before = torch.compiler.disable(lambda m, a, k: _before(state, config, m, a, k, forward=forward,
-                                                            positions=positions))
-    after = torch.compiler.disable(lambda m, a, k, o: _after(state))
+    # The hooks find what they need on the module they fire on, never in a closure: a deep copy of the configured
+    # model (a reference model, an EMA copy) then runs its own hooks with its own state.
+    target.__dict__[_HOOKED] = _Hooked(state, config, forward, positions)
     state.handles += [
-        target.register_forward_pre_hook(before, with_kwargs=True),
-        target.register_forward_hook(after, with_kwargs=True, always_call=True),
+        target.register_forward_pre_hook(_decoder_pre_hook, with_kwargs=True),
+        target.register_forward_hook(_post_hook, with_kwargs=True, always_call=True),
     ]
     if target is not model and _multimodal(model):
         # A multimodal model builds its masks (and merges image / audio features) above the language model: the
         # packed forward must be marked before that, and a packed batch with non-text inputs refused there.
-        outer = torch.compiler.disable(lambda m, a, k: _before_multimodal(state, m, a, k))
+        model.__dict__[_HOOKED] = _Hooked(state, config, forward, positions)
         state.handles += [
-            model.register_forward_pre_hook(outer, with_kwargs=True),
-            model.register_forward_hook(after, with_kwargs=True, always_call=True),
+            model.register_forward_pre_hook(_multimodal_pre_hook, with_kwargs=True),
+            model.register_forward_hook(_post_hook, with_kwargs=True, always_call=True),
         ]
     model._padfree_state = state
     return report
+
+
+_HOOKED = "_padfree_hooked"
+
+
+@dataclasses.dataclass(eq=False)
+class _Hooked:
+    """What the forward hooks of a configured model read from the module they are on."""
+
+    state: PackingState
+    config: Any
+    forward: bool  # hand the boundaries on as keyword arguments (see _route)
+    positions: bool  # the hooked forward takes position_ids
+
+
+# Under torch.compile the hooks (like the packed attention and the mixers' segment primitives) run outside the graphs:
+# they read the boundaries on the host, and traced, each new set of lengths would fail a guard and recompile — after
+# eight, dynamo gives up on the model. Outside, the graphs see only (dynamic) tensor shapes.
+@torch.compiler.disable
+def _decoder_pre_hook(module: torch.nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]]:
+    hooked: _Hooked = module.__dict__[_HOOKED]
+    return _before(hooked.state, hooked.config, module, args, kwargs, forward=hooked.forward,
+                   positions=hooked.positions)
+
+
+@torch.compiler.disable
+def _multimodal_pre_hook(module: torch.nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
+    _before_multimodal(module.__dict__[_HOOKED].state, module, args, kwargs)
+
+
+@torch.compiler.disable
+def _post_hook(module: torch.nn.Module, args: tuple, kwargs: dict[str, Any], output: Any) -> None:
+    _after(module.__dict__[_HOOKED].state)
 
 
 def _layers(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -534,7 +564,7 @@ def unconfigure_packing(model: Any) -> bool:
         handle.remove()
     flight.unbind_checkpoints(model)
     for module in model.modules():
-        for attr in (OWNER_ATTR, SHARDED_CALLS, "_padfree_calls_before"):
+        for attr in (OWNER_ATTR, SHARDED_CALLS, "_padfree_calls_before", _HOOKED, flight.LAYER_ATTR):
             module.__dict__.pop(attr, None)
     _uninstall_families(model)
     restore_copied_configs(model)

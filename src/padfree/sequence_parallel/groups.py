@@ -42,6 +42,9 @@ class SequenceParallel:
     dp_size: int
     dp_rank: int
 
+    def __deepcopy__(self, memo: dict) -> SequenceParallel:
+        return self  # a process group is this process's, not a model's: a copied model splits over the same one
+
     def __str__(self) -> str:
         consecutive = self.ranks == tuple(range(self.ranks[0], self.ranks[-1] + 1))
         span = f"ranks {self.ranks[0]}-{self.ranks[-1]}" if consecutive else f"ranks {list(self.ranks)}"
