@@ -29,6 +29,7 @@ import importlib.util
 import inspect
 import logging
 import re
+import sys
 import types
 import warnings
 from collections.abc import Mapping
@@ -616,9 +617,12 @@ def _layout(named: dict[str, Any], shape: tuple[int, int] | None = None) -> Pack
     if pos is not None:
         if pos.dim() == 1:
             pos = pos.unsqueeze(0)
-        if pos.dim() != 2:  # e.g. Qwen-VL's 3-D rope positions: not a text packing this hook understands
-            return None
-        if pos.shape[0] == 1 and batch > 1:
+        if pos.dim() == 3:  # multi-row rotary positions (mRoPE): the row that tells where the samples start
+            pos = _boundary_row(pos, cu is not None)
+        elif pos.dim() != 2:
+            raise InvalidLayoutError(f"position_ids must be (B, T), or (R, B, T) rotary rows; got a tensor of shape "
+                                     f"{tuple(pos.shape)}")
+        if pos is not None and pos.shape[0] == 1 and batch > 1:
             pos = pos.expand(batch, -1)
     segments = isinstance(mask, torch.Tensor) and mask.dim() == 2 and mask.numel() > 0 and bool(mask.max() > 1)
     if segments:
@@ -640,6 +644,28 @@ def _layout(named: dict[str, Any], shape: tuple[int, int] | None = None) -> Pack
         if not torch.equal(agree, lay.segment_ids.to(agree.dtype)):
             raise InvalidLayoutError(f"position_ids and {lay.source} disagree on where the sequences start")
     return lay
+
+
+def _boundary_row(pos: torch.Tensor, other_spelling: bool) -> torch.Tensor | None:
+    """The ``(B, T)`` row of multi-row rotary positions ``(R, B, T)`` that marks where packed samples start.
+
+    ``(4, B, T)`` is mRoPE with its text row first (text, temporal, height, width): the text row restarts at 0 for
+    every sample and steps by 1. Rows that are all equal are text positions written out per rotary axis. Otherwise
+    (rotary rows only, which an image makes differ) a first row that never goes back is one sample per row; one that
+    goes back packs several, and needs ``other_spelling`` (``cu_seq_lens_q``) beside it to say where each starts,
+    else it is refused: an image's rows also jump inside one sample, so guessing would be silently wrong. None: the
+    rows mark no boundary (one sample per row, or the other spelling says where the samples start)."""
+    if pos.shape[0] == 4:
+        return pos[0]
+    if bool((pos == pos[:1]).all()):
+        return pos[0]
+    if other_spelling or not bool((pos[0, :, 1:] < pos[0, :, :-1]).any()):
+        return None
+    raise PackingDisabledError(
+        f"position_ids of shape {tuple(pos.shape)} (rotary rows) go back inside a row, so the row packs several "
+        f"samples, but rotary rows alone do not say where each starts (an image's rows jump back inside one sample); "
+        f"pass the 4-row form with the text row first ((4, B, T): text, temporal, height, width) or cu_seq_lens_q "
+        f"beside them")
 
 
 _BOUNDARY_KWARGS = ("position_ids", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
@@ -670,13 +696,16 @@ def _before(state: _State, config: Any, module: torch.nn.Module, args: tuple, kw
                                  (flight.leave, flight.enter(state, None))))
             return args, kwargs
         _refuse_leaks(config, named, forward_fn, lay.shape)
+        if named.get("input_ids") is None and named.get("inputs_embeds") is not None:
+            _refuse_unconfigured_parent(state, module)
     # everything by name from here on: a positional argument and a keyword for the same parameter would clash
     kwargs = {name: value for name, value in named.items() if "[" not in name}
     args = tuple(named[name] for name in named if "[" in name)
     kwargs.update(attention_mask=None, use_cache=False)
     if forward:
-        if positions:
-            kwargs["position_ids"] = lay.position_ids
+        given = named.get("position_ids")
+        if positions:  # rotary rows (mRoPE) go on as given: the layout read its boundaries from them
+            kwargs["position_ids"] = given if isinstance(given, torch.Tensor) and given.dim() == 3 else lay.position_ids
         else:
             kwargs.pop("position_ids", None)
         kwargs[LAYOUT_KWARG] = lay
@@ -688,6 +717,30 @@ def _before(state: _State, config: Any, module: torch.nn.Module, args: tuple, kw
             kwargs.pop(key, None)
     state.tokens.append(((PACKED_FORWARD.reset, PACKED_FORWARD.set(True)), (flight.leave, flight.enter(state, lay))))
     return args, kwargs
+
+
+def _refuse_unconfigured_parent(state: _State, module: torch.nn.Module) -> None:
+    """PackingDisabledError when this packed call of ``module`` (its tokens given as embeddings) comes from inside a
+    multimodal model padfree did not configure: that model merged image or audio features into the embeddings and
+    made the positions (mRoPE) without padfree seeing either, so the packed row cannot be checked or made exact."""
+    from transformers import PreTrainedModel
+
+    parent = None
+    frame = sys._getframe(2)
+    while frame is not None:
+        owner = frame.f_locals.get("self")
+        if isinstance(owner, PreTrainedModel) and owner is not module:
+            if packing_state(owner) is state:
+                return  # the call comes through the model padfree configured (whose own hook saw its inputs)
+            if parent is None and _multimodal(owner) and packing_state(owner) is None:
+                parent = owner
+        frame = frame.f_back
+    if parent is not None:
+        raise PackingDisabledError(
+            f"a packed batch reached {type(module).__name__}, configured on its own, from inside "
+            f"{type(parent).__name__}, a multimodal model padfree did not configure: its image and audio features and "
+            f"its positions are made outside padfree's view; configure the whole model "
+            f"(configure_packing({type(parent).__name__} instance)) or pass these batches unpacked")
 
 
 def _refuse_leaks(config: Any, named: dict[str, Any], forward_fn: Any, shape: tuple[int, int]) -> None:
@@ -757,8 +810,41 @@ def _sharded_layout(state: _State, config: Any, named: dict[str, Any] | None, fo
 # module names on the paths that only non-text inputs take (vision and audio towers, their projectors): a text-only
 # packed batch never reaches them, and a packed batch with such inputs is refused (see _before_multimodal)
 _MODALITY = re.compile(r"(^|\.)(vision|visual|audio|image|speech|video|multi_modal|mm_|embed_vision|embed_audio)")
-# arguments that carry non-text inputs
-_MODALITY_INPUT = re.compile(r"pixel|image|video|audio|input_features|speech|vision")
+# the arguments of a multimodal model's forward that a text-only packed batch may carry (a tensor under any other
+# name — pixel_values, image_grid_thw, mm_encoder_outputs, inputs_embeds, what a later release adds — is an input
+# padfree cannot see into, so a packed batch with it is refused until handled)
+_TEXT_ARGUMENTS = frozenset({
+    "input_ids", "attention_mask", "position_ids", "labels", "cache_position", "logits_to_keep", "use_cache",
+    "return_dict", "output_attentions", "output_hidden_states", "output_router_logits", "return_loss",
+    "num_items_in_batch", "shift_labels", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx",
+    "seq_lens", "token_type_ids", "mm_token_type_ids", "cache", "past_key_values",
+})
+# token type ids whose non-zero entries mark image (or audio) tokens, which attend bidirectionally in their block
+_TOKEN_TYPES = ("token_type_ids", "mm_token_type_ids")
+
+
+def _non_text(named: dict[str, Any]) -> list[str]:
+    """The arguments of a multimodal forward that carry something other than text."""
+    found = []
+    for name, value in named.items():
+        if value is None or isinstance(value, (bool, int, float, str)):
+            continue
+        if name in _TOKEN_TYPES:
+            if isinstance(value, torch.Tensor) and bool(value.any()):
+                found.append(f"{name} marking non-text tokens")
+        elif name not in _TEXT_ARGUMENTS and _holds_tensor(value):
+            found.append(name)
+    return found
+
+
+def _holds_tensor(value: Any) -> bool:
+    if isinstance(value, torch.Tensor):
+        return True
+    if isinstance(value, (list, tuple)):
+        return any(_holds_tensor(v) for v in value)
+    if isinstance(value, Mapping):
+        return any(_holds_tensor(v) for v in value.values())
+    return hasattr(value, "to_tuple") or hasattr(value, "last_hidden_state")  # a ModelOutput of features
 
 
 def _multimodal(model: torch.nn.Module) -> bool:
@@ -774,17 +860,19 @@ def _before_multimodal(state: _State, module: torch.nn.Module, args: tuple, kwar
     named.pop(next(iter(guards.parameters(type(module).forward)), "self"), None)
     pos = named.get("position_ids")
     mask = named.get("attention_mask")
-    packed = state.sp is not None or (isinstance(pos, torch.Tensor) and pos.dim() == 2 and _restarts(pos, None)) or (
+    if isinstance(pos, torch.Tensor) and pos.dim() == 3:
+        pos = _boundary_row(pos, named.get("cu_seq_lens_q") is not None)
+    packed = state.sp is not None or named.get("cu_seq_lens_q") is not None or (
+        isinstance(pos, torch.Tensor) and pos.dim() == 2 and _restarts(pos, None)) or (
         isinstance(mask, torch.Tensor) and mask.dim() == 2 and mask.numel() > 0 and bool(mask.max() > 1))
     if packed:
         problem = None
-        extra = [k for k, v in named.items() if v is not None and _MODALITY_INPUT.search(k)
-                 and not isinstance(v, bool)]
+        extra = _non_text({k: v for k, v in named.items() if k not in ("self", "kwargs")})
         cache = guards.find_cache(named, type(module).forward)
         if extra:
             problem = (f"a packed batch reached {type(module).__name__} with non-text inputs ({', '.join(extra)}): "
-                       f"padfree packs text-only batches through a multimodal model (its image and audio paths are "
-                       f"not boundary-aware); pass these batches unpacked")
+                       f"padfree packs text-only batches (input_ids) through a multimodal model (its image and audio "
+                       f"paths are not boundary-aware); pass these batches unpacked")
         elif cache is not None:
             problem = _fix(f"{cache} (a cache)")
         elif state.sp is not None and isinstance(mask, torch.Tensor) and mask.numel() and not bool((mask == 1).all()):
