@@ -520,10 +520,10 @@ def unconfigure_packing(model: Any) -> bool:
         for attr in (OWNER_ATTR, SHARDED_CALLS, "_padfree_calls_before"):
             module.__dict__.pop(attr, None)
     _uninstall_families(model)
-    restore_copied_configs(model)
     attn, use_cache = state.previous
     if attn is not None:
         model.set_attn_implementation(attn)
+    restore_copied_configs(model)  # after the model's own: copies follow it
     if use_cache is not None:
         model.config.use_cache = use_cache
     del model._padfree_state
