@@ -168,7 +168,7 @@ def _configure(inner: Any, backend: str, strict: bool, sequence_parallel: Any) -
     if problems and strict:
         unconfigure_packing(inner)
         raise UnsupportedModelError(f"cannot make {type(inner).__name__} packing-exact: {_joined(problems)}")
-    if problems:  # strict=False: configured, the adapters said unsupported
+    if problems:  # strict=False: configured anyway, these modules named as not exact
         report.unsupported.update(problems)
         report.supported = False
         warnings.warn(f"padfree: {type(inner).__name__} is only partly packing-exact: {_joined(problems)}",

@@ -13,7 +13,8 @@ they copy) adds a function of each token's own input, so a packed row stays exac
 A prompt-learning adapter (prefix / prompt tuning, P-tuning) prepends virtual tokens or a prefix cache to every
 sequence, which a row of several sequences cannot hold (:func:`prompt_learning_adapter`), and an adapter on a
 convolution over the sequence runs beside the convolution padfree makes boundary-exact (:func:`adapter_problems`):
-both are refused.
+both are refused. ``modules_to_save`` deep-copies a module with its config: a copied attention layer would keep
+the base attention implementation, so its config follows the model's (:func:`follow_copied_configs`).
 
 >>> import torch
 >>> from padfree.model.tiny import tiny_model
