@@ -47,12 +47,25 @@ def test_the_proof_hands_labels_to_the_packed_forward_and_compares_the_models_ow
         assert check.leak > 1000 * FP32_TOL, check  # the negative control the same comparison catches
 
 
+def test_a_decoder_whose_loss_takes_pre_shifted_labels_is_proven_on_its_own_loss():
+    """BART's decoder (and its kin: XLNet, Marian, Whisper's, ...) does not shift its labels: the proof hands it
+    pre-shifted ones (each token's next id in its sequence, -100 at its last), and compares its own loss."""
+    model = build_tiny("bart")
+    seen = _labels_seen(model, "ForCausalLM")
+    proof = prove(model, backends=["sdpa"], precisions=["fp32"])
+    assert proof.ok and not proof.unrunnable, str(proof)
+    assert any(seen)  # the packed step (the unpacked check and the leaking control run without labels)
+    check = proof.checks[0]
+    assert check.loss <= check.loss_tolerance and check.grads <= FP32_TOL and check.leak > 1000 * FP32_TOL, check
+
+
 @pytest.mark.parametrize(("model_type", "variant", "why", "labels"), [
     # GIT's loss skips image tokens it was not given: it fails on a text-only sequence alone, packed or not
     ("git", None, r"transformers' own loss from labels= fails on a sequence alone \(ValueError", False),
     # a router's load-balancing term is added to the cross-entropy: not a token mean over the sequences
     ("mixtral", {"output_router_logits": True},
-     r"the model's own loss from labels= on a sequence alone \([\d.]+\) is not the token-mean cross-entropy", True),
+     r"the model's own loss from labels= on a sequence alone \([\d.]+\) is not the token-mean cross-entropy of its "
+     r"logits \([\d.]+\), the labels aligned or pre-shifted", True),
 ])
 def test_a_model_whose_own_loss_is_no_reference_is_proven_on_the_cross_entropy_and_says_why(model_type, variant,
                                                                                             why, labels):

@@ -10,7 +10,9 @@ certification of a model the table does not cover, and ``padfree verify --model-
    reference), with the gradient of the token-mean cross-entropy;
 3. for every backend: ``configure_packing``'s machinery installed, an ordinary padded batch checked unchanged,
    then per precision a packed **training step** — the forward with ``labels=`` (each sequence's first token and
-   the filler run ``-100``), the model's own loss from them, and its backward — and a **negative control** — the
+   the filler run ``-100``; pre-shifted for a model whose loss does not shift them: BART's, XLNet's and other
+   decoders of encoder-decoder families), the model's own loss from them, and its backward — and a **negative
+   control** — the
    same rows with positions that never restart, which any model that mixes tokens leaks on;
 4. the verdict: fp32 within ``1e-5`` (logits relative to their scale, the model's loss against the token-mean
    loss of the sequences alone, every gradient); a low precision within three times what
@@ -175,6 +177,7 @@ class _Case:
     ids: torch.Tensor  # (B, T)
     positions: torch.Tensor  # (B, T), restarting per sequence and for the filler run
     labels: torch.Tensor  # (B, T): the ids, IGNORE_INDEX at each sequence's first token and over the filler run
+    shifted: torch.Tensor  # (B, T): each token's next id in its sequence, IGNORE_INDEX at its last and the filler
     segments: tuple[tuple[int, int, int], ...]  # (row, start, length) of every real sequence
     targets: int  # next-token targets over every sequence
 
@@ -185,16 +188,18 @@ class _Case:
         ids = torch.randint(low, vocab, (len(ROWS), _WIDTH), generator=g)
         pos = torch.zeros_like(ids)
         labels = torch.full_like(ids, IGNORE_INDEX)
+        shifted = torch.full_like(ids, IGNORE_INDEX)
         segments = []
         for row, lengths in enumerate(ROWS):
             col = 0
             for n in lengths:
                 pos[row, col:col + n] = torch.arange(n)
                 labels[row, col + 1:col + n] = ids[row, col + 1:col + n]
+                shifted[row, col:col + n - 1] = ids[row, col + 1:col + n]
                 segments.append((row, col, n))
                 col += n
             pos[row, col:] = torch.arange(_WIDTH - col)
-        return cls(ids.to(device), pos.to(device), labels.to(device), tuple(segments),
+        return cls(ids.to(device), pos.to(device), labels.to(device), shifted.to(device), tuple(segments),
                    sum(n - 1 for *_, n in segments))
 
 
@@ -237,33 +242,45 @@ def _packed_logits(model: torch.nn.Module, case: _Case, *, leak: bool = False) -
 
 @dataclasses.dataclass(frozen=True)
 class _LossRoute:
-    """How the packed step gets its loss: ``labels`` handed to the forward, and the model's ``own`` loss from them
-    compared (else the token-mean cross-entropy of the packed logits); ``why`` not, when not."""
+    """How the packed step gets its loss: ``labels`` handed to the forward (``shifted``: pre-shifted), and the
+    model's ``own`` loss from them compared (else the token-mean cross-entropy of the packed logits); ``why`` not,
+    when not."""
 
     labels: bool = True
     own: bool = True
+    shifted: bool = False
     why: str | None = None
 
 
 def _loss_route(model: torch.nn.Module, case: _Case, ref_logits: Sequence[torch.Tensor]) -> _LossRoute:
     """Whether the model's own loss from ``labels=`` runs on the longest sequence alone (transformers' own code,
-    unconfigured) and equals the token-mean cross-entropy of its logits there. A model whose own code cannot
-    (GIT counts image tokens it was not given) still has its packed step proven, on the cross-entropy."""
+    unconfigured) and equals the token-mean cross-entropy of its logits there: with the labels aligned to the ids
+    (the model shifts them, the Hugging Face convention), or else pre-shifted (BART's decoder and its kin do not
+    shift). A model whose own code does neither (GIT counts image tokens it was not given; a router's auxiliary
+    term) still has its packed step proven, on the cross-entropy."""
     i = max(range(len(case.segments)), key=lambda j: case.segments[j][2])
     row, start, n = case.segments[i]
     ids = case.ids[row:row + 1, start:start + n]
-    try:
-        with torch.no_grad():
-            own = model(input_ids=ids, labels=ids, use_cache=False).loss
-    except Exception as exc:
-        return _LossRoute(False, False, f"transformers' own loss from labels= fails on a sequence alone "
-                                        f"({type(exc).__name__}: {str(exc)[:160]})")
     want = float(_ce(ref_logits[i], ids[0])) / (n - 1)
-    if own is None or not abs(float(own) - want) <= FP32_TOL * max(1.0, abs(want)):
-        got = "no loss" if own is None else f"{float(own):.6g}"
-        return _LossRoute(True, False, f"the model's own loss from labels= on a sequence alone ({got}) is not the "
-                                       f"token-mean cross-entropy of its logits ({want:.6g})")
-    return _LossRoute()
+    found = []
+    for shifted in (False, True):
+        labels = torch.cat([ids[:, 1:], torch.full_like(ids[:, :1], IGNORE_INDEX)], dim=1) if shifted else ids
+        try:
+            with torch.no_grad():
+                own = model(input_ids=ids, labels=labels, use_cache=False).loss
+        except Exception as exc:
+            found.append(exc)
+            continue
+        if own is not None and abs(float(own) - want) <= FP32_TOL * max(1.0, abs(want)):
+            return _LossRoute(shifted=shifted)
+        found.append(own)
+    if isinstance(found[0], Exception):
+        return _LossRoute(False, False, why=f"transformers' own loss from labels= fails on a sequence alone "
+                                            f"({type(found[0]).__name__}: {str(found[0])[:160]})")
+    got = "no loss" if found[0] is None else f"{float(found[0]):.6g}"
+    return _LossRoute(True, False, why=f"the model's own loss from labels= on a sequence alone ({got}) is not the "
+                                       f"token-mean cross-entropy of its logits ({want:.6g}), the labels aligned "
+                                       f"or pre-shifted")
 
 
 def _packed(model: torch.nn.Module, case: _Case, grads: bool, route: _LossRoute = _LossRoute()
@@ -272,8 +289,8 @@ def _packed(model: torch.nn.Module, case: _Case, grads: bool, route: _LossRoute 
     trainer runs: the labels travel down the model's ``**kwargs`` next to the layout), and its backward."""
     model.zero_grad(set_to_none=True)
     with torch.set_grad_enabled(grads):
-        out = model(input_ids=case.ids, position_ids=case.positions,
-                    labels=case.labels if route.labels else None, use_cache=False)
+        labels = (case.shifted if route.shifted else case.labels) if route.labels else None
+        out = model(input_ids=case.ids, position_ids=case.positions, labels=labels, use_cache=False)
         loss = out.loss
         if not route.own:
             loss = sum(_ce(out.logits[row, start:start + n], case.ids[row, start:start + n])
