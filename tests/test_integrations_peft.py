@@ -152,13 +152,20 @@ def _args(cls, out, **kw):
                save_strategy="no", bf16=False, **kw)
 
 
-def _trainer(cls, config_cls, base, tok, out, pairs, **kw):
-    """A DPO trainer over a copy of ``base`` with a LoRA adapter of random initial weights (the same in every
+DPO_ADAPTERS = {
+    "lora": lambda: peft.LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights=False),
+    # TRL wraps the model after padfree configured it: the GatedDeltaNet copies must be configured too
+    "modules_to_save": lambda: peft.LoraConfig(r=4, lora_alpha=8, target_modules=["gate_proj", "up_proj"],
+                                               modules_to_save=["linear_attn"], init_lora_weights=False),
+}
+
+
+def _trainer(cls, config_cls, base, tok, out, pairs, adapter, **kw):
+    """A DPO trainer over a copy of ``base`` with a PEFT adapter of random initial weights (the same in every
     trainer: the RNG is seeded just before TRL builds it) and no reference model."""
-    lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights=False)
     torch.manual_seed(1)
     return cls(model=copy.deepcopy(base), ref_model=None, args=_args(config_cls, out, **kw), train_dataset=pairs,
-               processing_class=tok, peft_config=lora)
+               processing_class=tok, peft_config=DPO_ADAPTERS[adapter]())
 
 
 def _loss_metrics_grads(trainer, batch):
@@ -179,11 +186,12 @@ def _relative(want: dict, got: dict) -> float:
     return math.sqrt(sum(float(((got[k].double() - w.double()) ** 2).sum()) for k, w in want.items())) / scale
 
 
-@pytest.mark.parametrize("model_type", MODEL_TYPES)
-def test_dpo_with_a_lora_policy_and_no_reference_model_equals_trl_padded(model_type, tok, tmp_path):
+@pytest.mark.parametrize(("model_type", "adapter"), [("llama", "lora"), ("qwen3_5_text", "lora"),
+                                                      ("qwen3_5_text", "modules_to_save")])
+def test_dpo_with_a_lora_policy_and_no_reference_model_equals_trl_padded(model_type, adapter, tok, tmp_path):
     base, pairs = _base(model_type, len(tok)), _pairs(4)
-    padded = _trainer(trl.DPOTrainer, trl.DPOConfig, base, tok, tmp_path / "trl", pairs)
-    ours = _trainer(DPOTrainer, DPOConfig, base, tok, tmp_path / "pf", pairs, padding_free=True)
+    padded = _trainer(trl.DPOTrainer, trl.DPOConfig, base, tok, tmp_path / "trl", pairs, adapter)
+    ours = _trainer(DPOTrainer, DPOConfig, base, tok, tmp_path / "pf", pairs, adapter, padding_free=True)
     assert isinstance(ours.model, peft.PeftModel) and ours.ref_model is None
     status = padfree.packing_status(ours)
     assert status.mode == "padding-free batching" and status.attention == "padfree_sdpa"
@@ -200,7 +208,7 @@ def test_dpo_with_a_lora_policy_and_no_reference_model_equals_trl_padded(model_t
     assert set(want_metrics) == set(got_metrics)
     for key, value in want_metrics.items():
         assert _close(value, got_metrics[key]), (key, value, got_metrics[key])
-    assert {n.split(".")[-2] for n in want_grads} == {"default"}  # only the adapter trains
+    assert want_grads and all(".default." in n for n in want_grads)  # only the adapter (and its copies) trains
     assert _relative(want_grads, got_grads) <= GRAD_TOL[model_type], _relative(want_grads, got_grads)
 
     # control: the same packed row with positions running on across the sequences, through the same policy
@@ -213,7 +221,8 @@ def test_dpo_with_a_lora_policy_and_no_reference_model_equals_trl_padded(model_t
         exact = layout.unpack_shifted(ours.model(**packed, position_ids=layout.position_ids).log_probs).sum(1)
         leak = layout.unpack_shifted(ours.model(**packed).log_probs).sum(1)
     assert ((exact - want).abs() / want.abs()).max().item() <= RTOL
-    assert ((leak - want).abs() / want.abs()).max().item() > 1e-3
+    # sums of several hundred nats, one ulp 3e-5: the leak is hundreds of ulps, ten times the tolerance and more
+    assert (leak - want).abs().max().item() > 1e-2 and ((leak - want).abs() / want.abs()).max().item() > 10 * RTOL
     # the trainer configured the model inside the PeftModel; undone through the PeftModel too
     assert padfree.unconfigure_packing(ours.model) and not padfree.unconfigure_packing(ours.model)
     assert ours.model.get_base_model().config._attn_implementation == "sdpa"

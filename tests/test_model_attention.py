@@ -9,14 +9,21 @@ CPU (about half a minute a call here): one call covers it. varlen_attn needs CUD
 
 from __future__ import annotations
 
+import sys
+import types
+
 import pytest
 import torch
 import torch.nn.functional as F
 import transformers
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+import padfree
 from padfree.errors import BackendUnavailableError, InvalidLayoutError, PackingDisabledError
 from padfree.model.attention import BACKENDS, LAYOUT_KWARG, PACKED_FORWARD, packed_forward, register_backends
 from padfree.model.packed import PackedLayout
+from padfree.model.sweep import build_tiny
+from zoo import packed_case
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -319,10 +326,10 @@ REFUSED = {
     "per-query sinks under flex": (dict(backend="padfree_flex", sinks=torch.zeros(2, HEADS, WIDTH, 1)),
                                    PackingDisabledError, r"a sink logit per query, which padfree applies on the eager "
                                                          r"path alone \(not with padfree_flex"),
-    "a bias (unknown to the packed path)": (dict(relative_bias=torch.zeros(1, HEADS, WIDTH, WIDTH)),
-                                            PackingDisabledError, r"relative_bias= \(a tensor of shape "
-                                                                  r"\(1, 4, 47, 47\)\)"),
     "bidirectional": (dict(is_causal=False), PackingDisabledError, r"is_causal=False \(bidirectional attention\)"),
+    # eager_attention_forward ignores is_causal (the mask makes a layer bidirectional, and padfree builds none)
+    "bidirectional under eager": (dict(backend="padfree_eager", is_causal=False), PackingDisabledError,
+                                  r"is_causal=False \(bidirectional attention\)"),
     "cross-attention": (dict(key_width=12), InvalidLayoutError,
                         r"LlamaAttention attention keys got inputs of shape \(2, 12\) but the packed layout of this "
                         r"forward is \(2, 47\)"),
@@ -335,6 +342,144 @@ REFUSED = {
 def test_what_the_packed_path_cannot_apply_is_refused_with_the_reason(call, error, match):
     with pytest.raises(error, match=match):
         _packed_call(**call)
+
+
+# ---- what the attention function applies, not what it is called ---------------------------------------------------
+
+
+def eager_attention_forward(module, query, key, value, attention_mask, scaling, dropout=0.0, relative_bias=None,
+                            **kwargs):
+    """The eager attention of a modeling file whose formula takes what padfree's packed path does not apply: an
+    additive ``relative_bias`` ``(B | 1, H | 1, T, T)`` in its signature, and an output ``gate`` ``(B, H, T, 1)``
+    it looks up in its ``**kwargs`` — what a transformers release may add. ``(B, T, H, D)`` out."""
+    groups = query.shape[1] // key.shape[1]
+    scores = query @ key.repeat_interleave(groups, 1).transpose(2, 3) * scaling
+    if attention_mask is not None:
+        scores = scores + attention_mask
+    if relative_bias is not None:
+        scores = scores + relative_bias
+    out = F.dropout(scores.softmax(-1), p=dropout, training=module.training) @ value.repeat_interleave(groups, 1)
+    if kwargs.get("gate") is not None:
+        out = out * kwargs["gate"]
+    return out.transpose(1, 2).contiguous(), None
+
+
+class BiasedAttention(transformers.models.llama.modeling_llama.LlamaAttention):
+    """An attention module of this file: its eager backend is the function above."""
+
+
+def _causal(width: int) -> torch.Tensor:
+    return torch.zeros(1, 1, width, width).masked_fill(torch.ones(width, width, dtype=torch.bool).triu(1), -1e9)
+
+
+@pytest.mark.parametrize("name", ["relative_bias", "gate"])
+def test_a_tensor_the_base_attention_function_applies_is_refused_by_name(name):
+    """A tensor the base backend's function reads — a parameter of its signature, or a key it looks up in its
+    ``**kwargs`` — changes what one sequence computes and the packed path does not apply it: refused, named."""
+    seg, _ = segments_of(ROWS, WIDTH)
+    q, k, v = qkv(2)
+    module = BiasedAttention(transformers.LlamaConfig(**_SIZES, num_key_value_heads=2), 0).eval()
+    shape = (1, HEADS, WIDTH, WIDTH) if name == "relative_bias" else (2, HEADS, WIDTH, 1)
+    extra = {name: torch.randn(*shape, generator=torch.Generator().manual_seed(3))}
+    applied = eager_attention_forward(module, q, k, v, _causal(WIDTH), DIM ** -0.5, **extra)[0]
+    assert (applied - eager_attention_forward(module, q, k, v, _causal(WIDTH), DIM ** -0.5)[0]).abs().max() > 0.1
+    with pytest.raises(PackingDisabledError, match=rf"BiasedAttention hands its attention function {name}= \(a "
+                                                   rf"tensor of shape \({', '.join(map(str, shape))}\)\), which "
+                                                   rf"padfree's packed attention does not apply"):
+        packed_forward("padfree_eager", module, q, k, v, PackedLayout.from_segment_ids(seg), scaling=DIM ** -0.5,
+                       **extra)
+
+
+def test_tensors_the_base_attention_function_ignores_change_nothing_and_are_not_refused():
+    """A model's forward hands its ``**kwargs`` down through its layers (gemma4 hands its attention ``labels``):
+    a tensor the base backend's function never reads cannot change the attention it computes — on the base
+    function itself, and on the packed path, which equals each segment alone with or without them."""
+    seg, spans = segments_of(ROWS, WIDTH)
+    lay = PackedLayout.from_segment_ids(seg)
+    q, k, v = qkv(2)
+    want = reference(q, k, v, spans)
+    passed = dict(labels=torch.randint(0, 96, (2, WIDTH)), logits_to_keep=torch.tensor(0),
+                  num_items_in_batch=torch.tensor(50), token_type_ids=torch.zeros(2, WIDTH, dtype=torch.long))
+    module = attention_module()
+    for backend, base in (("padfree_sdpa", ALL_ATTENTION_FUNCTIONS["sdpa"]),
+                          ("padfree_eager", transformers.models.llama.modeling_llama.eager_attention_forward)):
+        plain = base(module, q, k, v, _causal(WIDTH), scaling=DIM ** -0.5)[0]
+        assert torch.equal(base(module, q, k, v, _causal(WIDTH), scaling=DIM ** -0.5, **passed)[0], plain)
+        assert worst(packed_forward(backend, module, q, k, v, lay, **passed), want, spans) <= TOL
+    # a bias only another backend's function reads: sdpa_attention_forward does not, so the packed SDPA path runs
+    biased = BiasedAttention(transformers.LlamaConfig(**_SIZES, num_key_value_heads=2), 0).eval()
+    got = packed_forward("padfree_sdpa", biased, q, k, v, lay, relative_bias=torch.ones(1, HEADS, WIDTH, WIDTH))
+    assert worst(got, want, spans) <= TOL
+    # the negative control the same comparison catches: causal attention over the whole row
+    assert worst(ALL_ATTENTION_FUNCTIONS["sdpa"](module, q, k, v, None, is_causal=True)[0], want, spans) > 1000 * TOL
+
+
+def test_when_what_the_base_function_reads_cannot_be_told_every_tensor_is_refused(monkeypatch):
+    """A base function that hands its ``**kwargs`` on to another function could read any name: every tensor the
+    packed path does not apply is refused, labels included (the guard fails closed)."""
+    modeling = types.ModuleType("padfree_test_modeling_handing_on")
+    exec(  # a modeling file of its own: the eager function padfree_eager wraps is looked up by the module's module
+        "import transformers\n"
+        "def eager_attention_forward(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):\n"
+        "    return transformers.models.llama.modeling_llama.eager_attention_forward(\n"
+        "        module, query, key, value, attention_mask, scaling, dropout, **kwargs)\n"
+        "class HandingOnAttention(transformers.models.llama.modeling_llama.LlamaAttention):\n"
+        "    pass\n", modeling.__dict__)
+    monkeypatch.setitem(sys.modules, modeling.__name__, modeling)
+    module = modeling.HandingOnAttention(transformers.LlamaConfig(**_SIZES, num_key_value_heads=2), 0).eval()
+    seg, spans = segments_of(ROWS, WIDTH)
+    lay = PackedLayout.from_segment_ids(seg)
+    q, k, v = qkv(2)
+    with pytest.raises(PackingDisabledError, match=r"HandingOnAttention hands its attention function labels= "):
+        packed_forward("padfree_eager", module, q, k, v, lay, labels=torch.zeros(2, WIDTH, dtype=torch.long))
+    got = packed_forward("padfree_eager", module, q, k, v, lay, position_ids=lay.position_ids, use_cache=False)
+    assert worst(got, reference(q, k, v, spans), spans) <= TOL  # what describes the batch still passes
+
+
+def _labels(ids: torch.Tensor, spans: list[tuple[int, int, int]]) -> torch.Tensor:
+    """Every sequence's own ids, ``-100`` at its first token and over the filler run."""
+    labels = torch.full_like(ids, -100)
+    for r, s, n in spans:
+        labels[r, s + 1:s + n] = ids[r, s + 1:s + n]
+    return labels
+
+
+def _scaled(got: dict, want: dict) -> float:
+    assert got.keys() == want.keys()
+    return max(float((got[n] - want[n]).abs().max()) / max(1.0, float(want[n].abs().max())) for n in want)
+
+
+@pytest.mark.parametrize("model_type", ["gemma4", "gemma3", "llama"])
+def test_a_packed_training_step_with_labels_equals_each_sequence_alone(model_type):
+    """What a trainer runs: ``model(input_ids, position_ids, labels=...)`` in training mode, the model's own loss
+    and its backward. gemma4 hands its attention modules the forward's ``**kwargs``, labels among them; gemma3 and
+    llama hand theirs the decoder's. The loss and every gradient equal the token-mean over each sequence run alone
+    (fp32, 1e-5) on padfree_sdpa and padfree_eager; positions that run on over the row (the control) are caught."""
+    model = build_tiny(model_type).train()
+    ids, pos, spans = packed_case(model.config.get_text_config().vocab_size, [[5, 9, 3], [7, 10]], filler=2)
+    labels, total = _labels(ids, spans), sum(n - 1 for *_, n in spans)
+    model.zero_grad()
+    want = 0.0
+    for r, s, n in spans:
+        seq = ids[r:r + 1, s:s + n]
+        loss = F.cross_entropy(model(input_ids=seq, use_cache=False).logits[0, :-1], seq[0, 1:], reduction="sum")
+        (loss / total).backward()
+        want += float(loss.detach()) / total
+    ref = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    running_on = torch.arange(ids.shape[1]).expand_as(ids)
+    for backend in ("sdpa", "eager"):
+        padfree.configure_packing(model, backend=backend)
+        for positions, exact in ((pos, True), (running_on, False)):
+            model.zero_grad()
+            out = model(input_ids=ids, position_ids=positions, labels=labels, use_cache=False)
+            out.loss.backward()
+            got = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+            loss_diff, grad_diff = abs(float(out.loss) - want), _scaled(got, ref)
+            if exact:
+                assert loss_diff <= TOL * max(1.0, want) and grad_diff <= TOL, (backend, loss_diff, grad_diff)
+            else:
+                assert loss_diff > 100 * TOL and grad_diff > 100 * TOL, (backend, loss_diff, grad_diff)
+        padfree.unconfigure_packing(model)
 
 
 def test_queries_of_another_batch_are_refused():

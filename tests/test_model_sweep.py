@@ -1,8 +1,9 @@
 """The support sweep: every causal-LM type of the installed transformers, proven packing-exact or refused.
 
 For each entry of ``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES`` a tiny model is built from its config class's defaults
-(shrunk) and :func:`padfree.model.sweep.sweep_type` proves it: packed against every sequence alone on ``sdpa`` and
-``eager`` in fp32 (logits, loss, every gradient within 1e-5), on ``sdpa`` under ``autocast_bf16`` and with ``bf16``
+(shrunk) and :func:`padfree.model.sweep.sweep_type` proves it: a packed training step — the forward with ``labels=``,
+the model's own loss from them, its backward — against every sequence alone on ``sdpa`` and ``eager`` in fp32
+(logits, loss, every gradient within 1e-5), on ``sdpa`` under ``autocast_bf16`` and with ``bf16``
 weights (within three times what rounding moves the per-sequence run), each with a leaking negative control that must
 exceed the tolerance; an ordinary padded batch must be unchanged by configuring. A type padfree cannot make exact is
 refused with the module and the reason.
@@ -54,7 +55,7 @@ def test_every_causal_lm_type_is_exact_or_refused_with_a_reason(model_type):
         assert entry["backends"] and entry["variants"], entry
         precisions = {p for ps in entry["backends"].values() for p in ps}
         missing = {"fp32", "autocast_bf16", "bf16"} - precisions
-        unrunnable = {key.split("/")[1] for key in entry.get("unrunnable", {})}
+        unrunnable = {key.split("/")[-1] for key in entry.get("unrunnable", {})}
         assert "fp32" in precisions and missing <= unrunnable, (entry["backends"], entry.get("unrunnable"))
     else:
         assert entry["reason"] and entry["module"], entry

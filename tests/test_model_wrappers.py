@@ -26,7 +26,7 @@ import padfree  # noqa: E402
 from multiproc import free_port, run_ranks  # noqa: E402
 from padfree import configure_packing, unconfigure_packing, verify  # noqa: E402
 from padfree.errors import UnsupportedModelError, describe  # noqa: E402
-from padfree.model.configure import check_packing_support, packing_state  # noqa: E402
+from padfree.model.configure import check_packing_support, packing_state, refresh_packing  # noqa: E402
 from padfree.model.sweep import build_tiny  # noqa: E402
 from padfree.model.wrappers import transformers_model, unwrap_model, wrapper_chain  # noqa: E402
 from zoo import max_diff, packed_rows, run_packed, run_separately, tiny_model  # noqa: E402
@@ -120,6 +120,41 @@ def test_the_chain_of_wrappers_is_peeled_outermost_first():
     assert [type(m).__name__ for m in wrapper_chain(compiled)] == [
         "OptimizedModule", "PeftModel", "LlamaForCausalLM"]
     assert wrapper_chain(model) == [model]
+
+
+def test_a_model_wrapped_after_configure_is_configured_again_by_refresh():
+    """Trainers configure the model, then TRL wraps it (``peft_config=``): ``modules_to_save`` deep-copies the
+    GatedDeltaNet layers with a copy of padfree's per-instance state. refresh_packing configures such a model again
+    (with the arguments configure_packing had); an unchanged one keeps its report."""
+    model = tiny_model("qwen3_5_text")
+    report = configure_packing(model, backend="eager")
+    assert refresh_packing(model) is report  # nothing changed: nothing redone
+    wrapped = peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=["gate_proj"], init_lora_weights=False,
+                                                         modules_to_save=["linear_attn"]))
+    copies = [n for n, _ in model.named_modules() if n.endswith("linear_attn.modules_to_save.default")]
+    assert copies and not set(copies) & set(report.mixers)  # configured before the copies existed
+    again = refresh_packing(wrapped)
+    assert again is not report and again.backend == "padfree_eager" and set(copies) <= set(again.mixers)
+    assert refresh_packing(wrapped) is again
+    checked = verify(wrapped, DATA)
+    assert checked.ok, str(checked)
+    assert unconfigure_packing(wrapped) and refresh_packing(wrapped) is None
+
+    # attention copied from a config padfree had switched already: still switched back with the model
+    llama = tiny_model("llama")
+    configure_packing(llama)
+    wrapped = peft.get_peft_model(llama, peft.LoraConfig(r=4, target_modules=["gate_proj"], init_lora_weights=False,
+                                                         modules_to_save=["self_attn"]))
+    assert refresh_packing(wrapped).supported and verify(wrapped, DATA).ok
+    assert unconfigure_packing(wrapped)
+    assert {m.config._attn_implementation for m in llama.modules() if hasattr(m, "config")} == {"sdpa"}
+
+    gemma = build_tiny("recurrent_gemma")
+    configure_packing(gemma)
+    name = next(n for n, m in gemma.named_modules() if isinstance(m, torch.nn.Conv1d))
+    peft.get_peft_model(gemma, peft.LoraConfig(r=gemma.get_submodule(name).groups, target_modules=[name]))
+    with pytest.raises(UnsupportedModelError, match=f"{name}: a PEFT adapter"):
+        refresh_packing(gemma)  # an adapter that mixes tokens, added after configure: refused when asked again
 
 
 # ---- DDP and FSDP2 (one gloo process) -------------------------------------------------------------------------------

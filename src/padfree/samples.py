@@ -131,10 +131,10 @@ def check_tokens(
 
     ``kind="ids"``: integers in ``[0, vocab_size)`` (``vocab_size`` None: any non-negative int64); ``"labels"``:
     token ids (below ``vocab_size`` when it is known) or one of the ``ignored`` labels (``-100``: no target) — any
-    other negative value would fail later, inside the loss; ``"values"``: any integer that fits int64 (a carried
-    per-token column). ``names(i)`` names row ``i`` in a
-    message. ``chunks`` lists ``(array, base)`` pieces of ``values`` to scan instead of the span the rows cover
-    (``values[base:base + array.size]`` is ``array``) — for columns whose chunks lie apart in memory.
+    other negative value would fail later, inside the loss; ``"values"``: any integer that fits int64 (a per-token
+    column carried as it is). ``names(i)`` names row ``i`` in a message. ``chunks`` lists ``(array, base)`` pieces
+    of ``values`` to scan instead of the span the rows cover (``values[base:base + array.size]`` is ``array``) — for
+    columns whose chunks lie apart in memory.
 
     >>> check_tokens(np.array([3, 1, 4]), np.array([0]), np.array([3]), lambda i: f"ids[{i}]")
     (1, 4)

@@ -511,16 +511,17 @@ def _pad_ids(trainer: Any) -> tuple[int, ...]:
 
 
 def configure_model(model: Any, sequence_parallel: int | None = None) -> Any:
-    """``configure_packing`` on the transformers model inside ``model`` (kept if already configured, unless
+    """``configure_packing`` on the transformers model inside ``model`` (kept if already configured — configured
+    again if PEFT changed it since, :func:`~padfree.model.configure.refresh_packing` — unless
     ``sequence_parallel`` asks for a group size it was not configured with): its
     :class:`~padfree.model.configure.PackingReport`, or :class:`~padfree.errors.UnsupportedModelError`."""
-    from padfree.model.configure import configure_packing, packing_state
+    from padfree.model.configure import configure_packing, packing_state, refresh_packing
 
     base = unwrap_model(model)
     state = packing_state(base)
     wanted = sequence_parallel if sequence_parallel is not None and sequence_parallel > 1 else None
     if state is not None and (wanted is None or (state.sp is not None and state.sp.size == wanted)):
-        return state.report
+        return refresh_packing(model)  # configured again if PEFT wrapped it since (adapters, modules_to_save copies)
     return configure_packing(base, sequence_parallel=wanted)
 
 

@@ -38,6 +38,9 @@ form costs ``sum(L_i^2)``, which for 32 sequences in an 8k row is about 1/25 of 
 from __future__ import annotations
 
 import dataclasses
+import dis
+import functools
+import inspect
 import sys
 from collections.abc import Callable
 from contextvars import ContextVar
@@ -225,7 +228,7 @@ def packed_forward(
         _check_bias(position_bias, module, query, lay, backend, softcap=softcap, sinks=s_aux)
     if sinks is not None:
         _check_token_sinks(sinks, module, query, backend, softcap=softcap, s_aux=s_aux)
-    extra = _unapplied(kwargs)
+    extra = _unapplied(kwargs, backend, module)
     if extra is not None:
         raise PackingDisabledError(
             f"{type(module).__name__} hands its attention function {extra}, which padfree's packed attention does not "
@@ -319,23 +322,99 @@ def sharded_forward(
     return lay.to_tokens(out, seq_dim=1, head_dim=2)
 
 
-# keyword arguments that route or describe the batch, never change what one sequence computes (transformers'
-# TransformersKwargs among them: the loss normaliser the Trainer passes down, the output switches)
+# keyword arguments that spell the batch's boundaries or positions (which the packed path applies through its layout:
+# flash_attention_forward reads them to find sequences) or switch outputs and normalise the loss (transformers'
+# TransformersKwargs): a base function that reads one of these does not compute another attention for one sequence
 _ROUTING = frozenset({"position_ids", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx",
                       "cache_position", "output_attentions", "output_hidden_states", "output_router_logits",
                       "use_cache", "layer_idx", "target_dtype", "num_items_in_batch", "shift_labels"})
 
+# how a function may look a key up in its ``**kwargs`` without handing them on: ``kwargs.get("k")``,
+# ``kwargs.pop("k")``, ``kwargs["k"]``, ``"k" in kwargs``
+_LOOKUPS = frozenset({"get", "pop"})
+_LOADS = frozenset({"LOAD_FAST", "LOAD_FAST_CHECK", "LOAD_FAST_BORROW"})
 
-def _unapplied(kwargs: dict[str, Any]) -> str | None:
-    """A keyword argument that would change the attention (a bias or sink tensor, ``is_causal=False``) and that
-    the packed path does not apply, described; None when there is none."""
-    for name, value in kwargs.items():
-        if name in _ROUTING or value is None:
+
+@functools.lru_cache(maxsize=256)
+def _reads(function: Callable) -> frozenset[str] | None:
+    """The keyword arguments ``function`` can read: its named parameters and every key it looks up by a constant
+    in its ``**kwargs``; None when that cannot be told (no Python code of its own, a wrapper, ``**kwargs`` handed on
+    to another function or used any other way), and then any name may be read.
+
+    Found from the signature and the bytecode, not from a list of names: whatever a transformers release adds to
+    its attention functions is read where it is read.
+    """
+    code = getattr(function, "__code__", None)
+    if code is None or hasattr(function, "__wrapped__"):
+        return None
+    try:
+        params = inspect.signature(function).parameters.values()
+    except (TypeError, ValueError):
+        return None
+    names = {p.name for p in params if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)}
+    varkw = next((p.name for p in params if p.kind is p.VAR_KEYWORD), None)
+    if varkw is None:
+        return frozenset(names)
+    if varkw in code.co_cellvars:  # a nested function reads it: not followed
+        return None
+    ops = list(dis.get_instructions(code))
+    for i, op in enumerate(ops):
+        if "FAST" not in op.opname or varkw not in (op.argval if isinstance(op.argval, tuple) else (op.argval,)):
             continue
-        if isinstance(value, torch.Tensor):
+        if op.opname not in _LOADS or op.argval != varkw:
+            return None  # stored to, deleted, or one of two locals a 3.13+ instruction loads at once: not followed
+        prev, nxt, after = (ops[j] if 0 <= j < len(ops) else None for j in (i - 1, i + 1, i + 2))
+        key = None
+        if nxt is not None and nxt.opname in ("LOAD_METHOD", "LOAD_ATTR") and nxt.argval in _LOOKUPS:
+            key = after.argval if after is not None and after.opname == "LOAD_CONST" else None
+        elif nxt is not None and nxt.opname == "LOAD_CONST" and after is not None and (
+                after.opname == "BINARY_SUBSCR" or (after.opname == "BINARY_OP" and after.argrepr == "[]")):
+            key = nxt.argval
+        elif nxt is not None and nxt.opname == "CONTAINS_OP" and prev is not None and prev.opname == "LOAD_CONST":
+            key = prev.argval
+        if not isinstance(key, str):
+            return None  # handed on, iterated, copied, or a key not known before the call
+        names.add(key)
+    return frozenset(names)
+
+
+def _base_reads(backend: str, module: torch.nn.Module) -> frozenset[str] | None:
+    """What the function transformers would run for ``backend``'s base on ``module`` reads (see :func:`_reads`)."""
+    spec = BACKENDS.get(backend)
+    try:
+        function = _base_attention(spec, module) if spec is not None else None
+    except (AttributeError, KeyError):  # no eager function in the modeling file, no such registered backend
+        return None
+    return None if function is None else _reads(function)
+
+
+def _unapplied(kwargs: dict[str, Any], backend: str, module: torch.nn.Module) -> str | None:
+    """A keyword argument that would change the attention and that the packed path does not apply, described;
+    None when there is none.
+
+    The packed path is causal (``is_causal=False`` is refused whatever reads it: padfree's mask functions build no
+    mask in a packed forward, so nothing else would make the attention bidirectional) and applies its own named
+    parameters and the boundaries. A tensor among the rest is refused when the function transformers runs for the
+    backend's base (``sdpa_attention_forward``, the modeling file's ``eager_attention_forward``,
+    ``flex_attention_forward``) reads it — or when what that function reads cannot be told. A tensor it ignores
+    (``labels``, ``logits_to_keep``: a model's forward hands its ``**kwargs`` down through its layers) cannot change
+    the attention that function computes, so it is no reason to refuse.
+    """
+    reads: frozenset[str] | None = None
+    looked = False
+    for name, value in kwargs.items():
+        if value is None or name in _ROUTING:
+            continue
+        if name == "is_causal":
+            if value is False:
+                return "is_causal=False (bidirectional attention)"
+            continue
+        if not isinstance(value, torch.Tensor):
+            continue
+        if not looked:
+            reads, looked = _base_reads(backend, module), True
+        if reads is None or name in reads:
             return f"{name}= (a tensor of shape {tuple(value.shape)})"
-        if name == "is_causal" and value is False:
-            return "is_causal=False (bidirectional attention)"
     return None
 
 

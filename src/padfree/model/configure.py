@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import logging
 import warnings
+import weakref
 from collections.abc import Mapping
 from typing import Any
 
@@ -69,10 +70,15 @@ __all__ = [
     "families",
     "install_packing",
     "packing_state",
+    "refresh_packing",
     "unconfigure_packing",
 ]
 
 log = logging.getLogger("padfree")
+
+# configured model -> (its modules when configure_packing returned, the arguments it was called with): what
+# refresh_packing compares and calls again with. Weak: a model that is gone takes its entry with it.
+_CONFIGURED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def _supported_types() -> Mapping[str, str]:
@@ -119,6 +125,41 @@ def configure_packing(model: Any, *, backend: str = "auto", strict: bool = True,
     base backend (``sdpa`` for ``padfree_sdpa``, ...).
     """
     inner = _configurable(model)
+    _CONFIGURED.pop(inner, None)
+    report = _configure(inner, backend, strict, sequence_parallel)
+    _CONFIGURED[inner] = (_modules(inner), {"backend": backend, "strict": strict,
+                                            "sequence_parallel": sequence_parallel})
+    return report
+
+
+def refresh_packing(model: Any) -> PackingReport | None:
+    """Configure ``model`` again, with the arguments :func:`configure_packing` last had, if modules were added to
+    it, replaced or copied since; its report either way (None: not configured).
+
+    A trainer configures its model, then PEFT may wrap it: LoRA layers replace its projections and
+    ``modules_to_save`` deep-copies whole modules — copies of an attention layer or a GatedDeltaNet that carry a
+    copy of padfree's per-instance state, not the live one, so they would run packed rows with boundaries
+    that no forward updates. Configuring again scans the model as it is now (and refuses what an adapter made
+    inexact).
+    """
+    inner = transformers_model(model, "model")
+    state = packing_state(inner)
+    if state is None:
+        return None
+    seen = _CONFIGURED.get(inner)
+    if seen is None or seen[0] == _modules(inner):  # unchanged, or set up by install_packing alone (not ours)
+        return state.report
+    log.info("padfree: %s changed since configure_packing (PEFT adapters or copied modules): configuring it again",
+             type(inner).__name__)
+    return configure_packing(model, **seen[1])
+
+
+def _modules(model: Any) -> tuple[int, ...]:
+    """Which module objects ``model`` holds, in order (their ids: a replaced or added module changes it)."""
+    return tuple(id(m) for m in model.modules())
+
+
+def _configure(inner: Any, backend: str, strict: bool, sequence_parallel: Any) -> PackingReport:
     problems = adapter_problems(inner)
     if problems and strict:
         raise UnsupportedModelError(f"cannot make {type(inner).__name__} packing-exact: {_joined(problems)}")
@@ -127,11 +168,11 @@ def configure_packing(model: Any, *, backend: str = "auto", strict: bool = True,
     if problems and strict:
         unconfigure_packing(inner)
         raise UnsupportedModelError(f"cannot make {type(inner).__name__} packing-exact: {_joined(problems)}")
-    if problems:  # strict=False: configured, the adapters said unsupported
+    if problems:  # strict=False: configured anyway, these modules named as not exact
         report.unsupported.update(problems)
         report.supported = False
         warnings.warn(f"padfree: {type(inner).__name__} is only partly packing-exact: {_joined(problems)}",
-                      stacklevel=2)
+                      stacklevel=3)
     if report.unsupported:  # strict=False: some modules stay as they are; nothing to prove
         report.proof = "none: some modules could not be made exact"
         return report
@@ -145,7 +186,7 @@ def configure_packing(model: Any, *, backend: str = "auto", strict: bool = True,
         if strict:
             unconfigure_packing(inner)
             raise UnsupportedModelError(message)
-        warnings.warn(f"padfree: {message} (strict=False: configured anyway)", stacklevel=2)
+        warnings.warn(f"padfree: {message} (strict=False: configured anyway)", stacklevel=3)
     log.info("configure_packing(%s): %s", type(inner).__name__, report)
     return report
 

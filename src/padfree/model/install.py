@@ -333,6 +333,19 @@ def _choose_backend(requested: str, device: torch.device, feats: dict[str, bool]
             f"backend={requested!r} cannot apply {', '.join(missing)}, which this model's attention uses; "
             f"use backend='sdpa' or 'eager'"
         )
+    if name == "padfree_flex" and device.type == "cpu":
+        # torch's CPU flex kernel (inductor's C++ template) scores a key block of 8 mod 16 tokens with its 16-wide
+        # micro-kernel when head_dim is 8 or 16 and vectors hold 8 floats (AVX2): it reads keys past the block and
+        # writes past the scores into the softmax maxima, so rows of 8, 24, ... 120 tokens come out off by 0.1-2 or
+        # NaN, differently each run — in padfree's packed rows and in the unpacked forwards transformers runs under
+        # flex alike (padfree's BlockMask is exact under torch's uncompiled flex). With no CPU backward either, no
+        # training step could use it: refused until a proof on the CPU passes.
+        raise UnsupportedModelError(
+            f"backend={requested!r} is refused on the CPU: torch {torch.__version__} has no flex_attention backward "
+            f"there, and its compiled CPU kernel computes wrong attention for some shapes (head_dim 8 or 16 with "
+            f"8-wide float vectors, key blocks of 8 mod 16 tokens: off by up to 2, or NaN), packed or not; use "
+            f"backend='sdpa' or 'auto' (exact on the CPU), or flex_attention on a CUDA device"
+        )
     return name, f"requested: {backend.doc}"
 
 
@@ -568,10 +581,10 @@ def unconfigure_packing(model: Any) -> bool:
         for attr in (OWNER_ATTR, SHARDED_CALLS, "_padfree_calls_before", _HOOKED, flight.LAYER_ATTR):
             module.__dict__.pop(attr, None)
     _uninstall_families(model)
-    restore_copied_configs(model)
     attn, use_cache = state.previous
     if attn is not None:
         model.set_attn_implementation(attn)
+    restore_copied_configs(model)  # after the model's own: copies follow it
     if use_cache is not None:
         model.config.use_cache = use_cache
     del model._padfree_state

@@ -9,9 +9,13 @@ certification of a model the table does not cover, and ``padfree verify --model-
 2. every sequence run alone as an unpacked batch of one (the model's own default positions), in fp32 (the
    reference), with the gradient of the token-mean cross-entropy;
 3. for every backend: ``configure_packing``'s machinery installed, an ordinary padded batch checked unchanged,
-   then per precision the packed forward and backward, and a **negative control** — the same rows with positions
-   that never restart, which any model that mixes tokens leaks on;
-4. the verdict: fp32 within ``1e-5`` (relative to the logits' scale); a low precision within three times what
+   then per precision a packed **training step** — the forward with ``labels=`` (each sequence's first token and
+   the filler run ``-100``; pre-shifted for a model whose loss does not shift them: BART's, XLNet's and other
+   decoders of encoder-decoder families), the model's own loss from them, and its backward — and a **negative
+   control** — the
+   same rows with positions that never restart, which any model that mixes tokens leaks on;
+4. the verdict: fp32 within ``1e-5`` (logits relative to their scale, the model's loss against the token-mean
+   loss of the sequences alone, every gradient); a low precision within three times what
    rounding alone moves the per-sequence run from its fp32 reference (``bf16`` weights, or fp32 weights under
    ``autocast``; see :data:`ROUNDING_FACTOR`), measured per sequence as relative Frobenius distances; and on every
    backend a negative control beyond the tolerance (in fp32 at least: a model whose leak is smaller than bf16
@@ -39,6 +43,7 @@ import torch
 import torch.nn.functional as F
 
 from padfree.errors import InvalidArgumentError, PadfreeError, describe
+from padfree.layout import IGNORE_INDEX
 
 __all__ = ["PRECISIONS", "ROWS", "Check", "Proof", "first_divergence", "perturb", "prove", "stock_packed_diff"]
 
@@ -67,7 +72,8 @@ class Check:
         logits: fp32: the largest ``|packed - alone|`` over every logit, divided by ``max(1, max |logit|)``; low
             precision: ``‖packed - alone‖ / ‖alone_fp32‖`` over every sequence's logits.
         grads: the same measure over every parameter gradient (None when not compared).
-        loss: ``|packed - alone|`` of the token-mean cross-entropy.
+        loss: ``|packed - alone|``: the loss the packed model computes itself from ``labels=`` against the
+            token-mean cross-entropy of every sequence alone.
         tolerance: the bound ``logits`` must meet; ``grads_tolerance`` for ``grads``, ``loss_tolerance`` for
             ``loss``.
         leak: the ``logits`` measure of the negative control (positions that never restart); must exceed
@@ -116,7 +122,9 @@ class Proof:
         unpacked_unchanged: an ordinary padded batch gives the same logits configured and unconfigured.
         mixers: the report's mixer descriptions (qualified name -> implementation).
         unrunnable: ``"backend/precision"`` -> why the model's own per-sequence forward fails there (nothing for a
-            packed run to match; the precision is not proven, and not counted against the model).
+            packed run to match; the precision is not proven, and not counted against the model); ``"labels"`` ->
+            why the model's own loss from ``labels=`` fails or is not the token-mean cross-entropy of its logits on
+            a sequence alone (the packed step's loss is then that cross-entropy, computed here).
     """
 
     checks: list[Check]
@@ -168,6 +176,8 @@ def perturb(model: torch.nn.Module, *, seed: int = 0, scale: float = 0.02) -> to
 class _Case:
     ids: torch.Tensor  # (B, T)
     positions: torch.Tensor  # (B, T), restarting per sequence and for the filler run
+    labels: torch.Tensor  # (B, T): the ids, IGNORE_INDEX at each sequence's first token and over the filler run
+    shifted: torch.Tensor  # (B, T): each token's next id in its sequence, IGNORE_INDEX at its last and the filler
     segments: tuple[tuple[int, int, int], ...]  # (row, start, length) of every real sequence
     targets: int  # next-token targets over every sequence
 
@@ -177,15 +187,20 @@ class _Case:
         low = min(3, vocab - 1)  # clear of the usual pad / bos / eos ids
         ids = torch.randint(low, vocab, (len(ROWS), _WIDTH), generator=g)
         pos = torch.zeros_like(ids)
+        labels = torch.full_like(ids, IGNORE_INDEX)
+        shifted = torch.full_like(ids, IGNORE_INDEX)
         segments = []
         for row, lengths in enumerate(ROWS):
             col = 0
             for n in lengths:
                 pos[row, col:col + n] = torch.arange(n)
+                labels[row, col + 1:col + n] = ids[row, col + 1:col + n]
+                shifted[row, col:col + n - 1] = ids[row, col + 1:col + n]
                 segments.append((row, col, n))
                 col += n
             pos[row, col:] = torch.arange(_WIDTH - col)
-        return cls(ids.to(device), pos.to(device), tuple(segments), sum(n - 1 for *_, n in segments))
+        return cls(ids.to(device), pos.to(device), labels.to(device), shifted.to(device), tuple(segments),
+                   sum(n - 1 for *_, n in segments))
 
 
 def _logits(model: torch.nn.Module, **inputs: Any) -> torch.Tensor:
@@ -216,20 +231,74 @@ def _alone(model: torch.nn.Module, case: _Case, grads: bool) -> tuple[list[torch
     return outs, total, _grads(model) if grads else {}
 
 
-def _packed(model: torch.nn.Module, case: _Case, grads: bool, *, leak: bool = False
-            ) -> tuple[list[torch.Tensor], float, dict]:
-    """One packed forward (and backward); ``leak``: positions that never restart (the negative control)."""
-    model.zero_grad(set_to_none=True)
+def _packed_logits(model: torch.nn.Module, case: _Case, *, leak: bool = False) -> list[torch.Tensor]:
+    """Every sequence's logits from one packed forward without labels or gradients; ``leak``: positions that
+    never restart (the negative control)."""
     pos = torch.arange(_WIDTH, device=case.ids.device).expand_as(case.ids) if leak else case.positions
-    with torch.set_grad_enabled(grads):
+    with torch.no_grad():
         logits = _logits(model, input_ids=case.ids, position_ids=pos)
-        per = [logits[row, start:start + n] for row, start, n in case.segments]
-        loss = sum(_ce(x, case.ids[row, start:start + n]) for x, (row, start, n) in zip(per, case.segments,
-                                                                                          strict=True)
-                   if n > 1) / case.targets
+    return [logits[row, start:start + n].float() for row, start, n in case.segments]
+
+
+@dataclasses.dataclass(frozen=True)
+class _LossRoute:
+    """How the packed step gets its loss: ``labels`` handed to the forward (``shifted``: pre-shifted), and the
+    model's ``own`` loss from them compared (else the token-mean cross-entropy of the packed logits); ``why`` not,
+    when not."""
+
+    labels: bool = True
+    own: bool = True
+    shifted: bool = False
+    why: str | None = None
+
+
+def _loss_route(model: torch.nn.Module, case: _Case, ref_logits: Sequence[torch.Tensor]) -> _LossRoute:
+    """Whether the model's own loss from ``labels=`` runs on the longest sequence alone (transformers' own code,
+    unconfigured) and equals the token-mean cross-entropy of its logits there: with the labels aligned to the ids
+    (the model shifts them, the Hugging Face convention), or else pre-shifted (BART's decoder and its kin do not
+    shift). A model whose own code does neither (GIT counts image tokens it was not given; a router's auxiliary
+    term) still has its packed step proven, on the cross-entropy."""
+    i = max(range(len(case.segments)), key=lambda j: case.segments[j][2])
+    row, start, n = case.segments[i]
+    ids = case.ids[row:row + 1, start:start + n]
+    want = float(_ce(ref_logits[i], ids[0])) / (n - 1)
+    found = []
+    for shifted in (False, True):
+        labels = torch.cat([ids[:, 1:], torch.full_like(ids[:, :1], IGNORE_INDEX)], dim=1) if shifted else ids
+        try:
+            with torch.no_grad():
+                own = model(input_ids=ids, labels=labels, use_cache=False).loss
+        except Exception as exc:
+            found.append(exc)
+            continue
+        if own is not None and abs(float(own) - want) <= FP32_TOL * max(1.0, abs(want)):
+            return _LossRoute(shifted=shifted)
+        found.append(own)
+    if isinstance(found[0], Exception):
+        return _LossRoute(False, False, why=f"transformers' own loss from labels= fails on a sequence alone "
+                                            f"({type(found[0]).__name__}: {str(found[0])[:160]})")
+    got = "no loss" if found[0] is None else f"{float(found[0]):.6g}"
+    return _LossRoute(True, False, why=f"the model's own loss from labels= on a sequence alone ({got}) is not the "
+                                       f"token-mean cross-entropy of its logits ({want:.6g}), the labels aligned "
+                                       f"or pre-shifted")
+
+
+def _packed(model: torch.nn.Module, case: _Case, grads: bool, route: _LossRoute = _LossRoute()
+            ) -> tuple[list[torch.Tensor], float, dict]:
+    """One packed training step: the forward with ``labels=`` and the loss the model computes from them (what a
+    trainer runs: the labels travel down the model's ``**kwargs`` next to the layout), and its backward."""
+    model.zero_grad(set_to_none=True)
+    with torch.set_grad_enabled(grads):
+        labels = (case.shifted if route.shifted else case.labels) if route.labels else None
+        out = model(input_ids=case.ids, position_ids=case.positions, labels=labels, use_cache=False)
+        loss = out.loss
+        if not route.own:
+            loss = sum(_ce(out.logits[row, start:start + n], case.ids[row, start:start + n])
+                       for row, start, n in case.segments if n > 1) / case.targets
     if grads:
         loss.backward()
-    return [x.detach().float() for x in per], float(loss.detach()), _grads(model) if grads else {}
+    per = [out.logits[row, start:start + n].detach().float() for row, start, n in case.segments]
+    return per, float(loss.detach()), _grads(model) if grads else {}
 
 
 def _flat(xs: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -357,6 +426,9 @@ def prove(
     try:
         base = _unpacked_logits(model, case)
         ref_logits, ref_loss, ref_grads = _alone(model, case, grads)
+        route = _loss_route(model, case, ref_logits)
+        if route.why is not None:
+            unrunnable["labels"] = route.why
         for backend in backends:
             try:
                 report = configure(model, backend=backend)
@@ -370,7 +442,7 @@ def prove(
             for precision in per_backend.get(backend, ("fp32",)):
                 try:
                     checks.append(_check(model, case, name, precision, grads, (ref_logits, ref_loss, ref_grads),
-                                         lambda m, b=backend: configure(m, backend=b)))
+                                         lambda m, b=backend: configure(m, backend=b), route))
                 except _Unrunnable as exc:
                     unrunnable[f"{name}/{precision}"] = str(exc)
             _install.unconfigure_packing(model)
@@ -386,7 +458,7 @@ class _Unrunnable(Exception):
 
 
 def _check(model: torch.nn.Module, case: _Case, backend: str, precision: str, grads: bool,
-           reference: tuple[list[torch.Tensor], float, dict], configure: Callable) -> Check:
+           reference: tuple[list[torch.Tensor], float, dict], configure: Callable, route: _LossRoute) -> Check:
     ref_logits, ref_loss, ref_grads = reference
     with _precision(model, precision, configure) as run:
         if precision == "fp32":
@@ -397,9 +469,8 @@ def _check(model: torch.nn.Module, case: _Case, backend: str, precision: str, gr
             except Exception as exc:
                 raise _Unrunnable(f"transformers' own per-sequence forward fails in {precision} "
                                   f"({type(exc).__name__}: {str(exc)[:160]})") from exc
-        packed_logits, packed_loss, packed_grads = _packed(run, case, grads)
-        with torch.no_grad():
-            leak_logits, _, _ = _packed(run, case, False, leak=True)
+        packed_logits, packed_loss, packed_grads = _packed(run, case, grads, route)
+        leak_logits = _packed_logits(run, case, leak=True)
         run.zero_grad(set_to_none=True)
     loss = abs(packed_loss - alone_loss)
     if precision == "fp32":
@@ -560,7 +631,7 @@ def stock_packed_diff(model: torch.nn.Module, *, seed: int = 1) -> float:
     try:
         with torch.no_grad():
             alone, _, _ = _alone(model, case, False)
-            packed, _, _ = _packed(model, case, False)
+            packed = _packed_logits(model, case)
     finally:
         model.train(was_training)
     return _max_scaled(packed, alone)

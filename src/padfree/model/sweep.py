@@ -8,8 +8,10 @@ support table; ``padfree verify --model-type T`` runs the same function for one 
    features the defaults leave off (a sliding window, say) — a second variant with them on
    (:data:`padfree.model.tiny.TINY_CONFIGS`);
 2. what stock transformers does with the packed rows (restarting ``position_ids``, no mask, no cache);
-3. :func:`padfree.model.proof.prove` on ``sdpa`` and ``eager`` in fp32 — logits, loss, every gradient — and on
-   ``sdpa`` in ``autocast_bf16`` and ``bf16`` weights, each with its leaking negative control;
+3. :func:`padfree.model.proof.prove` on ``sdpa`` and ``eager`` in fp32 — a packed training step: the forward with
+   ``labels=`` (which a model may hand down to its attention with its ``**kwargs``), the model's own loss from
+   them, and its backward; logits, loss, every gradient — and on ``sdpa`` in ``autocast_bf16`` and ``bf16``
+   weights, each with its leaking negative control;
 4. the verdict: ``exact`` when every check of every variant passed; else ``refused``, with the module that cannot be
    made exact (from ``configure_packing``'s scan) or the first module whose packed output diverges.
 
@@ -186,7 +188,7 @@ def sweep_type(model_type: str, *, precisions: Mapping[str, Sequence[str]] | Non
         except PadfreeError as exc:
             return _refused(entry, str(exc).splitlines()[0], type(model).__name__)
         except Exception as exc:
-            return _refused(entry, f"the packed forward raised {type(exc).__name__}: {str(exc)[:200]}",
+            return _refused(entry, f"the packed training step raised {type(exc).__name__}: {str(exc)[:200]}",
                             type(model).__name__, model)
         if proof.refused and not proof.checks:
             why = next(iter(proof.refused.values()))

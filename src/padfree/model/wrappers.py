@@ -13,7 +13,8 @@ they copy) adds a function of each token's own input, so a packed row stays exac
 A prompt-learning adapter (prefix / prompt tuning, P-tuning) prepends virtual tokens or a prefix cache to every
 sequence, which a row of several sequences cannot hold (:func:`prompt_learning_adapter`), and an adapter on a
 convolution over the sequence runs beside the convolution padfree makes boundary-exact (:func:`adapter_problems`):
-both are refused.
+both are refused. ``modules_to_save`` deep-copies a module with its config: a copied attention layer would keep
+the base attention implementation, so its config follows the model's (:func:`follow_copied_configs`).
 
 >>> import torch
 >>> from padfree.model.tiny import tiny_model
@@ -48,8 +49,8 @@ __all__ = [
     "wrapper_chain",
 ]
 
-#: set on a module whose own copy of the model's config was switched to padfree's backend: ``(its implementation
-#: before)``, which :func:`restore_copied_configs` puts back
+#: marks a module holding its own copy of the model's config, which :func:`follow_copied_configs` switched with the
+#: model and :func:`restore_copied_configs` switches back with it
 COPIED_CONFIG_ATTR = "_padfree_copied_config"
 
 _CONVS = (torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Conv3d)
@@ -186,33 +187,49 @@ def follow_copied_configs(model: Any, attention_modules: list[str]) -> dict[str,
     deep-copied after the model was built — PEFT's ``modules_to_save`` copy of an attention (or decoder) layer —
     holds a config of its own, which would keep the base backend: plain SDPA over the whole packed row, every
     sequence attending to the ones before it. Each such copy takes the implementation of the model's config of
-    its class (its sub-configs untouched); :func:`restore_copied_configs` undoes it.
+    its class (its sub-configs untouched) and is marked, so that :func:`restore_copied_configs` makes it follow
+    the model's config again when packing is undone.
 
     Args:
         model: the transformers model, configured.
         attention_modules: qualified names of its attention modules (``PackingReport.attention_modules``).
     """
-    own = _configs(model.config)
-    shared = {id(c) for c in own}
     problems: dict[str, str] = {}
     for name in attention_modules:
         module = model.get_submodule(name)
-        config = getattr(module, "config", None)
-        if config is None or id(config) in shared or not hasattr(config, "_attn_implementation"):
-            continue
-        origin = next((c for c in own if type(c) is type(config)), None)
-        if origin is None:
-            problems[name] = (f"it holds a {type(config).__name__} of its own, not one of the model's configs, so "
-                              f"the attention implementation padfree configures would not reach it")
-        elif config._attn_implementation != origin._attn_implementation:
-            module.__dict__[COPIED_CONFIG_ATTR] = (config._attn_implementation,)
-            config._attn_implementation = {"": origin._attn_implementation}  # a dict leaves sub-configs as they are
+        if _follow(model, module) is False:
+            problems[name] = (f"it holds a {type(module.config).__name__} of its own, not one of the model's "
+                              f"configs, so the attention implementation padfree configures would not reach it")
+        elif _copied(model, module):  # switched now, or copied from a config switched already
+            module.__dict__[COPIED_CONFIG_ATTR] = True
     return problems
 
 
 def restore_copied_configs(model: torch.nn.Module) -> None:
-    """Give every config :func:`follow_copied_configs` switched its own attention implementation back."""
+    """Make every copy :func:`follow_copied_configs` switched follow the model's config again (call it once the
+    model's own attention implementation is restored)."""
     for module in model.modules():
-        previous = module.__dict__.pop(COPIED_CONFIG_ATTR, None)
-        if previous is not None:
-            module.config._attn_implementation = {"": previous[0]}
+        if module.__dict__.pop(COPIED_CONFIG_ATTR, None) is not None:
+            _follow(model, module)
+
+
+def _copied(model: Any, module: torch.nn.Module) -> bool:
+    config = getattr(module, "config", None)
+    return config is not None and all(config is not c for c in _configs(model.config))
+
+
+def _follow(model: Any, module: torch.nn.Module) -> bool | None:
+    """Give ``module``'s own copy of a config the attention implementation of the model's config of its class: True
+    if switched, None if there was nothing to do (no config, the model's own, or the same already), False if the
+    model has no config of that class."""
+    config = getattr(module, "config", None)
+    own = _configs(model.config)
+    if config is None or not hasattr(config, "_attn_implementation") or any(config is c for c in own):
+        return None
+    origin = next((c for c in own if type(c) is type(config)), None)
+    if origin is None:
+        return False
+    if config._attn_implementation == origin._attn_implementation:
+        return None
+    config._attn_implementation = {"": origin._attn_implementation}  # a dict leaves its sub-configs as they are
+    return True
