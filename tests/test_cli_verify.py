@@ -16,7 +16,8 @@ def test_model_type_prints_results_and_the_support_table_row(capsys):
     assert main(["verify", "--model-type", "mistral", "--backend", "sdpa", "--backend", "eager"]) == 0
     out = capsys.readouterr().out
     assert out.startswith("mistral: configure_packing accepts it — support table: MistralForCausalLM proven exact")
-    assert "mistral: exact on every backend that ran" in out
+    assert ("mistral: exact — configure_packing picks padfree_sdpa here (backend='auto'); proven exact: "
+            "padfree_eager, padfree_sdpa") in out
     assert "| model type | `sdpa` | `eager` |" in out
     assert "| mistral | ✓ `padfree_sdpa` | ✓ `padfree_eager` |" in out
 
@@ -30,6 +31,8 @@ def test_local_checkpoint_as_json(tmp_path, capsys):
     assert result["ok"] and result["model_type"] == "qwen3_5_text" and result["mixers"]
     assert eager["ok"] and eager["backend"] == "padfree_eager" and eager["max_grad_diff"] <= 1e-5
     assert not varlen["ok"] and "cuda" in varlen["error"].lower()  # reported, not raised, on a CPU machine
+    assert (eager["status"], varlen["status"]) == ("exact", "unavailable") and not eager["auto"]
+    assert result["auto_backend"] == "padfree_sdpa" and "(not checked)" in result["verdict"]
 
 
 def test_no_backend_that_can_run_here_exits_1(capsys):
@@ -47,7 +50,8 @@ def test_no_backend_that_can_run_here_exits_1(capsys):
 @pytest.mark.parametrize(("args", "message"), [
     (["--model-type", "nope"], "model_type='nope' is not a model type of transformers"),
     (["--model-type", "gemma3n"], "needs the timm package"),
-    (["--model", "/definitely/not/here"], "is not a checkpoint directory"),
+    (["--model", "/definitely/not/here"], "--model '/definitely/not/here' does not exist; expected a local "
+                                          "checkpoint directory of a causal LM (written by save_pretrained"),
     (["--model-type", "llama", "--atol", "-1"], "--atol must be a number >= 0"),
     (["--model-type", "llama", "--device", "warp9"], "--device 'warp9' is not a torch device"),
     (["--model-type", "llama", "--backend", "magic"], "backends must be"),
@@ -61,7 +65,56 @@ def test_bad_input_is_one_error_line_and_exit_2(args, message, capsys):
 def test_a_broken_checkpoint_is_a_clear_error(tmp_path, capsys):
     (tmp_path / "config.json").write_text('{"model_type": "llama", "vocab_size": "many"}')
     assert main(["verify", "--model", str(tmp_path)]) == 2
-    assert "cannot load a causal LM" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert f"--model {str(tmp_path)!r}: transformers cannot load a causal LM from it" in err
+    assert "vocab_size" in err and "'many'" in err
+    assert err.endswith("expected a local checkpoint directory of a causal LM (written by save_pretrained: "
+                        "config.json and its weights)\n") and err.count("\n") == 1
+
+
+def _t5_config(folder):
+    import transformers
+
+    transformers.T5Config(vocab_size=32, d_model=16, d_kv=4, d_ff=32, num_layers=1, num_heads=2).save_pretrained(
+        folder)
+
+
+def _llama_config(folder):
+    tiny_model("llama").config.save_pretrained(folder)  # a config, no weights
+
+
+BAD_CHECKPOINTS = {  # what the directory holds -> what the one line says about it
+    "a file, not a directory": (lambda d: (d / "model").write_text("x"), "is a file, not a directory"),
+    "no config.json": (lambda d: (d / "model").mkdir(), "is not a checkpoint directory (no config.json)"),
+    "config.json not JSON": (lambda d: (d / "model").mkdir() or (d / "model" / "config.json").write_text("{oops"),
+                             "config.json cannot be read as JSON (Expecting property name"),
+    "config.json a list": (lambda d: (d / "model").mkdir() or (d / "model" / "config.json").write_text("[1, 2]"),
+                           "config.json holds a JSON list, not an object"),
+    "no model_type": (lambda d: (d / "model").mkdir() or (d / "model" / "config.json").write_text("{}"),
+                      "config.json has no model_type"),
+    "model_type null": (lambda d: (d / "model").mkdir() or (d / "model" / "config.json").write_text(
+        '{"model_type": null}'), "config.json has model_type None"),
+    "unknown model_type": (lambda d: (d / "model").mkdir() or (d / "model" / "config.json").write_text(
+        '{"model_type": "warp9"}'), "its config.json's model_type 'warp9' is not a model type of transformers"),
+    "not a causal LM": (lambda d: _t5_config(d / "model"),
+                        "its config.json's model_type 't5' has no causal-LM class (AutoModelForCausalLM) in "
+                        "transformers"),
+    "no weights": (lambda d: _llama_config(d / "model"),
+                   "transformers cannot load a causal LM from it (OSError: Error no file named model.safetensors"),
+}
+
+
+@pytest.mark.parametrize("case", BAD_CHECKPOINTS)
+def test_a_bad_model_directory_is_one_line_naming_the_path_and_what_is_accepted(case, tmp_path, capsys):
+    make, message = BAD_CHECKPOINTS[case]
+    make(tmp_path)
+    path = str(tmp_path / "model")
+    assert main(["verify", "--model", path]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1 and "Traceback" not in err
+    assert err.startswith(f"padfree: error: --model {path!r}") and message in err, err
+    assert err.endswith("expected a local checkpoint directory of a causal LM (written by save_pretrained: "
+                        "config.json and its weights)\n")
 
 
 def test_model_type_and_model_are_exclusive(capsys):
@@ -93,3 +146,50 @@ def test_a_model_configure_packing_refuses_says_so_and_exits_1(capsys):
     result = json.loads(capsys.readouterr().out)
     assert not result["ok"] and not result["support"]["ok"]
     assert "AxialPositionEmbeddings" in result["support"]["reason"]
+    assert result["checks"] == [] and result["auto_backend"] is None  # the same keys as an accepted model's
+
+
+# ---- what configure_packing does on this machine, per backend; the exit status follows what it would use -------
+
+
+def test_the_readme_command_exits_0_on_the_cpu_and_says_what_is_proven(capsys):
+    """`padfree verify --model-type llama`, every default backend: sdpa (auto's choice) and eager proven,
+    flex_attention refused by configure_packing on the CPU with its reason — exact, exit 0."""
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("checks the CPU's backends")
+    assert main(["verify", "--model-type", "llama"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[1] == ("llama: exact — configure_packing picks padfree_sdpa here (backend='auto'); proven exact: "
+                      "padfree_eager, padfree_sdpa")
+    assert out[2].split()[:3] == ["sdpa", "exact", "padfree_sdpa"] and "(auto)" in out[2]
+    assert out[3].split()[:3] == ["eager", "exact", "padfree_eager:"] and "(auto)" not in out[3]
+    assert out[4].split()[:2] == ["flex_attention", "refused"] and "is refused on the CPU" in out[4]
+    assert out[-1] == "| llama | ✓ `padfree_sdpa` | ✓ `padfree_eager` | refused |"
+
+
+def test_json_says_per_backend_what_configure_does_here(capsys):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("checks the CPU's backends")
+    assert main(["verify", "--model-type", "llama", "--backend", "sdpa", "--backend", "flex_attention",
+                 "--backend", "varlen", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert set(result) == {"model_type", "ok", "verdict", "support", "auto_backend", "checks", "mixers", "markdown"}
+    sdpa, flex, varlen = result["checks"]
+    assert result["auto_backend"] == "padfree_sdpa" and result["verdict"].startswith("llama: exact")
+    assert sdpa == {**sdpa, "status": "exact", "backend": "padfree_sdpa", "auto": True, "ok": True, "error": None}
+    assert (flex["status"], flex["backend"], flex["auto"], flex["ok"]) == ("refused", None, False, False)
+    assert "refused on the CPU" in flex["error"] and "max_logit_diff" not in flex
+    assert varlen["status"] == "unavailable" and "cuda" in varlen["error"]
+
+
+def test_a_backend_configure_accepts_that_is_not_exact_exits_1(capsys):
+    """The control of the exit status: the same command with a tolerance no float computation meets."""
+    assert main(["verify", "--model-type", "llama", "--backend", "sdpa", "--atol", "1e-12"]) == 1
+    out = capsys.readouterr().out
+    assert ("llama: NOT exact on padfree_sdpa (the backend configure_packing picks here), which configure_packing "
+            "accepts here") in out
+    assert "NOT EXACT" in out and "| llama | ✗ mismatch |" in out

@@ -1,4 +1,5 @@
-"""``padfree verify``: prove a model exact on packed rows, on every attention backend available here."""
+"""``padfree verify``: what configure_packing does with a model on this machine, backend by backend, and whether
+each backend it accepts is exact on packed rows."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from typing import Any
 
 from padfree.cli._optional import require
 from padfree.cli._output import one_line
-from padfree.errors import BackendUnavailableError, InvalidArgumentError, UnsupportedModelError
+from padfree.errors import BackendUnavailableError, InvalidArgumentError, UnsupportedModelError, describe
 
 
 def add_parser(subparsers: Any) -> None:
@@ -18,31 +19,40 @@ def add_parser(subparsers: Any) -> None:
         "verify",
         help="prove a model exact on packed rows, on every attention backend available here",
         description=(
-            "Configure the model for each attention backend in turn (padfree.configure_packing) and compare one packed "
-            "step with one step per sequence (padfree.verify: a few short sequences of different lengths in two "
-            "rows): logits, loss and every parameter gradient. Prints the result per backend and the model's row of "
-            "the README support table. First it says whether configure_packing accepts the model, and on what "
-            "proof (the support table of the sweep, or an on-the-spot certification). Exit status 0: exact on every "
-            "backend that ran; 1: refused by configure_packing, a mismatch, or no backend could run here. Needs "
-            "torch and transformers."
+            "Say whether configure_packing accepts the model, and on what proof (the support table of the sweep, or "
+            "an on-the-spot certification); then configure it for each attention backend in turn "
+            "(padfree.configure_packing) and compare one packed step with one step per sequence (padfree.verify: a "
+            "few short sequences of different lengths in two rows): logits, loss and every parameter gradient. Each "
+            "backend is reported as configure_packing treats it on this machine: exact (configured and proven), NOT "
+            "EXACT (configured, and the proof failed), refused (with the reason: not for this model, or not on this "
+            "device) or unavailable (a package or device it needs is missing); '(auto)' marks the backend "
+            "configure_packing(backend='auto') picks here. Then the model's row of the README support table. Exit "
+            "status 0: every backend configure_packing accepts here is exact (refused and unavailable ones are never "
+            "run); 1: configure_packing refuses the model, a backend it accepts is not exact, or no backend could "
+            "run; 2: bad arguments. --json prints one object: model_type, ok (the exit status's verdict), verdict "
+            "(one line: exact or not, on which backends; or why configure_packing refuses the model), support {ok, "
+            "how, reason, module}, auto_backend (what backend='auto' picks here, null when refused), checks "
+            "[{requested, status (exact, not exact, refused, unavailable), backend, auto, ok, error, max_logit_diff, "
+            "loss_diff, max_grad_diff}], mixers, markdown. Needs torch and transformers."
         ),
     )
     which = p.add_mutually_exclusive_group(required=True)
     which.add_argument("--model-type", metavar="TYPE",
                        help="the tiny random-weight model the support sweep proves for this transformers model type "
                             "(any causal-LM type, e.g. llama, qwen3_5_text, bloom)")
-    which.add_argument("--model", metavar="DIR", help="a local checkpoint directory (save_pretrained), loaded in fp32")
+    which.add_argument("--model", metavar="DIR", help=f"{_CHECKPOINT}, loaded in fp32")
     p.add_argument("--backend", action="append", dest="backends", metavar="NAME",
                    help="check only this backend (repeatable): sdpa, eager, flex_attention, varlen, flash_attention_2, "
-                        "auto (default: every backend available on the device)")
+                        "auto (default: sdpa, eager and flex_attention; varlen and flash_attention_2 too on CUDA)")
     p.add_argument("--device", default="cpu", help="torch device to run on (default: cpu)")
     p.add_argument("--atol", type=float, default=1e-5, help="tolerance on logits, loss and gradients (default: 1e-5)")
-    p.add_argument("--json", action="store_true", help="print the results as JSON on stdout")
+    p.add_argument("--json", action="store_true", help="print the results as one JSON object on stdout (see above)")
     p.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    """Load the model, say whether configure_packing accepts it, check every backend; 0 only when all are exact."""
+    """Load the model, say whether configure_packing accepts it, check every backend; 0 only when every backend
+    configure_packing accepts here is exact."""
     if not args.atol >= 0:
         raise InvalidArgumentError(f"--atol must be a number >= 0, got {args.atol}")
     require("padfree verify", "torch", "transformers")
@@ -58,22 +68,25 @@ def run(args: argparse.Namespace) -> int:
                                                                               else ""))
     if not support.ok:
         if args.json:
-            print(json.dumps({"model_type": name, "ok": False, "support": {
-                "ok": False, "how": support.how, "reason": support.reason, "module": support.module}}, indent=2))
+            print(json.dumps({"model_type": name, "ok": False, "verdict": verdict, "support": {
+                "ok": False, "how": support.how, "reason": support.reason, "module": support.module},
+                "auto_backend": None, "checks": [], "mixers": {}, "markdown": None}, indent=2))
         else:
             print(verdict)
         return 1
     row = check_support(model, args.backends, atol=args.atol)
     if args.json:
         checks = [{
-            "requested": c.requested, "backend": c.backend, "ok": c.ok, "forward_only": c.forward_only,
+            "requested": c.requested, "status": c.status, "backend": c.backend, "auto": c.auto, "ok": c.ok,
             "error": c.error,
             **({} if c.report is None else {"max_logit_diff": c.report.max_logit_diff,
                                              "loss_diff": c.report.loss_diff,
                                              "max_grad_diff": c.report.max_grad_diff}),
         } for c in row.checks]
-        print(json.dumps({"model_type": row.model_type, "ok": row.ok, "checks": checks, "mixers": row.mixers,
-                          "markdown": row.markdown(), "support": {"ok": True, "how": support.how}}, indent=2))
+        print(json.dumps({"model_type": row.model_type, "ok": row.ok, "verdict": row.verdict,
+                          "support": {"ok": True, "how": support.how, "reason": None, "module": None},
+                          "auto_backend": row.auto_backend, "checks": checks, "mixers": row.mixers,
+                          "markdown": row.markdown()}, indent=2))
     else:
         print(verdict)
         print(row)
@@ -82,6 +95,9 @@ def run(args: argparse.Namespace) -> int:
         print("|---" * (len(row.checks) + 1) + "|")
         print(row.markdown())
     return 0 if row.ok else 1
+
+
+_CHECKPOINT = "a local checkpoint directory of a causal LM (written by save_pretrained: config.json and its weights)"
 
 
 def _load_model(args: argparse.Namespace) -> Any:
@@ -93,19 +109,51 @@ def _load_model(args: argparse.Namespace) -> Any:
             raise UnsupportedModelError(f"--model-type {args.model_type!r}: {UNBUILDABLE[args.model_type]}")
         return build_tiny(args.model_type)
     path = Path(args.model)
-    if not (path / "config.json").is_file():
-        raise InvalidArgumentError(
-            f"--model {args.model!r} is not a checkpoint directory (no config.json); expected a local directory "
-            f"written by save_pretrained")
+    model_type = _checkpoint_type(args.model, path)
     import torch
     import transformers
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
+    if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+        what = ("is not a model type of" if model_type not in CONFIG_MAPPING else
+                "has no causal-LM class (AutoModelForCausalLM) in")
+        raise InvalidArgumentError(f"--model {args.model!r}: its config.json's model_type {model_type!r} {what} "
+                                   f"transformers {transformers.__version__}; expected {_CHECKPOINT}")
     try:
         return transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32,
                                                                  local_files_only=True)
     except Exception as exc:  # whatever transformers raises for a bad checkpoint becomes one clear line
-        raise InvalidArgumentError(f"--model {args.model!r}: transformers cannot load a causal LM from it: "
-                                   f"{type(exc).__name__}: {str(exc).splitlines()[0]}") from exc
+        why = one_line(exc)
+        why = why if len(why) <= 300 else why[:297] + "..."
+        raise InvalidArgumentError(f"--model {args.model!r}: transformers cannot load a causal LM from it "
+                                   f"({type(exc).__name__}: {why}); expected {_CHECKPOINT}") from exc
+
+
+def _checkpoint_type(given: str, path: Path) -> str:
+    """The ``model_type`` of the checkpoint directory ``path``'s config.json, or one line saying what is wrong."""
+    if not path.exists():
+        raise InvalidArgumentError(f"--model {given!r} does not exist; expected {_CHECKPOINT}")
+    if not path.is_dir():
+        raise InvalidArgumentError(f"--model {given!r} is a file, not a directory; expected {_CHECKPOINT}")
+    config = path / "config.json"
+    if not config.is_file():
+        raise InvalidArgumentError(f"--model {given!r} is not a checkpoint directory (no config.json); expected "
+                                   f"{_CHECKPOINT}")
+    try:
+        fields = json.loads(config.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as exc:  # json.JSONDecodeError is a ValueError
+        raise InvalidArgumentError(f"--model {given!r}: config.json cannot be read as JSON ({one_line(exc)}); "
+                                   f"expected {_CHECKPOINT}") from exc
+    if not isinstance(fields, dict):
+        raise InvalidArgumentError(f"--model {given!r}: config.json holds a JSON {type(fields).__name__}, not an "
+                                   f"object; expected {_CHECKPOINT}")
+    model_type = fields.get("model_type")
+    if not isinstance(model_type, str) or not model_type:
+        got = "has no model_type" if "model_type" not in fields else f"has model_type {describe(model_type)}"
+        raise InvalidArgumentError(f"--model {given!r}: config.json {got}; expected {_CHECKPOINT}")
+    return model_type
 
 
 def _torch_device(name: str) -> Any:
