@@ -23,7 +23,8 @@ grouped in buckets of padded length ``L`` (:func:`padfree.model.packed.bucket_le
 - ``padfree_eager`` — transformers' eager formula (scale, softcap, mask, sinks, fp32 softmax, dropout) per bucket:
   ``H x sum(L_i^2)`` floats of scores, never ``H x T^2``.
 - ``padfree_flex`` — ``flex_attention`` with a ``BlockMask`` built from the segment ids: ``O(B x (T/128)^2)`` ints.
-  (torch has no flex backward on the CPU: there it serves evaluation only.)
+  CUDA only: ``configure_packing`` refuses it on the CPU (no flex backward there, and torch's compiled CPU kernel
+  is wrong for head dims of 8 and 16).
 - ``padfree_varlen`` — CUDA only: ``torch.nn.attention.varlen.varlen_attn`` over the flattened stream with
   ``cu_seqlens``; nothing beyond flat views.
 

@@ -50,7 +50,10 @@ __all__ = ["cache_dir", "certify"]
 log = logging.getLogger("padfree")
 
 _MEMORY: dict[str, Verdict] = {}
-_CUDA_ONLY = ("padfree_varlen", "flash_attention_2")
+_CUDA_ONLY = ("padfree_varlen", "flash_attention_2")  # half-precision kernels: proven in bf16
+# run on the model's own device: these backends are refused on the CPU (flex: no backward there, and torch's
+# compiled CPU kernel is wrong for some head sizes), so a CPU twin could never prove what a GPU model will run
+_ON_MODEL_DEVICE = (*_CUDA_ONLY, "padfree_flex")
 
 
 def cache_dir() -> Path:
@@ -216,13 +219,12 @@ def certify(model: Any, backend: str, *, why: str = "", cache: bool = True) -> V
         if hit is not None:
             _MEMORY[key] = hit
             return hit
-    device = next(model.parameters()).device if backend in _CUDA_ONLY else torch.device("cpu")
+    device = next(model.parameters()).device if backend in _ON_MODEL_DEVICE else torch.device("cpu")
     precisions = ("bf16",) if backend in _CUDA_ONLY else ("fp32",)
     requested = "auto" if backend == "none" else backend
     try:
         twin = _twin(model, device)
-        proof = prove(twin, backends=[requested], precisions=precisions,
-                      grads=not (backend == "padfree_flex" and device.type == "cpu"))
+        proof = prove(twin, backends=[requested], precisions=precisions)
     except PadfreeError as exc:
         verdict = Verdict(False, "certification refused", str(exc).splitlines()[0], type(model).__name__)
     except Exception as exc:  # the twin could not be built or run: say what, do not guess

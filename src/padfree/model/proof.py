@@ -396,7 +396,7 @@ def prove(
         backends: names ``configure_packing`` accepts; a backend it refuses is recorded in ``Proof.refused``.
         precisions: from :data:`PRECISIONS` (``fp16`` variants need CUDA), for every backend, or a mapping
             backend -> precisions (a backend it does not name runs fp32 only).
-        grads: compare every parameter gradient too (flex_attention has no backward on the CPU: pass False).
+        grads: compare every parameter gradient too.
         seed: the random tokens of the case.
         configure: ``f(model, backend=...)`` that installs the packing machinery; default: configure_packing's
             machinery without its support decision (what is being decided here).
