@@ -329,7 +329,7 @@ BAD = [
      r"mask\[0, 0, 0, 1\] says attend, but the block-diagonal causal mask"),
     (layout.block_causal_mask_to_segment_ids, (np.diag([True, False, True])[None, None],),
      r"mask\[0, :, 2, 2\] lets token 2 attend itself after padding at token 1"),
-    (layout.block_causal_mask_to_segment_ids, (np.ones((3, 3), bool),), r"mask must be 4-D"),
+    (layout.block_causal_mask_to_segment_ids, (np.ones((3, 3), bool),), r"mask must be a 4-D array"),
     (layout.block_causal_mask_to_segment_ids, (np.ones((1, 1, 2, 2), np.int64),), "mask must be boolean"),
 ]
 

@@ -55,10 +55,11 @@ from padfree.model.install import (
 from padfree.model.state import packing_state
 from padfree.model.wrappers import (
     adapter_problems,
+    chain_names,
     follow_copied_configs,
+    packable_model,
     prompt_learning_adapter,
     transformers_model,
-    wrapper_chain,
 )
 
 __all__ = [
@@ -124,7 +125,7 @@ def configure_packing(model: Any, *, backend: str = "auto", strict: bool = True,
     mask (:class:`PackingDisabledError`). Unpacked batches, and generation, run transformers' own code under the
     base backend (``sdpa`` for ``padfree_sdpa``, ...).
     """
-    inner = _configurable(model)
+    inner = packable_model(model, "configure_packing")
     _CONFIGURED.pop(inner, None)
     report = _configure(inner, backend, strict, sequence_parallel)
     _CONFIGURED[inner] = (_modules(inner), {"backend": backend, "strict": strict,
@@ -191,26 +192,6 @@ def _configure(inner: Any, backend: str, strict: bool, sequence_parallel: Any) -
     return report
 
 
-def _configurable(model: Any) -> Any:
-    """The transformers model inside ``model``'s wrappers, or :class:`UnsupportedModelError`: ``model`` is none,
-    or carries a prompt-learning adapter (refused whatever ``strict`` says: its virtual tokens belong before every
-    sequence of a packed row, so nothing can be configured that would make the row exact)."""
-    inner = transformers_model(model, "model")
-    prompt = prompt_learning_adapter(model)
-    if prompt is not None:
-        raise UnsupportedModelError(
-            f"cannot make {_chain(model)} packing-exact: it has a prompt-learning PEFT adapter ({prompt}), "
-            f"whose virtual tokens are prepended to every sequence and cannot be placed in a packed row of several "
-            f"sequences; train it unpacked, or use an adapter on the layers (LoRA, DoRA, IA3, modules_to_save)")
-    return inner
-
-
-def _chain(model: Any) -> str:
-    """``model``'s wrappers and the model inside, outermost first: ``"OptimizedModule > PeftModelForCausalLM >
-    LlamaForCausalLM"``."""
-    return " > ".join(type(m).__name__ for m in wrapper_chain(model))
-
-
 def _joined(problems: Mapping[str, str]) -> str:
     """``"a, b: why; c: why"``: the modules refused for one reason named together, the reason said once."""
     by_reason: dict[str, list[str]] = {}
@@ -231,7 +212,7 @@ def check_packing_support(model: Any, *, backend: str = "auto") -> Any:
     if prompt is not None:
         return registry.Verdict(False, "configure_packing's scan", f"a prompt-learning PEFT adapter ({prompt}) "
                                 f"prepends virtual tokens to every sequence, which a packed row cannot hold",
-                                _chain(model))
+                                chain_names(model))
     problems = adapter_problems(inner)
     if problems:
         return registry.Verdict(False, "configure_packing's scan", _joined(problems), next(iter(problems)))

@@ -41,11 +41,10 @@ from padfree.errors import (
     InvalidArgumentError,
     InvalidTokensError,
     PackingMismatchError,
-    UnsupportedModelError,
     describe,
 )
 from padfree.layout import IGNORE_INDEX
-from padfree.model.wrappers import prompt_learning_adapter, transformers_model
+from padfree.model.wrappers import packable_model
 from padfree.packing.inputs import as_positive_int
 from padfree.packing.strategies import pack_sequences
 from padfree.samples import check_tokens, read_tokens
@@ -195,13 +194,7 @@ def verify(
     """
     if not (isinstance(atol, (int, float)) and math.isfinite(atol) and atol >= 0):
         raise InvalidArgumentError(f"atol must be a finite number >= 0, got {describe(atol)}")
-    inner = transformers_model(model, "model")
-    prompt = prompt_learning_adapter(model)
-    if prompt is not None:
-        raise UnsupportedModelError(
-            f"verify: model has a prompt-learning PEFT adapter ({prompt}), whose virtual tokens are prepended to "
-            f"every sequence: a packed row cannot hold them, so there is no packed run to compare; verify accepts "
-            f"models with adapters on their layers (LoRA, DoRA, IA3, modules_to_save)")
+    inner = packable_model(model, "verify")
     batch = _as_batch(data, capacity, _vocab_size(inner))
     device = next(model.parameters()).device
     batch = batch.to(device) if hasattr(batch, "to") else batch

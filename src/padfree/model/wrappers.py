@@ -41,7 +41,9 @@ from padfree.errors import UnsupportedModelError, describe
 __all__ = [
     "COPIED_CONFIG_ATTR",
     "adapter_problems",
+    "chain_names",
     "follow_copied_configs",
+    "packable_model",
     "prompt_learning_adapter",
     "restore_copied_configs",
     "transformers_model",
@@ -112,6 +114,30 @@ def transformers_model(model: Any, argument: str = "model") -> Any:
         f"{argument} must be a transformers PreTrainedModel (a causal LM such as LlamaForCausalLM), bare or inside "
         f"PEFT (PeftModel), DDP / FSDP / DeepSpeed (.module) or torch.compile wrappers; got "
         f"{_one_line(model)}{inside}")
+
+
+def packable_model(model: Any, caller: str) -> Any:
+    """:func:`transformers_model`, refusing a prompt-learning adapter (:func:`prompt_learning_adapter`) whatever the
+    caller's options: nothing can make a packed row of its virtual tokens exact.
+
+    Raises:
+        UnsupportedModelError: no transformers model inside ``model``, or a prompt-learning adapter on it; the
+            message starts with ``caller``.
+    """
+    inner = transformers_model(model, "model")
+    prompt = prompt_learning_adapter(model)
+    if prompt is not None:
+        raise UnsupportedModelError(
+            f"{caller}: {chain_names(model)} has a prompt-learning PEFT adapter ({prompt}), whose virtual tokens are "
+            f"prepended to every sequence and cannot be placed in a packed row of several sequences; train it "
+            f"unpacked, or use an adapter on the layers (LoRA, DoRA, IA3, modules_to_save)")
+    return inner
+
+
+def chain_names(model: Any) -> str:
+    """``model``'s wrappers and the model inside, outermost first: ``"OptimizedModule > PeftModelForCausalLM >
+    LlamaForCausalLM"``."""
+    return " > ".join(type(m).__name__ for m in wrapper_chain(model))
 
 
 def _one_line(value: Any) -> str:
