@@ -63,6 +63,8 @@ def test_bad_arguments():
         check_support(tiny_model("llama"), backends=[])
     with pytest.raises(InvalidArgumentError, match="model_type='nope' has no tiny config"):
         tiny_config("nope")
+    with pytest.raises(InvalidArgumentError, match="device must be .*'nonexistent'"):
+        available_backends("nonexistent")
 
 
 def test_every_tiny_config_builds():

@@ -27,6 +27,7 @@ from typing import Any, Literal
 
 import torch
 
+from padfree.data.batch import as_device
 from padfree.errors import BackendUnavailableError, InvalidArgumentError, PadfreeError, describe
 from padfree.model.configure import configure_packing, unconfigure_packing
 from padfree.model.verify import VerifyReport, verify
@@ -149,7 +150,7 @@ def available_backends(device: Any = "cpu") -> list[str]:
     """The backends :func:`check_support` tries by default on ``device``: ``sdpa`` and ``eager`` everywhere,
     ``flex_attention`` when torch has it (on the CPU too, where the check reports that ``configure_packing`` refuses
     it), ``varlen`` and ``flash_attention_2`` on CUDA."""
-    device = torch.device(device)
+    device = as_device(device) or torch.device("cpu")
     names = ["sdpa", "eager"]
     if importlib.util.find_spec("torch.nn.attention.flex_attention") is not None:
         names.append("flex_attention")
