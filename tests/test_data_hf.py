@@ -716,3 +716,11 @@ def test_a_per_token_column_that_cannot_be_carried_is_refused_not_dropped():
         list(pack_dataset(stream.to_iterable_dataset(), 8))
     assert [row["input_ids"] for row in pack_dataset(stream.to_iterable_dataset(), 8, carry=[])] == \
         [[1, 2, 3, 4, 5, 0, 0, 0]]
+
+
+@pytest.mark.parametrize(("kwargs", "named"), [({"padding": 2**40}, "padding=1099511627776"),
+                                               ({"pad_to_multiple_of": 2**40}, "pad_to_multiple_of=1099511627776")])
+def test_a_row_width_past_the_row_limit_is_refused_before_anything_is_allocated(kwargs, named):
+    with pytest.raises(InvalidArgumentError, match=rf"{named}.*a row holds at most"):
+        pack_dataset([[1, 2, 3], [4, 5]], capacity=8, **kwargs)
+    assert len(pack_dataset([[1, 2, 3], [4, 5]], capacity=8, pad_to_multiple_of=64)["input_ids"][0]) == 64

@@ -34,6 +34,7 @@ import pyarrow as pa
 from padfree.data._scratch import ScratchFile, remove_stale, with_path
 from padfree.errors import InvalidArgumentError
 from padfree.packing import PackResult
+from padfree.packing.inputs import MAX_CAPACITY
 from padfree.rows import fill_rows, mask_labels
 
 __all__ = ["Column", "Options", "Plan", "Source", "plan", "table", "write_file"]
@@ -133,6 +134,13 @@ def _row_widths(result: PackResult, opts: Options) -> np.ndarray:
     multiple = opts.pad_to_multiple_of
     if multiple is not None:
         widths = -(-widths // multiple) * multiple
+    widest = int(widths.max()) if widths.size else 0
+    if widest > MAX_CAPACITY:  # refused before a slot is allocated
+        what = f"padding={opts.padding}" if isinstance(opts.padding, int) else f"padding={opts.padding!r}"
+        if multiple is not None:
+            what += f" with pad_to_multiple_of={multiple}"
+        raise InvalidArgumentError(f"{what} makes rows of {widest} tokens; a row holds at most {MAX_CAPACITY} "
+                                   f"(pass a smaller padding or pad_to_multiple_of)")
     return widths
 
 
