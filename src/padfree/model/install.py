@@ -46,7 +46,7 @@ from padfree.errors import (
     describe,
 )
 from padfree.layout import position_ids_to_segment_ids
-from padfree.model import flight, guards
+from padfree.model import flight, guards, mrope
 from padfree.model.attention import (
     BACKENDS,
     LAYOUT_KWARG,
@@ -486,8 +486,9 @@ def _decoder_pre_hook(module: torch.nn.Module, args: tuple, kwargs: dict[str, An
 
 
 @torch.compiler.disable
-def _multimodal_pre_hook(module: torch.nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
-    _before_multimodal(module.__dict__[_HOOKED].state, module, args, kwargs)
+def _multimodal_pre_hook(module: torch.nn.Module, args: tuple, kwargs: dict[str, Any]
+                         ) -> tuple[tuple, dict[str, Any]] | None:
+    return _before_multimodal(module.__dict__[_HOOKED].state, module, args, kwargs)
 
 
 @torch.compiler.disable
@@ -837,14 +838,15 @@ _TOKEN_TYPES = ("token_type_ids", "mm_token_type_ids")
 
 
 def _non_text(named: dict[str, Any]) -> list[str]:
-    """The arguments of a multimodal forward that carry something other than text."""
+    """The names of the arguments of a multimodal forward that carry something other than text (token types only
+    where they mark non-text tokens)."""
     found = []
     for name, value in named.items():
         if value is None or isinstance(value, (bool, int, float, str)):
             continue
         if name in _TOKEN_TYPES:
             if isinstance(value, torch.Tensor) and bool(value.any()):
-                found.append(f"{name} marking non-text tokens")
+                found.append(name)
         elif name not in _TEXT_ARGUMENTS and _holds_tensor(value):
             found.append(name)
     return found
@@ -866,11 +868,15 @@ def _multimodal(model: torch.nn.Module) -> bool:
         type(model).__name__.endswith("ForConditionalGeneration")
 
 
-def _before_multimodal(state: _State, module: torch.nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
-    """The outer pre-hook of a multimodal model: for a packed batch, refuse non-text inputs and mark the forward
-    packed before the model builds its masks (padfree's mask functions then build none)."""
+def _before_multimodal(state: _State, module: torch.nn.Module, args: tuple, kwargs: dict[str, Any]
+                       ) -> tuple[tuple, dict[str, Any]] | None:
+    """The outer pre-hook of a multimodal model: for a packed batch, lay out what padfree can make exact (the images
+    and videos of an mRoPE model: each sample's rotary positions, :mod:`padfree.model.mrope`), refuse every other
+    non-text input, and mark the forward packed before the model builds its masks (padfree's mask functions then
+    build none)."""
     named = guards.bind(type(module).forward, (module, *args), kwargs) or {}
     named.pop(next(iter(guards.parameters(type(module).forward)), "self"), None)
+    call = None
     pos = named.get("position_ids")
     mask = named.get("attention_mask")
     if isinstance(pos, torch.Tensor) and pos.dim() == 3:
@@ -882,10 +888,13 @@ def _before_multimodal(state: _State, module: torch.nn.Module, args: tuple, kwar
         problem = None
         extra = _non_text({k: v for k, v in named.items() if k not in ("self", "kwargs")})
         cache = guards.find_cache(named, type(module).forward)
+        if extra and state.sp is None and set(extra) <= mrope.ROPE_INPUTS and mrope.rope_index(module) is not None:
+            call = _with_rope_rows(module, named)  # exact: every sample's own rotary positions
+            extra = []
         if extra:
             problem = (f"a packed batch reached {type(module).__name__} with non-text inputs ({', '.join(extra)}): "
-                       f"padfree packs text-only batches (input_ids) through a multimodal model (its image and audio "
-                       f"paths are not boundary-aware); pass these batches unpacked")
+                       f"padfree packs text-only batches (input_ids) through this multimodal model (its image, video "
+                       f"and audio paths are not made boundary-aware); pass these batches unpacked")
         elif cache is not None:
             problem = _fix(f"{cache} (a cache)")
         elif state.sp is not None and isinstance(mask, torch.Tensor) and mask.numel() and not bool((mask == 1).all()):
@@ -901,7 +910,30 @@ def _before_multimodal(state: _State, module: torch.nn.Module, args: tuple, kwar
             # the language model's own hook would never see a 0/1 or dense mask, so it is refused here
             _layout(named)
     state.tokens.append(((PACKED_FORWARD.reset, PACKED_FORWARD.set(packed)),))
+    return call
 
+
+def _with_rope_rows(module: torch.nn.Module, named: dict[str, Any]) -> tuple[tuple, dict[str, Any]]:
+    """The call's arguments, all by name, with ``position_ids`` the ``(4, B, T)`` mRoPE rows of its samples. Rows the
+    caller passed must be those: a sample's rotary rows computed over the whole packed row would run on from the
+    samples before it."""
+    lay = _layout(named)
+    if lay is None:
+        raise PackingDisabledError(f"a packed batch with images or videos reached {type(module).__name__} without "
+                                   f"boundaries padfree can read (position_ids restarting at 0 per sample, or "
+                                   f"cu_seq_lens_q)")
+    rows = mrope.packed_rope_rows(module, named, lay)
+    given = named.get("position_ids")
+    if isinstance(given, torch.Tensor) and given.dim() == 3:
+        mine = rows if given.shape[0] == 4 else rows[1:]
+        if given.shape != mine.shape or not torch.equal(given.to(mine.dtype), mine):
+            raise InvalidLayoutError(
+                f"position_ids of shape {tuple(given.shape)} are not the rotary positions of the packed samples "
+                f"(each sample's own get_rope_index, restarting at 0); pass position_ids restarting at 0 per sample "
+                f"(B, T) and padfree computes them")
+    kwargs = {name: value for name, value in named.items() if "[" not in name}
+    kwargs["position_ids"] = rows
+    return tuple(named[name] for name in named if "[" in name), kwargs
 
 def _after(state: _State) -> None:
     if state.tokens:
