@@ -190,3 +190,31 @@ def test_images_without_their_token_types_are_refused():
     del row["mm_token_type_ids"]
     with pytest.raises(PackingDisabledError, match="mm_token_type_ids"):
         model(**row, use_cache=False)
+
+
+def test_a_data_loader_of_processor_outputs_packs_exact_rows():
+    """The data path: processor-like samples through ``packed_collate_fn(carry=...)`` — rows of packed samples in the
+    packer's order, token types laid out like the tokens, pixels and grids in row order — then the model: every
+    sample's logits as alone."""
+    model = tiny_vlm("qwen3_5")
+    g = torch.Generator().manual_seed(2)
+    parts = [*SAMPLES["images"], [("text", 3), ("image", (1, 2, 2)), ("text", 9)], [("text", 11)]]
+    samples = [{k: v[0] if k in ("input_ids", "mm_token_type_ids") else v for k, v in build_sample(model, p, g).items()}
+               for p in parts]
+    lengths = [len(s["input_ids"]) for s in samples]
+    collate = padfree.packed_collate_fn(max(lengths) + 12, carry=["mm_token_type_ids", "pixel_values",
+                                                                  "image_grid_thw"])
+    loader = torch.utils.data.DataLoader(samples, batch_size=len(samples), collate_fn=collate)
+    batch = next(iter(loader))
+    assert batch.batch_size > 1 and batch.sequence_ids.tolist() != list(range(len(samples)))  # reordered rows
+    model.eval()
+    with torch.no_grad():
+        want = [model(**{k: (v[None] if k in ("input_ids", "mm_token_type_ids") else v) for k, v in s.items()},
+                      use_cache=False).logits[0] for s in samples]
+        padfree.configure_packing(model)
+        out = model(**batch.model_inputs(include_labels=False)).logits
+    starts = torch.cat([batch.seq_lens.new_zeros(1), batch.seq_lens.cumsum(0)])
+    flat = batch.unpad(out)
+    for piece, index in enumerate(batch.sequence_ids.tolist()):
+        got = flat[starts[piece]:starts[piece + 1]]
+        assert float((got - want[index]).abs().max()) <= ATOL

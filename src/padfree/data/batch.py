@@ -43,15 +43,17 @@ Conventions (those of :mod:`padfree.layout`, plus two that only a model-facing b
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
 from padfree import layout
+from padfree.data.carry import as_carry, concat_per_sample, per_token_values, split_columns
 from padfree.errors import (
     BackendUnavailableError,
     InvalidArgumentError,
+    InvalidSampleError,
     OverlongSequenceError,
     describe,
 )
@@ -132,6 +134,9 @@ class PackedBatch:
             logits at ``t``; the last token of every sequence and all padding hold ``label_padding_value``.
         num_dropped: samples left out by ``overlong="drop"``; ``truncated_tokens``: tokens cut by
             ``overlong="truncate"``. Nothing is dropped without being counted here.
+        carried: the columns the collator was asked to ``carry`` (:mod:`padfree.data.carry`): per-token ones
+            ``(B, T)`` laid out like ``input_ids`` (0 on padding), per-sample ones (an image's pixels, its grid)
+            concatenated in the order the samples sit in the rows. :meth:`model_inputs` passes them on.
     """
 
     input_ids: torch.Tensor
@@ -150,6 +155,7 @@ class PackedBatch:
     shift_labels: torch.Tensor | None = None
     num_dropped: int = 0
     truncated_tokens: int = 0
+    carried: Mapping[str, torch.Tensor] = dataclasses.field(default_factory=dict)
 
     # ---- sizes -----------------------------------------------------------------------------------
 
@@ -201,11 +207,12 @@ class PackedBatch:
     # ---- moving ------------------------------------------------------------------------------------
 
     def _map_tensors(self, fn: Any) -> PackedBatch:
-        changes = {
+        changes: dict[str, Any] = {
             f.name: fn(getattr(self, f.name))
             for f in dataclasses.fields(self)
             if isinstance(getattr(self, f.name), torch.Tensor)
         }
+        changes["carried"] = {key: fn(value) for key, value in self.carried.items()}
         return dataclasses.replace(self, **changes)
 
     def to(self, device: Any, non_blocking: bool = False) -> PackedBatch:
@@ -262,6 +269,7 @@ class PackedBatch:
             inputs["max_length_q"] = inputs["max_length_k"] = self.max_seqlen_padded
         if use_cache is not None:
             inputs["use_cache"] = use_cache
+        inputs.update(self.carried)
         return inputs
 
     def unpad(self, x: torch.Tensor) -> torch.Tensor:
@@ -287,6 +295,7 @@ class PackedBatch:
 
     def __repr__(self) -> str:
         extras = [name for name in ("attention_mask", "seq_idx", "shift_labels") if getattr(self, name) is not None]
+        extras += list(self.carried)
         return (
             f"PackedBatch(rows={self.batch_size}, seq_len={self.seq_len}, sequences={self.num_sequences}, "
             f"max_seqlen={self.max_seqlen}, device={self.device}"
@@ -362,6 +371,7 @@ def _to_batch(
     device: Any,
     num_dropped: int = 0,
     truncated_tokens: int = 0,
+    carried: Mapping[str, torch.Tensor] | None = None,
 ) -> PackedBatch:
     """Wrap ``(B, T)`` numpy arrays (from :meth:`PackedRows.padded` or built directly) and the row metadata."""
     num_rows, width = arrays["input_ids"].shape
@@ -396,6 +406,7 @@ def _to_batch(
         shift_labels=_tensor(arrays["shift_labels"], long, device) if "shift_labels" in arrays else None,
         num_dropped=num_dropped,
         truncated_tokens=truncated_tokens,
+        carried=dict(carried or {}),
     )
 
 
@@ -530,8 +541,10 @@ class PackedCollator:
         seq_idx: bool = False,
         shift_labels: bool = False,
         return_dict: bool = False,
+        carry: Sequence[str] | None = None,
     ) -> None:
         self.packer = Packer(capacity, strategy, seed, overlong=overlong, max_sequences_per_bin=max_sequences_per_bin)
+        self.carry = as_carry(carry)
         self.capacity = self.packer.capacity
         self.padding_value = as_fill_value(padding_value, "padding_value")
         self.label_padding_value = as_fill_value(label_padding_value, "label_padding_value")
@@ -574,6 +587,8 @@ class PackedCollator:
         rows = packed_rows(result, ids, labels=labels, label_padding_value=self.label_padding_value)
         arrays = _padded(rows, self.pad_to, self.pad_to_multiple_of, padding_value=self.padding_value,
                          attention_mask=self.mask_kind, shift_labels=self.shift_labels)
+        carried = _carried(samples, self.carry, read, rows, lambda values: _padded(
+            packed_rows(result, values), self.pad_to, self.pad_to_multiple_of)["input_ids"])
         batch = _to_batch(
             arrays,
             rows,
@@ -582,6 +597,7 @@ class PackedCollator:
             device=None,
             num_dropped=int(result.dropped.shape[0]),
             truncated_tokens=int(result.truncated_tokens),
+            carried=carried,
         )
         return batch.model_inputs() if self.return_dict else batch
 
@@ -589,8 +605,31 @@ class PackedCollator:
         return (
             f"PackedCollator(capacity={self.capacity}, strategy={self.packer.strategy!r}, seed={self.packer.seed}, "
             f"overlong={self.packer.overlong!r}, pad_to={self.pad_to!r}, attention_mask={self.mask_kind!r}, "
-            f"seq_idx={self.seq_idx}, shift_labels={self.shift_labels}, return_dict={self.return_dict})"
+            f"seq_idx={self.seq_idx}, shift_labels={self.shift_labels}, return_dict={self.return_dict}"
+            + (f", carry={list(self.carry)}" if self.carry else "") + ")"
         )
+
+
+def _carried(samples: Sequence[Any], carry: tuple[str, ...], read: Any, rows: PackedRows,
+             lay_out: Any) -> dict[str, torch.Tensor]:
+    """The ``carry`` columns of ``samples`` for a batch of ``rows`` (:mod:`padfree.data.carry`); ``lay_out`` turns
+    per-sample int64 arrays into the ``(B, T)`` array the tokens' layout gives them."""
+    if not carry:
+        return {}
+    if read.row_offsets is not None:
+        raise InvalidSampleError("carry with already-packed samples (several sequences in one): the packer may place "
+                                 "their sequences apart from the columns they carry; carry columns of unpacked samples")
+    lengths = read.ids.lengths
+    per_token, per_sample = split_columns(samples, carry, lengths)
+    out = {key: torch.from_numpy(np.ascontiguousarray(lay_out(per_token_values(samples, key))))
+           for key in per_token}
+    order = rows.sequence_ids
+    whole = rows.seq_lens == lengths[order]
+    for key in per_sample:
+        value = concat_per_sample(samples, key, order, whole)
+        if value is not None:
+            out[key] = value
+    return out
 
 
 def packed_collate_fn(
@@ -608,6 +647,7 @@ def packed_collate_fn(
     seq_idx: bool = False,
     shift_labels: bool = False,
     return_dict: bool = False,
+    carry: Sequence[str] | None = None,
 ) -> PackedCollator:
     """A ``collate_fn`` that packs the samples of every loader batch into rows of ``capacity`` tokens.
 
@@ -626,6 +666,10 @@ def packed_collate_fn(
         pad_to, pad_to_multiple_of, attention_mask, seq_idx, shift_labels: as in :func:`pack_result_to_tensors`
             (an int ``pad_to`` must be >= ``capacity``).
         return_dict: return ``batch.model_inputs()`` (a plain ``dict``) instead of the :class:`PackedBatch`.
+        carry: other columns of the samples to carry into the batch (:attr:`PackedBatch.carried`, passed on by
+            ``model_inputs``): per-token ones (``mm_token_type_ids``, ...) laid out like the tokens, per-sample ones
+            (a vision-language processor's ``pixel_values``, ``image_grid_thw``, ...) concatenated in the order the
+            samples sit in the rows (:mod:`padfree.data.carry`).
 
     Samples are dicts with ``input_ids`` (a list, numpy array or tensor of ints) and optionally ``labels`` (all
     samples or none), or plain token-id sequences. Bad samples raise
@@ -665,6 +709,7 @@ def packed_collate_fn(
         seq_idx=seq_idx,
         shift_labels=shift_labels,
         return_dict=return_dict,
+        carry=carry,
     )
 
 
@@ -696,6 +741,7 @@ class PaddingFreeCollator:
             ``label_padding_value``, left out of ``seq_lens`` / ``cu_seqlens`` and a segment of its own in
             ``cu_seqlens_padded``.
         padding_value: the token id of the padding.
+        carry: other columns to carry, as in :func:`packed_collate_fn`.
 
     >>> collate = PaddingFreeCollator(seq_idx=True)
     >>> batch = collate([{"input_ids": [5, 6, 7]}, {"input_ids": [8, 9], "labels": None}])
@@ -719,7 +765,9 @@ class PaddingFreeCollator:
         max_tokens: int | None = None,
         pad_to_multiple_of: int | None = None,
         padding_value: int = 0,
+        carry: Sequence[str] | None = None,
     ) -> None:
+        self.carry = as_carry(carry)
         self.label_padding_value = as_fill_value(label_padding_value, "label_padding_value")
         self.pad_to_multiple_of = _as_multiple(pad_to_multiple_of)
         self.padding_value = as_fill_value(padding_value, "padding_value")
@@ -753,11 +801,15 @@ class PaddingFreeCollator:
             label_padding_value=self.label_padding_value,
         )
         multiple = self.pad_to_multiple_of
-        if multiple is not None and total % multiple:
+        width = total if multiple is None else -(-total // multiple) * multiple
+        carried = _carried(samples, self.carry, read, rows, lambda values: np.pad(
+            np.concatenate(values), (0, width - total))[None])
+        if width != total:
             # the padding tail laid out by the rows kernel, which holds the padding rules of every collator
             arrays = _padded(rows, total, multiple, padding_value=self.padding_value,
                              attention_mask=self.mask_kind, shift_labels=self.shift_labels)
-            batch = _to_batch(arrays, rows, mask_kind=self.mask_kind, seq_idx=self.seq_idx, device=None)
+            batch = _to_batch(arrays, rows, mask_kind=self.mask_kind, seq_idx=self.seq_idx, device=None,
+                              carried=carried)
             return batch.model_inputs() if self.return_dict else batch
         # one row without padding: the flat buffers are the (1, T) arrays, no scatter needed
         arrays = {"input_ids": ids.values[None], "labels": out_labels[None], "position_ids": position_ids[None]}
@@ -767,7 +819,7 @@ class PaddingFreeCollator:
             arrays["attention_mask"] = rows.segment_ids()[None]
         if self.shift_labels:
             arrays["shift_labels"] = rows.shift_labels()[None]
-        batch = _to_batch(arrays, rows, mask_kind=self.mask_kind, seq_idx=self.seq_idx, device=None)
+        batch = _to_batch(arrays, rows, mask_kind=self.mask_kind, seq_idx=self.seq_idx, device=None, carried=carried)
         return batch.model_inputs() if self.return_dict else batch
 
     def __repr__(self) -> str:
@@ -775,6 +827,6 @@ class PaddingFreeCollator:
             f"PaddingFreeCollator(label_padding_value={self.label_padding_value}, attention_mask={self.mask_kind!r}, "
             f"seq_idx={self.seq_idx}, shift_labels={self.shift_labels}, return_dict={self.return_dict}, "
             f"max_tokens={self.max_tokens}, pad_to_multiple_of={self.pad_to_multiple_of}, "
-            f"padding_value={self.padding_value})"
+            f"padding_value={self.padding_value}" + (f", carry={list(self.carry)}" if self.carry else "") + ")"
         )
 
