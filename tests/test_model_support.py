@@ -63,7 +63,7 @@ def test_bad_arguments():
         check_support(tiny_model("llama"), backends=[])
     with pytest.raises(InvalidArgumentError, match="model_type='nope' has no tiny config"):
         tiny_config("nope")
-    with pytest.raises(InvalidArgumentError, match="device must be .*'nonexistent'"):
+    with pytest.raises(InvalidArgumentError, match=r"device must be .*'nonexistent'"):
         available_backends("nonexistent")
 
 
