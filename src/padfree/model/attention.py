@@ -26,7 +26,11 @@ grouped in buckets of padded length ``L`` (:func:`padfree.model.packed.bucket_le
   CUDA only: ``configure_packing`` refuses it on the CPU (no flex backward there, and torch's compiled CPU kernel
   is wrong for head dims of 8 and 16).
 - ``padfree_varlen`` — CUDA only: ``torch.nn.attention.varlen.varlen_attn`` over the flattened stream with
-  ``cu_seqlens``; nothing beyond flat views.
+  ``cu_seqlens``; nothing beyond flat views. A layer whose layout has bidirectional blocks runs as ``padfree_sdpa``.
+
+Bidirectional blocks (Gemma images, PaliGemma's prefix: :meth:`PackedLayout.with_token_types`) cost an
+``m x L x L`` boolean mask per bucket that holds one, built once per layout and window; a layout without blocks runs
+the causal code above unchanged.
 
 A dense block-diagonal mask would cost ``B x T^2`` booleans plus ``B x H x T^2`` scores on the math path; the bucket
 form costs ``sum(L_i^2)``, which for 32 sequences in an 8k row is about 1/25 of it.
@@ -155,17 +159,20 @@ def _bucketed(
         flat.append(token_sinks.transpose(1, 2).reshape(batch * seq_len, heads, 1))
     parts = [x.index_select(0, plan.slots).split(plan.sizes) for x in flat]  # one gather per tensor
     slots = plan.slots.split(plan.sizes)
+    # bidirectional blocks: an (m, 1, L, L) mask for each bucket that holds one (None: the causal path below)
+    joint = lay.bucket_masks(sliding_window) if lay.blocks_apply(sliding_window) else (None,) * len(plan.lengths)
     outs = []
     math = math or softcap is not None or sinks is not None or token_sinks is not None
     for i, (length, count) in enumerate(zip(plan.lengths, plan.counts, strict=True)):
         q, k, v, *rest = (p[i].view(count, length, *p[i].shape[1:]).transpose(1, 2) for p in parts)  # (m, H, L, D)
         block = None if bias is None else _bias_block(bias, slots[i], seq_len, count, length).to(q.dtype)
         if math:
-            allowed = lay.local_mask(length, sliding_window)
+            allowed = lay.local_mask(length, sliding_window) if joint[i] is None else joint[i]
             out = _eager_block(q, k, v, allowed, scaling=scaling, dropout=dropout, training=module.training,
                                softcap=softcap, sinks=sinks, bias=block, token_sinks=rest[0] if rest else None)
         else:
             mask = None if sliding_window is None and block is None else lay.local_mask(length, sliding_window)
+            mask = mask if joint[i] is None else joint[i]
             if block is not None:  # SDPA takes one float mask: the bias, and -inf where a key may not be seen
                 mask = block.masked_fill(~mask, float("-inf"))
             out = F.scaled_dot_product_attention(
@@ -196,6 +203,9 @@ def _varlen(module, query, key, value, lay, *, scaling, dropout, sliding_window,
             f"{type(module).__name__} needs softcapping, sinks or attention dropout, which varlen_attn does not "
             f"offer; configure the model with backend='padfree_sdpa'"
         )
+    if lay.blocks_apply(sliding_window):  # varlen_attn masks by offsets and a window only: SDPA per bucket
+        return _bucketed(module, query, key, value, lay, math=False, scaling=scaling, dropout=dropout,
+                         sliding_window=sliding_window, softcap=None, sinks=None)
     batch, heads, seq_len, _ = query.shape
     flat = [x.transpose(1, 2).reshape(batch * seq_len, x.shape[1], x.shape[3]) for x in (query, key, value)]
     cu, longest = lay.cu_seqlens, lay.max_seqlen
@@ -221,6 +231,12 @@ def packed_forward(
     (``(B | 1, H | 1, T, T)``, Inkling's relative bias; SDPA and eager) is added to the scaled scores, each
     sequence reading the block between its own tokens; ``sinks`` (``(B, H, T, 1)``, Inkling2) adds one sink logit
     per query. GQA/MQA: ``H % Hkv == 0``.
+
+    A layout with bidirectional blocks (:meth:`PackedLayout.with_token_types`) also lets a query see the keys of its
+    own block, composed with the window as its :class:`~padfree.model.packed.BlockRule` says, on the layers the
+    rule names: an ``(m, 1, L, L)`` mask per bucket that holds a block (SDPA and eager; buckets without one keep
+    ``is_causal``), ``mask_mod`` reading the block ids (flex). ``padfree_varlen`` runs such a call as
+    ``padfree_sdpa`` (varlen_attn cannot express blocks).
     """
     who = type(module).__name__
     lay.check_tokens(query.transpose(1, 2), f"{who} attention")
@@ -303,7 +319,8 @@ def sharded_forward(
     The slices are exchanged for heads — each rank gets the whole row for ``H / P`` of the heads — the row's exact
     packed attention runs on them with the row's layout, and the outputs are exchanged back. Key/value heads the
     group size does not divide are repeated per query head first (each query head reads its own group's); sinks
-    are per head and go with them.
+    are per head and go with them. Bidirectional blocks of the row (``lay.full.blocks``) apply as in the unsplit
+    call: every rank attends over the whole row.
     """
     who = type(module).__name__
     lay.check_tokens(query.transpose(1, 2), f"{who} attention")

@@ -9,6 +9,10 @@ The derived forms each kernel wants (``cu_seqlens`` over the flattened ``B·T`` 
 per-length buckets of the SDPA/eager path and of :func:`per_bucket`, flex ``BlockMask`` objects) are computed lazily,
 on the batch's device, at most once per batch — layer 0 pays, every later layer reuses.
 
+A layout may also carry *bidirectional blocks* (:meth:`PackedLayout.with_token_types`): groups of tokens inside one
+sequence that see each other both ways — a Gemma image, PaliGemma's prefix — under a :class:`BlockRule` that says
+how the model's own mask combines them with causal attention and its sliding window (:data:`BLOCK_RULES`).
+
 >>> import torch
 >>> lay = PackedLayout.from_position_ids(torch.tensor([[0, 1, 2, 0, 1, 0], [0, 1, 0, 1, 2, 3]]))
 >>> lay.cu_seqlens.tolist(), lay.max_seqlen, lay.num_segments
@@ -30,7 +34,8 @@ from padfree import layout
 from padfree.errors import InvalidArgumentError, InvalidLayoutError, describe
 from padfree.packing.inputs import as_int
 
-__all__ = ["Buckets", "PackedLayout", "bucket_length", "per_bucket"]
+__all__ = ["BLOCK_RULES", "BlockRule", "Buckets", "PackedLayout", "blocks_from_token_types", "bucket_length",
+           "per_bucket"]
 
 _GROUPINGS = ("bucket", "length", "sequence")
 
@@ -78,6 +83,98 @@ class Buckets:
         return [m * n for m, n in zip(self.counts, self.lengths, strict=True)]
 
 
+@dataclasses.dataclass(frozen=True)
+class BlockRule:
+    """How a model's bidirectional blocks are found and how its own mask combines them with causal attention.
+
+    Key ``k`` is visible to query ``q`` of the same sequence iff ``k <= q`` or both are in one block, with a
+    layer's sliding window ``W`` (transformers' ``k > q - W``: it bounds the past only) applied as the model's mask
+    applies it.
+
+    Attributes:
+        name: the model type whose mask this is.
+        source: the model input the token types come from (``"token_type_ids"``, ``"mm_token_type_ids"``).
+        kinds: the token types that form blocks.
+        per_sample: False — every maximal run of those types inside a sequence is a block of its own (Gemma's
+            images); True — all of a sequence's tokens of those types are one block (PaliGemma's prefix).
+        sliding_only: the blocks apply on sliding-window layers only (Gemma 4: its full layers stay causal).
+        window_bounds_blocks: True — ``(k <= q or same block) and k > q - W`` (Gemma 3 / 4 build the sliding mask
+            so); False — ``(k <= q and k > q - W) or same block`` (transformers' ``block_sequence_ids`` path:
+            gemma4_unified, PaliGemma 2's sliding layers).
+    """
+
+    name: str
+    source: str
+    kinds: tuple[int, ...]
+    per_sample: bool
+    sliding_only: bool
+    window_bounds_blocks: bool
+
+
+def _rules(*rules: BlockRule) -> dict[str, BlockRule]:
+    return {rule.name: rule for rule in rules}
+
+
+BLOCK_RULES: dict[str, BlockRule] = _rules(
+    # Gemma3Model: runs of token_type_ids == 1 (images), every layer; sliding layers AND the window after the OR
+    BlockRule("gemma3", "token_type_ids", (1,), per_sample=False, sliding_only=False, window_bounds_blocks=True),
+    BlockRule("shieldgemma2", "token_type_ids", (1,), per_sample=False, sliding_only=False,
+              window_bounds_blocks=True),
+    # Gemma4Model (text config use_bidirectional_attention == "vision"): runs of images and videos (1, 2), sliding
+    # layers only
+    BlockRule("gemma4", "mm_token_type_ids", (1, 2), per_sample=False, sliding_only=True, window_bounds_blocks=True),
+    # Gemma4UnifiedModel's forward: block_sequence_ids into create_masks_for_generate, OR-ed after the window
+    BlockRule("gemma4_unified", "mm_token_type_ids", (1, 2), per_sample=False, sliding_only=False,
+              window_bounds_blocks=False),
+    # PaliGemma: the prefix (token_type_ids == 0: image and prompt) is one block per sequence, OR-ed after the window
+    BlockRule("paligemma", "token_type_ids", (0,), per_sample=True, sliding_only=False, window_bounds_blocks=False),
+)
+"""The :class:`BlockRule` of every model type whose mask makes blocks of tokens bidirectional, by model type."""
+
+
+def _as_rule(rule: Any) -> BlockRule:
+    if isinstance(rule, BlockRule):
+        return rule
+    if isinstance(rule, str) and rule in BLOCK_RULES:
+        return BLOCK_RULES[rule]
+    raise InvalidArgumentError(f"rule must be a BlockRule or one of {', '.join(BLOCK_RULES)}, got {describe(rule)}")
+
+
+def blocks_from_token_types(token_types: torch.Tensor, segment_ids: torch.Tensor, rule: BlockRule | str
+                            ) -> torch.Tensor:
+    """The block ids of a packed batch from its token types, intersected with its sequences.
+
+    Args:
+        token_types: ``(B, T)`` integers — the model's ``rule.source`` input over the packed row.
+        segment_ids: ``(B, T)`` — the layout's segment ids (:attr:`PackedLayout.segment_ids`; 0: padding).
+        rule: a :class:`BlockRule` or a model type of :data:`BLOCK_RULES`.
+
+    Returns:
+        ``(B, T) int64``: 0 for a token in no block, ``1, 2, ...`` for the blocks of a row (unique within the row):
+        each maximal run of ``rule.kinds`` that stays inside one sequence (a run crossing a boundary is cut there),
+        or, with ``rule.per_sample``, the sequence's own segment id for its tokens of those kinds. Padding: 0.
+
+    >>> seg = torch.tensor([[1, 1, 1, 1, 2, 2, 2, 2]])
+    >>> blocks_from_token_types(torch.tensor([[0, 1, 1, 1, 1, 1, 0, 1]]), seg, "gemma3").tolist()  # runs, cut
+    [[0, 1, 1, 1, 2, 2, 0, 3]]
+    >>> blocks_from_token_types(torch.tensor([[0, 0, 1, 1, 0, 1, 1, 1]]), seg, "paligemma").tolist()
+    [[1, 1, 0, 0, 2, 0, 0, 0]]
+    """
+    rule = _as_rule(rule)
+    types = torch.as_tensor(_integers(token_types, rule.source, bool_ok=True))
+    seg = torch.as_tensor(segment_ids)
+    if types.dim() != 2 or tuple(types.shape) != tuple(seg.shape):
+        raise InvalidLayoutError(f"{rule.source} must be (B, T) = {tuple(seg.shape)} like the packed batch, got a "
+                                 f"tensor of shape {tuple(types.shape)}")
+    types, seg = types.to(device=seg.device, dtype=torch.int64), seg.to(torch.int64)
+    member = torch.isin(types, torch.tensor(rule.kinds, device=seg.device)) & (seg > 0)
+    if rule.per_sample:
+        return torch.where(member, seg, 0)
+    start = member.clone()
+    start[:, 1:] &= ~member[:, :-1] | (seg[:, 1:] != seg[:, :-1])  # a run restarts at every sequence boundary
+    return torch.where(member, start.cumsum(1), 0)
+
+
 @dataclasses.dataclass(eq=False)
 class PackedLayout:
     """Segment boundaries of a ``(B, T)`` packed batch.
@@ -88,12 +185,17 @@ class PackedLayout:
         position_ids: ``(B, T) int64`` — restart at 0 at every sequence (what RoPE must see).
         lengths: ``(S,) int64`` numpy — the length of every segment of the flattened stream, padding runs included.
         source: which input the boundaries came from (``"position_ids"``, ``"attention_mask"``, ``"cu_seq_lens_q"``).
+        blocks: ``(B, T) int64`` or None — bidirectional blocks (:meth:`with_blocks`): 0 for an ordinary token,
+            ``k > 0`` for the tokens of block ``k`` of the row, every block inside one segment.
+        block_rule: the :class:`BlockRule` the blocks follow (None without blocks).
     """
 
     segment_ids: torch.Tensor
     position_ids: torch.Tensor
     lengths: np.ndarray
     source: str
+    blocks: torch.Tensor | None = None
+    block_rule: BlockRule | None = None
     _cache: dict = dataclasses.field(default_factory=dict, repr=False)
 
     # ---- construction ------------------------------------------------------------------------------------------
@@ -146,6 +248,43 @@ class PackedLayout:
         offsets = torch.nonzero(start.reshape(-1)).reshape(-1).cpu().numpy()  # the one host sync of a batch
         lengths = np.diff(np.append(offsets, batch * seq_len)).astype(np.int64)
         return cls(seg, pos, lengths, source)
+
+    def with_token_types(self, token_types: torch.Tensor, rule: BlockRule | str) -> PackedLayout:
+        """This layout with the bidirectional blocks a model's token types make, intersected with the sequences
+        (:func:`blocks_from_token_types`, then :meth:`with_blocks`).
+
+        >>> lay = PackedLayout.from_position_ids(torch.tensor([[0, 1, 2, 0, 1, 2]]))
+        >>> lay.with_token_types(torch.tensor([[0, 1, 1, 1, 1, 0]]), "gemma3").blocks.tolist()
+        [[0, 1, 1, 2, 2, 0]]
+        """
+        rule = _as_rule(rule)
+        return self.with_blocks(blocks_from_token_types(token_types, self.segment_ids, rule), rule)
+
+    def with_blocks(self, blocks: torch.Tensor, rule: BlockRule | str) -> PackedLayout:
+        """This layout with bidirectional blocks, validated; the same layout when ``blocks`` holds none (then
+        attention runs exactly the causal code of a layout without blocks).
+
+        Args:
+            blocks: ``(B, T)`` integers — 0 for an ordinary token, ``k > 0`` for the tokens of block ``k`` of the
+                row. A block lies inside one segment (a block of two sequences would let them see each other);
+                under a rule of runs (``rule.per_sample`` False) it is one contiguous run, as the model makes it.
+            rule: a :class:`BlockRule` or a model type of :data:`BLOCK_RULES`.
+
+        Returns:
+            A layout with the same boundaries (and the derived forms already built) plus :attr:`blocks`.
+        """
+        rule = _as_rule(rule)
+        blk = torch.as_tensor(_integers(blocks, "blocks"))
+        if tuple(blk.shape) != self.shape:
+            raise InvalidLayoutError(f"blocks must be (B, T) = {self.shape} like the packed batch, got a tensor of "
+                                     f"shape {tuple(blk.shape)}")
+        blk = blk.to(device=self.device, dtype=torch.int64)
+        _check_blocks(blk, self.segment_ids, runs=not rule.per_sample)
+        if not bool((blk > 0).any()):
+            return self
+        # the derived forms of the boundaries carry over; masks of blocks and column layouts do not
+        kept = {k: v for k, v in self._cache.items() if not (isinstance(k, tuple) and k[0] in ("blocks", "columns"))}
+        return PackedLayout(self.segment_ids, self.position_ids, self.lengths, self.source, blk, rule, kept)
 
     # ---- derived forms -----------------------------------------------------------------------------------------
 
@@ -232,6 +371,43 @@ class PackedLayout:
             return allowed & (diff < sliding_window) if sliding_window is not None else allowed
         return self._cached(("local", length, sliding_window), build)
 
+    def blocks_apply(self, sliding_window: int | None) -> bool:
+        """Whether a layer with this ``sliding_window`` (None: a full-attention layer) attends with the blocks."""
+        return self.blocks is not None and (sliding_window is not None or not self.block_rule.sliding_only)
+
+    def bucket_masks(self, sliding_window: int | None) -> tuple[torch.Tensor | None, ...]:
+        """Per bucket of :meth:`buckets`, the ``(m, 1, L, L) bool`` mask (True = may attend) of its segments with
+        their blocks under :attr:`block_rule`, or None for a bucket that holds no block (its mask is then
+        :meth:`local_mask`, and SDPA runs it with ``is_causal``); built once per window.
+
+        Slots past a segment's end repeat its last token: they are put in no block, so that a block query never
+        sees them (they come after it, and the causal part hides them as it does without blocks).
+        """
+        if self.blocks is None:
+            raise InvalidArgumentError("bucket_masks needs a layout with blocks (PackedLayout.with_blocks)")
+        return self._cached(("blocks", "buckets", sliding_window), lambda: self._bucket_masks(sliding_window))
+
+    def _bucket_masks(self, sliding_window: int | None) -> tuple[torch.Tensor | None, ...]:
+        plan = self.buckets()
+        slots = plan.slots.split(plan.sizes)
+        ids = [self.blocks.reshape(-1)[s].view(m, n) for s, m, n in zip(slots, plan.counts, plan.lengths,
+                                                                           strict=True)]
+        for idx, blk in zip(slots, ids, strict=True):
+            idx = idx.view(blk.shape)
+            blk[:, 1:].masked_fill_(idx[:, 1:] == idx[:, :-1], 0)  # a repeated slot: in no block
+        has = torch.stack([(blk > 0).any() for blk in ids]).tolist() if ids else []  # one host sync
+        masks = []
+        for blk, length, any_block in zip(ids, plan.lengths, has, strict=True):
+            if not any_block:
+                masks.append(None)
+                continue
+            same = (blk[:, :, None] == blk[:, None, :]) & (blk[:, :, None] > 0)  # (m, L, L)
+            if sliding_window is not None and self.block_rule.window_bounds_blocks:
+                i = torch.arange(length, device=self.device)
+                same &= (i[:, None] - i[None, :]) < sliding_window  # the window bounds a block's past too
+            masks.append((self.local_mask(length, sliding_window) | same).unsqueeze(1))
+        return tuple(masks)
+
     def block_mask(self, sliding_window: int | None, block_size: int = 128) -> Any:
         """The flex-attention ``BlockMask`` of the batch (padding runs see nothing), cached per window.
 
@@ -243,6 +419,9 @@ class PackedLayout:
         below the diagonal, complete, and (with a window) its farthest pair is inside it. ``O(B x (T / block)^2)``
         work and memory instead of ``O(B x T^2)`` (640 MiB and up to a second at 8k tokens).
         """
+        if self.blocks_apply(sliding_window):  # the blocks' pairs join the causal ones (see _segment_block_mask)
+            return self._cached(("blocks", "flex", sliding_window, block_size), lambda: _segment_block_mask(
+                self.segment_ids, sliding_window, block_size, self.blocks, self.block_rule.window_bounds_blocks))
         return self._cached(("flex", sliding_window, block_size), lambda: _segment_block_mask(
             self.segment_ids, sliding_window, block_size))
 
@@ -256,7 +435,9 @@ class PackedLayout:
         """
         def build() -> PackedLayout:
             seg = self.segment_ids[:, start:stop]
-            return PackedLayout._build(seg, self.position_ids[:, start:stop], self.source)
+            lay = PackedLayout._build(seg, self.position_ids[:, start:stop], self.source)
+            # a block cut at ``start`` stays inside the segment that starts there
+            return lay if self.blocks is None else lay.with_blocks(self.blocks[:, start:stop], self.block_rule)
         return self._cached(("columns", start, stop), build)
 
     def check_tokens(self, hidden: torch.Tensor, who: str) -> None:
@@ -280,6 +461,38 @@ def _integers(value: Any, name: str, *, bool_ok: bool = False) -> Any:
         accepted = "integers or booleans" if bool_ok else "integers"
         raise InvalidLayoutError(f"{name} must hold {accepted}, got dtype {value.dtype} ({describe(value.tolist())})")
     return value
+
+
+def _check_blocks(blk: torch.Tensor, seg: torch.Tensor, *, runs: bool) -> None:
+    """InvalidLayoutError for block ids that are negative, hold tokens of two segments of a row, or (``runs``) are
+    cut in two; one sort of the ``(row, block, segment)`` triples, no loop over tokens."""
+    if bool((blk < 0).any()):
+        row, col = (int(x) for x in torch.nonzero(blk < 0)[0])
+        raise InvalidLayoutError(f"blocks[{row}, {col}] = {int(blk[row, col])} is negative; a block id is 0 (no "
+                                 f"block) or 1, 2, ... (the blocks of a row)")
+    inside = blk > 0
+    if not bool(inside.any()):
+        return
+    rows = torch.arange(blk.shape[0], device=blk.device)[:, None].expand_as(blk)
+    owners = torch.unique(torch.stack([rows[inside], blk[inside], seg[inside]]), dim=1)  # sorted (row, block, seg)
+    split = (owners[0, 1:] == owners[0, :-1]) & (owners[1, 1:] == owners[1, :-1])
+    if bool(split.any()):
+        i = int(torch.nonzero(split)[0])
+        row, block, first, second = (int(x) for x in (owners[0, i], owners[1, i], owners[2, i], owners[2, i + 1]))
+        raise InvalidLayoutError(
+            f"blocks: block {block} of row {row} holds tokens of segments {first} and {second}, so two packed "
+            f"sequences would see each other; a bidirectional block lies inside one sequence (intersect the model's "
+            f"blocks with the sequences: blocks_from_token_types)")
+    if runs:
+        start = inside.clone()
+        start[:, 1:] &= blk[:, 1:] != blk[:, :-1]
+        if int(start.sum()) != owners.shape[1]:  # a block that starts more than once is cut in two
+            starts = torch.stack([rows[start], blk[start]])
+            pairs, counts = torch.unique(starts, dim=1, return_counts=True)
+            row, block = (int(x) for x in pairs[:, int(torch.nonzero(counts > 1)[0])])
+            raise InvalidLayoutError(
+                f"blocks: block {block} of row {row} is not one contiguous run of tokens; under this model's rule a "
+                f"block is a run (give each run its own id)")
 
 
 def per_bucket(run: Callable[..., torch.Tensor], lay: PackedLayout, *tokens: torch.Tensor, by: str = "bucket"
@@ -314,8 +527,14 @@ def per_bucket(run: Callable[..., torch.Tensor], lay: PackedLayout, *tokens: tor
     return merged.view(batch, seq_len, *merged.shape[1:])
 
 
-def _segment_block_mask(seg: torch.Tensor, sliding_window: int | None, block_size: int) -> Any:
-    """``BlockMask`` of ``(B, T)`` non-decreasing segment ids (0: padding, trailing) from per-block id ranges."""
+def _segment_block_mask(seg: torch.Tensor, sliding_window: int | None, block_size: int,
+                        blocks: torch.Tensor | None = None, window_bounds_blocks: bool = True) -> Any:
+    """``BlockMask`` of ``(B, T)`` non-decreasing segment ids (0: padding, trailing) from per-block id ranges.
+
+    With ``blocks`` (``(B, T)``, 0: none), a pair of one segment is also allowed when both tokens are in one block
+    (``window_bounds_blocks``: and the key is inside the window). Tiles that may hold such a pair — each holds a
+    block token of a segment between the other's first and last block-token segment: a superset, which ``mask_mod``
+    then decides pair by pair — are partial; a full tile stays full (every pair in it was allowed already)."""
     from torch.nn.attention.flex_attention import BlockMask
 
     batch, seq_len = seg.shape
@@ -338,6 +557,16 @@ def _segment_block_mask(seg: torch.Tensor, sliding_window: int | None, block_siz
         gap = i[:, None] - i[None, :]  # blocks apart: closest pair (gap - 1) * bs + 1, farthest (gap + 1) * bs - 1
         any_pair &= ((gap - 1) * block_size + 1 < sliding_window) | (gap == 0)
         full &= (gap + 1) * block_size - 1 < sliding_window
+    if blocks is not None:
+        inside = (blocks > 0) & (seg > 0)
+        first = torch.nn.functional.pad(seg.masked_fill(~inside, big), (0, pad), value=big)
+        last = torch.nn.functional.pad(seg.masked_fill(~inside, -1), (0, pad), value=-1)
+        first, last = first.view(batch, nb, block_size).amin(-1), last.view(batch, nb, block_size).amax(-1)
+        pairs = (first[:, :, None] <= last[:, None, :]) & (first[:, None, :] <= last[:, :, None])  # (B, nq, nk)
+        if sliding_window is not None and window_bounds_blocks:
+            gap = i[:, None] - i[None, :]
+            pairs &= ((gap - 1) * block_size + 1 < sliding_window) | (gap <= 0)
+        any_pair = any_pair | pairs
     partial = any_pair & ~full
 
     def ordered(dense: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -349,5 +578,15 @@ def _segment_block_mask(seg: torch.Tensor, sliding_window: int | None, block_siz
         same = (seg[b, q_idx] == seg[b, kv_idx]) & (seg[b, q_idx] > 0) & (q_idx >= kv_idx)
         return same & (q_idx - kv_idx < sliding_window) if sliding_window is not None else same
 
-    return BlockMask.from_kv_blocks(*ordered(partial), *ordered(full), BLOCK_SIZE=block_size, mask_mod=mask_mod,
-                                    seq_lengths=(seq_len, seq_len))
+    def block_mod(b, h, q_idx, kv_idx):
+        own = (seg[b, q_idx] == seg[b, kv_idx]) & (seg[b, q_idx] > 0)
+        joint = (blocks[b, q_idx] == blocks[b, kv_idx]) & (blocks[b, q_idx] > 0)
+        if sliding_window is None:
+            return own & ((q_idx >= kv_idx) | joint)
+        inside = q_idx - kv_idx < sliding_window
+        if window_bounds_blocks:
+            return own & ((q_idx >= kv_idx) | joint) & inside
+        return own & (((q_idx >= kv_idx) & inside) | joint)
+
+    return BlockMask.from_kv_blocks(*ordered(partial), *ordered(full), BLOCK_SIZE=block_size,
+                                    mask_mod=mask_mod if blocks is None else block_mod, seq_lengths=(seq_len, seq_len))
