@@ -55,7 +55,7 @@ from padfree.model.attention import (
     SHARDED_CALLS,
     register_backends,
 )
-from padfree.model.packed import PackedLayout
+from padfree.model.packed import BLOCK_RULES, BlockRule, PackedLayout
 from padfree.model.sharded import ShardedLayout, gather_boundaries, refuse_together
 from padfree.model.state import PackingState, current_layout, packing_state
 from padfree.packing.inputs import as_flag
@@ -704,7 +704,17 @@ def _before(state: _State, config: Any, module: torch.nn.Module, args: tuple, kw
     if state.sp is not None:
         lay = _sharded_layout(state, config, named, forward_fn)
     else:
+        handed = None if named is None else named.pop(LAYOUT_KWARG, None)
         lay = None if named is None else _layout(named)
+        if isinstance(handed, PackedLayout):  # the outer hook's layout, with what only it could see (image blocks)
+            if lay is None or not torch.equal(lay.segment_ids, handed.segment_ids.to(lay.segment_ids.device)):
+                raise InvalidLayoutError(f"{type(module).__name__} was handed a packed layout whose sequences are not "
+                                         f"those of its own position_ids")
+            if handed.blocks is not None and state.backend == "flash_attention_2":
+                raise PackingDisabledError(
+                    "image blocks that attend bidirectionally with flash_attention_2: transformers' flash function "
+                    "reads no layout and would drop them; use backend='sdpa' or 'varlen'")
+            lay = handed
         if lay is None or (not lay.is_packed and lay.source != "attention_mask"):
             state.tokens.append(((PACKED_FORWARD.reset, PACKED_FORWARD.set(False)),
                                  (flight.leave, flight.enter(state, None))))
@@ -888,8 +898,12 @@ def _before_multimodal(state: _State, module: torch.nn.Module, args: tuple, kwar
         problem = None
         extra = _non_text({k: v for k, v in named.items() if k not in ("self", "kwargs")})
         cache = guards.find_cache(named, type(module).forward)
+        rule = _block_rule(module)
         if extra and state.sp is None and set(extra) <= mrope.ROPE_INPUTS and mrope.rope_index(module) is not None:
             call = _with_rope_rows(module, named)  # exact: every sample's own rotary positions
+            extra = []
+        elif extra and state.sp is None and rule is not None and set(extra) <= {"pixel_values", rule.source}:
+            call = _with_blocks(module, named, rule)  # exact: each image a bidirectional block of its own sample
             extra = []
         if extra:
             problem = (f"a packed batch reached {type(module).__name__} with non-text inputs ({', '.join(extra)}): "
@@ -911,6 +925,38 @@ def _before_multimodal(state: _State, module: torch.nn.Module, args: tuple, kwar
             _layout(named)
     state.tokens.append(((PACKED_FORWARD.reset, PACKED_FORWARD.set(packed)),))
     return call
+
+
+def _block_rule(model: torch.nn.Module) -> BlockRule | None:
+    """The rule of the bidirectional image blocks ``model``'s own mask makes (:data:`BLOCK_RULES`), where padfree
+    lays them out per sample: Gemma3's images; Gemma4's images and videos when its text config makes them
+    bidirectional. None: none (a model whose images are plain causal tokens needs no rule, and others stay
+    refused)."""
+    config = model.config
+    model_type = str(getattr(config, "model_type", ""))
+    if model_type in ("gemma3", "shieldgemma2"):
+        return BLOCK_RULES[model_type]
+    if model_type in ("gemma4", "gemma4_unified"):
+        text = config.get_text_config()
+        if getattr(text, "use_bidirectional_attention", None) == "vision":
+            return BLOCK_RULES[model_type]
+    return None
+
+
+def _with_blocks(module: torch.nn.Module, named: dict[str, Any], rule: BlockRule) -> tuple[tuple, dict[str, Any]]:
+    """The call's arguments, all by name, with the forward's layout carrying the image blocks of every sample (the
+    model's mask, which padfree's mask functions do not build in a packed forward, made per sample): the language
+    model's hook takes it from its keyword arguments."""
+    lay = _layout(named)
+    types = named.get(rule.source)
+    if lay is None or not isinstance(types, torch.Tensor) or types.shape != lay.shape:
+        raise PackingDisabledError(
+            f"a packed batch with images reached {type(module).__name__} without boundaries padfree can read "
+            f"(position_ids restarting at 0 per sample, or cu_seq_lens_q) or without {rule.source} of the tokens' "
+            f"(B, T) shape (the processor returns it): its images attend bidirectionally within their block")
+    kwargs = {name: value for name, value in named.items() if "[" not in name}
+    kwargs[LAYOUT_KWARG] = lay.with_token_types(types, rule)
+    return tuple(named[name] for name in named if "[" in name), kwargs
 
 
 def _with_rope_rows(module: torch.nn.Module, named: dict[str, Any]) -> tuple[tuple, dict[str, Any]]:

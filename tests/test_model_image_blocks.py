@@ -1,0 +1,134 @@
+"""Images in packed rows of Gemma-style models, exact: each image a bidirectional block of its own sample.
+
+Gemma3's image tokens attend to each other both ways inside their image (``token_type_ids == 1``), on every layer,
+the sliding ones under their window. In a packed row padfree's mask functions build no mask, so the multimodal hook
+puts the blocks on the forward's layout (each image intersected with its sample, :mod:`padfree.model.packed`) and
+the packed attention applies them. Compared with each sample alone through transformers: logits, loss and every
+gradient, the vision tower's included (fp32, 1e-5); the control is the same packed row with the blocks left out
+(the images then causal), which the same comparison catches.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+import padfree  # noqa: E402
+from padfree.errors import PackingDisabledError  # noqa: E402
+from padfree.model.shrink import default_config, shrink_config  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+ATOL = 1e-5
+IMAGE, BOI, EOI = 90, 91, 92
+
+
+def tiny_gemma3() -> transformers.PreTrainedModel:
+    """A tiny Gemma3 vision-language model: 64-pixel images in 16-pixel patches, pooled to 4 tokens per image; a
+    sliding layer (window 5, shorter than an image with its markers) and a full one."""
+    cfg = shrink_config(default_config("gemma3"))
+    cfg.image_token_id, cfg.boi_token_id, cfg.eoi_token_id = IMAGE, BOI, EOI
+    cfg.mm_tokens_per_image = 4
+    cfg.vision_config.image_size, cfg.vision_config.patch_size = 64, 16
+    torch.manual_seed(0)
+    return transformers.Gemma3ForConditionalGeneration(cfg).eval()
+
+
+def build_sample(model, parts, g: torch.Generator) -> dict[str, torch.Tensor]:
+    """``("text", n)`` and ``("image", None)`` parts: the image's tokens between its markers, token type 1."""
+    vision = model.config.vision_config
+    ids, types, pixels = [], [], []
+    for kind, n in parts:
+        if kind == "text":
+            ids += torch.randint(3, 80, (n,), generator=g).tolist()
+            types += [0] * n
+        else:
+            k = model.config.mm_tokens_per_image
+            ids += [BOI, *[IMAGE] * k, EOI]
+            types += [0, *[1] * k, 0]
+            pixels.append(torch.randn(1, vision.num_channels, vision.image_size, vision.image_size, generator=g))
+    out = {"input_ids": torch.tensor([ids]), "token_type_ids": torch.tensor([types])}
+    if pixels:
+        out["pixel_values"] = torch.cat(pixels)
+    return out
+
+
+SAMPLES = [[("text", 3), ("image", None), ("text", 4)], [("text", 6)],
+           [("text", 2), ("image", None), ("text", 1), ("image", None), ("text", 3)]]
+
+
+def _pack(samples, types=True):
+    row = {"input_ids": torch.cat([s["input_ids"] for s in samples], 1),
+           "position_ids": torch.cat([torch.arange(s["input_ids"].shape[1]) for s in samples])[None],
+           "pixel_values": torch.cat([s["pixel_values"] for s in samples if "pixel_values" in s])}
+    tt = torch.cat([s["token_type_ids"] for s in samples], 1)
+    row["token_type_ids"] = tt if types else torch.zeros_like(tt)
+    return row
+
+
+def _loss(logits, ids, spans):
+    total = sum(n - 1 for _, n in spans)
+    return sum(torch.nn.functional.cross_entropy(logits[0, s:s + n - 1], ids[0, s + 1:s + n], reduction="sum")
+               for s, n in spans) / total
+
+
+def _relative(got, want) -> float:
+    """The largest gradient difference relative to its parameter's largest gradient (at least 1): the projector's
+    gradients reach thousands here, where fp32 rounds at 1e-4 absolute."""
+    assert got.keys() == want.keys()
+    return max(float((got[k] - want[k]).abs().max()) / max(1.0, float(want[k].abs().max())) for k in want)
+
+
+def _grads(model):
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _alone(model, samples):
+    model.zero_grad()
+    total = sum(s["input_ids"].shape[1] - 1 for s in samples)
+    out = []
+    for s in samples:
+        logits = model(**s, use_cache=False).logits
+        n = s["input_ids"].shape[1]
+        (_loss(logits, s["input_ids"], [(0, n)]) * (n - 1) / total).backward()
+        out.append(logits[0].detach())
+    return torch.cat(out), _grads(model)
+
+
+def _packed(model, samples, **kw):
+    row = _pack(samples, **kw)
+    spans, start = [], 0
+    for s in samples:
+        spans.append((start, s["input_ids"].shape[1]))
+        start += s["input_ids"].shape[1]
+    model.zero_grad()
+    logits = model(**row, use_cache=False).logits
+    _loss(logits, row["input_ids"], spans).backward()
+    return logits[0].detach(), _grads(model)
+
+
+@pytest.mark.parametrize("backend", ["sdpa", "eager"])
+def test_a_packed_row_of_gemma3_samples_with_images_is_exact(backend):
+    model = tiny_gemma3()
+    g = torch.Generator().manual_seed(1)
+    samples = [build_sample(model, parts, g) for parts in SAMPLES]
+    want, want_grads = _alone(model, samples)
+    padfree.configure_packing(model, backend=backend)
+    got, grads = _packed(model, samples)
+    assert float((got - want).abs().max()) <= ATOL
+    assert _relative(grads, want_grads) <= ATOL
+    assert any("vision_tower" in name for name in grads)  # the tower's gradients compared too
+    leaky, _ = _packed(model, samples, types=False)  # the control: no blocks, the images causal
+    assert float((leaky - want).abs().max()) > 1e-3
+
+
+def test_images_need_their_token_types():
+    model = tiny_gemma3()
+    g = torch.Generator().manual_seed(1)
+    row = _pack([build_sample(model, parts, g) for parts in SAMPLES])
+    del row["token_type_ids"]
+    padfree.configure_packing(model)
+    with pytest.raises(PackingDisabledError, match="token_type_ids"):
+        model(**row, use_cache=False)
