@@ -41,6 +41,8 @@ __all__ = [
     "default_output_dir",
     "env_flag",
     "first_sample",
+    "holds_images",
+    "image_reason",
     "model_config",
     "prompt_learning",
     "refuse_prompt_learning",
@@ -128,6 +130,7 @@ def model_config(model: Any, args: Any) -> Any:
 
 
 def vlm_reason(model: Any, config: Any, sample: Any) -> str | None:
+    """Why a trainer that packs text only skips a vision-language model or image data (None: neither)."""
     from transformers.models.auto import modeling_auto
 
     if config is not None:
@@ -137,9 +140,46 @@ def vlm_reason(model: Any, config: Any, sample: Any) -> str | None:
         if getattr(config, "vision_config", None) is not None or model_type in vlm_types:
             name = model if isinstance(model, str) else type(unwrap_model(model)).__name__
             return f"the model is a vision-language model ({name}, model type {model_type!r})"
-    if isinstance(sample, dict) and ("image" in sample or "images" in sample):
+    if holds_images(sample):
         return "the dataset holds images (vision-language data is processed on the fly, one padded batch at a time)"
     return None
+
+
+def holds_images(sample: Any) -> bool:
+    """``sample`` is a row of TRL's vision formats (an ``image`` or ``images`` column)."""
+    return isinstance(sample, dict) and ("image" in sample or "images" in sample)
+
+
+def image_reason(model: Any) -> str | None:
+    """Why padfree cannot put the images of ``model`` (an instance) in packed rows exactly; None when it can: the
+    model computes its rotary positions with the common mRoPE index (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3.5, GLM-4V,
+    ...: each sample's positions from its own grids, :mod:`padfree.model.mrope`), or its mask makes each image a
+    bidirectional block padfree lays out per sample (Gemma3; Gemma4 when its text config makes images
+    bidirectional). Other vision-language models take images in padded batches only.
+
+    >>> from padfree.model.sweep import build_tiny
+    >>> image_reason(build_tiny("llama"))
+    'LlamaForCausalLM takes no images'
+    """
+    from padfree.model import mrope
+    from padfree.model.packed import BLOCK_RULES
+
+    inner = unwrap_model(model)
+    name = type(inner).__name__
+    config = getattr(inner, "config", None)
+    if config is None or getattr(config, "vision_config", None) is None:
+        return f"{name} takes no images"
+    if mrope.rope_index(inner) is not None:
+        return None
+    model_type = str(getattr(config, "model_type", ""))
+    # the rule configure_packing's multimodal hook applies (the model's own mask made per sample)
+    if model_type in ("gemma3", "shieldgemma2"):
+        return None
+    if model_type in ("gemma4", "gemma4_unified") and model_type in BLOCK_RULES and getattr(
+            config.get_text_config(), "use_bidirectional_attention", None) == "vision":
+        return None
+    return (f"padfree does not lay out the images of {name} per sample in a packed row (its positions are not the "
+            f"common mRoPE index and its mask makes no image blocks padfree applies)")
 
 
 def first_sample(dataset: Any) -> Any:
@@ -190,35 +230,45 @@ def refuse_prompt_learning(setting: str, model: Any, instead: str) -> None:
                                     f"{instead}")
 
 
-def refuse_unsafe(setting: str, model: Any, config: Any, processing_class: Any, data_collator: Any, sample: Any
-                  ) -> None:
-    """The checks an explicit ``packing=True`` / ``padding_free=True`` must pass."""
+def refuse_unsafe(setting: str, model: Any, config: Any, processing_class: Any, data_collator: Any, sample: Any,
+                  *, vision: bool = False) -> None:
+    """The checks an explicit ``packing=True`` / ``padding_free=True`` must pass. ``vision=True`` for a trainer that
+    packs vision-language data (SFT): a processor and a vision-language model are accepted, images only where
+    :func:`image_reason` finds them exact."""
     if data_collator is not None:
         raise InvalidArgumentError(
             f"{setting} needs padfree's exact collator, but a custom data_collator ({type(data_collator).__name__}) "
             f"was given; drop data_collator (padfree collates packed rows itself), or unset {setting} to train with "
             f"your collator"
         )
-    if isinstance(processing_class, transformers.ProcessorMixin):
-        raise InvalidArgumentError(
-            f"{setting} with processing_class={type(processing_class).__name__} (a ProcessorMixin): padfree packs "
-            f"text-only causal LMs; pass the tokenizer ({type(processing_class).__name__}.tokenizer) or unset "
-            f"{setting}"
-        )
-    vlm = vlm_reason(model, config, sample)
-    if vlm is not None:
-        raise UnsupportedModelError(f"{setting}: {vlm}; padfree packs text-only causal LMs — unset {setting}")
+    if vision:
+        if holds_images(sample) and not isinstance(model, str):
+            why = image_reason(model)
+            if why is not None:
+                raise UnsupportedModelError(f"{setting} with images: {why}; unset {setting} to train with TRL's "
+                                            f"padded batches")
+    else:
+        if isinstance(processing_class, transformers.ProcessorMixin):
+            raise InvalidArgumentError(
+                f"{setting} with processing_class={type(processing_class).__name__} (a ProcessorMixin): this "
+                f"trainer packs text-only batches; pass the tokenizer ({type(processing_class).__name__}.tokenizer) "
+                f"or unset {setting}"
+            )
+        vlm = vlm_reason(model, config, sample)
+        if vlm is not None:
+            raise UnsupportedModelError(f"{setting}: {vlm}; this trainer packs text-only causal LMs — unset "
+                                        f"{setting}")
     why = support_reason(model, config)
     if why is not None:
         raise UnsupportedModelError(f"{setting}: padfree is {why}; unset {setting} to train with standard batching")
 
 
-
 def skip_reason(args: Any, model: Any, config: Any, processing_class: Any, data_collator: Any, sample: Any, *,
-                returns_logits: bool = True) -> str | None:
+                returns_logits: bool = True, vision: bool = False) -> str | None:
     """Why automatic padding-free batching is skipped (None: it is not). ``returns_logits=False`` for trainers whose
     padding-free forward hands outputs back in the padded layout (DPO, reward, GRPO), so the environment's request
-    for returned logits does not concern them."""
+    for returned logits does not concern them. ``vision=True`` for a trainer that packs vision-language data (SFT): a
+    processor or a vision-language model is no reason, images are where :func:`image_reason` has one."""
     if env_flag(ENV_DISABLE_AUTO):
         return f"{ENV_DISABLE_AUTO}={os.environ[ENV_DISABLE_AUTO]} is set"
     if getattr(args, "auto_padding_free", True) is False:
@@ -229,11 +279,18 @@ def skip_reason(args: Any, model: Any, config: Any, processing_class: Any, data_
                     f"one flattened row of logits instead of one per sample")
     if data_collator is not None:
         return f"a custom data_collator ({type(data_collator).__name__}) was given"
-    if isinstance(processing_class, transformers.ProcessorMixin):
-        return f"processing_class is a ProcessorMixin ({type(processing_class).__name__}), i.e. a multimodal processor"
-    vlm = vlm_reason(model, config, sample)
-    if vlm is not None:
-        return vlm
+    if vision:
+        if holds_images(sample) and not isinstance(model, str):
+            why = image_reason(model)
+            if why is not None:
+                return why
+    else:
+        if isinstance(processing_class, transformers.ProcessorMixin):
+            return (f"processing_class is a ProcessorMixin ({type(processing_class).__name__}), i.e. a multimodal "
+                    f"processor")
+        vlm = vlm_reason(model, config, sample)
+        if vlm is not None:
+            return vlm
     if config is None:
         return "the model's config could not be read"
     return support_reason(model, config)

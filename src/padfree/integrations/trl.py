@@ -78,6 +78,7 @@ from padfree.errors import (
     BackendUnavailableError,
     DataLoadError,
     InvalidArgumentError,
+    UnsupportedModelError,
     describe,
 )
 from padfree.integrations.decide import (
@@ -89,6 +90,8 @@ from padfree.integrations.decide import (
     configure_for,
     default_output_dir,
     first_sample,
+    holds_images,
+    image_reason,
     model_config,
     refuse_unsafe,
     skip_reason,
@@ -99,7 +102,12 @@ from padfree.integrations.sequence_parallel import sequence_parallel_size
 from padfree.integrations.status import PACKING, PADDING_FREE, STANDARD, PackingStatus, model_facts
 from padfree.integrations.step_loss import LOSS_MODES, reduce_loss, refuse_with_own_nll, scored_labels, token_losses
 from padfree.integrations.trainer import PadfreeTrainerMixin, setup_sequence_parallel
-from padfree.integrations.trainer_data import PackedRowsCollator, pack_for_trainer
+from padfree.integrations.trainer_data import (
+    PackedRowsCollator,
+    PackedVisionCollator,
+    pack_for_trainer,
+    pack_vision_rows,
+)
 from padfree.packing.inputs import as_choice, as_flag
 from padfree.packing.strategies import DEFAULT_STRATEGY, STRATEGIES, as_strategy
 
@@ -235,7 +243,7 @@ def _decide(args: Any, model: Any, config: Any, processing_class: Any, data_coll
         if explicit and padding_free is False:
             raise InvalidArgumentError("packing=True with padding_free=False: padfree's packed rows are collated "
                                        "without padding; drop padding_free=False, or unset packing")
-        refuse_unsafe("packing=True", model, config, processing_class, data_collator, sample)
+        refuse_unsafe("packing=True", model, config, processing_class, data_collator, sample, vision=True)
         max_length = args.max_length
         if max_length is None or isinstance(max_length, bool) or not isinstance(max_length, int) or max_length < 1:
             raise InvalidArgumentError(f"packing=True needs max_length, the tokens of one packed row: an int >= 1, "
@@ -245,14 +253,18 @@ def _decide(args: Any, model: Any, config: Any, processing_class: Any, data_coll
                 "packing=True packs the whole dataset at once, which needs a datasets.Dataset; train_dataset is an "
                 "IterableDataset — use padding_free=True, or padfree.IterablePackingDataset with a plain Trainer")
         strategy, overlong = _strategy(args)
+        if holds_images(sample) and args.packing_strategy == "wrapped":
+            raise InvalidArgumentError("packing_strategy='wrapped' cuts samples at the rows' edges, and a sample's "
+                                       "images cannot follow a cut; use 'bfd' or a padfree strategy with images")
         return Decision(PACKING, f"packing=True: global {strategy} packing into rows of max_length={max_length}",
                          auto=False, strategy=strategy, overlong=overlong)
     if padding_free:
-        refuse_unsafe("padding_free=True", model, config, processing_class, data_collator, sample)
+        refuse_unsafe("padding_free=True", model, config, processing_class, data_collator, sample, vision=True)
         return Decision(PADDING_FREE, "padding_free=True", auto=False)
     if explicit and padding_free is False:
         return Decision(STANDARD, "padding_free=False", auto=False)
-    return auto_decision(skip_reason(args, model, config, processing_class, data_collator, sample), config)
+    return auto_decision(skip_reason(args, model, config, processing_class, data_collator, sample, vision=True),
+                         config)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -309,12 +321,21 @@ class SFTMixin(PadfreeTrainerMixin):
                              **kwargs)
         finally:
             args.packing, args.padding_free = decision.mode == PACKING, on
+        vision = bool(getattr(self, "_is_vision_dataset", False))
         if isinstance(model, str):  # loaded by TRL; a model instance is configured already
+            if on and vision:
+                decision = self._padfree_images_checked(decision)
+                on = decision.mode != STANDARD
             setup_sequence_parallel(self.model, args, sp_size, loss)
         if on:
             configure_for(self.model, decision, sp_size)
             self.padding_free = True
-            self.data_collator = PackedRowsCollator()
+            if vision:  # TRL's collator runs the processor per loader batch; padfree makes its batch one row
+                self.data_collator = PackedVisionCollator(self.data_collator)
+                if decision.mode == PACKING:
+                    self.train_dataset = self._padfree_vision_rows(self.train_dataset, decision)
+            else:
+                self.data_collator = PackedRowsCollator()
         self._padfree_setup(loss, telemetry=on and bool(getattr(args, "padfree_telemetry", True)))
         plan = self._padfree_plans.get("train")
         self._padfree_status = PackingStatus(
@@ -328,6 +349,35 @@ class SFTMixin(PadfreeTrainerMixin):
             warn_once(f"padfree: {decision.reason}; training with standard batching")
 
     # ---- data ------------------------------------------------------------------------------------------
+
+    def _padfree_images_checked(self, decision: Decision) -> Decision:
+        """``decision`` for image data once TRL loaded the model by name: standard batching naming the reason (auto),
+        or a refusal (explicit), where padfree cannot put its images in packed rows."""
+        why = image_reason(self.model)
+        if why is None:
+            return decision
+        if decision.auto:
+            self._padfree_decision = Decision(STANDARD, f"auto padding-free skipped: {why}", auto=True)
+            self.args.packing, self.args.padding_free = False, False
+            return self._padfree_decision
+        raise UnsupportedModelError(f"{decision.reason} with images: {why}; unset packing / padding_free to train "
+                                    f"with TRL's padded batches")
+
+    def _padfree_vision_rows(self, dataset: Any, decision: Decision) -> Any:
+        """The vision train set as rows of samples packed by their processed token counts (each sample alone through
+        TRL's collator: its images expanded to their tokens, truncated to ``max_length`` as TRL truncates)."""
+        collate = self.data_collator.collator
+        counts = []
+        for start in range(0, len(dataset), 32):
+            chunk = [dataset[i] for i in range(start, min(start + 32, len(dataset)))]
+            counts.append(collate(chunk)["attention_mask"].sum(1))
+        lengths = torch.cat(counts).numpy() if counts else []
+        rows, plan = pack_vision_rows(dataset, lengths, self.args.max_length, decision.strategy, seed=self.args.seed)
+        self._padfree_plans["train"] = plan
+        logger.info("padfree: packed the train dataset — %d samples with their images into %d rows of "
+                    "max_length=%d (%s, efficiency %.2f%%)", plan.num_sequences, plan.num_bins, self.args.max_length,
+                    decision.strategy, 100 * plan.efficiency)
+        return rows
 
     def _prepare_dataset(self, dataset: Any, processing_class: Any, args: Any, packing: bool, formatting_func: Any,
                          dataset_name: str) -> Any:
