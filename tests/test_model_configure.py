@@ -356,7 +356,8 @@ def test_strict_must_be_a_bool():
 
 def test_a_multimodal_model_packs_text_only_and_refuses_images_in_a_packed_batch():
     """Gemma3ForConditionalGeneration builds its per-layer-type masks above the language model: a packed text batch
-    runs exactly (the sweep proves it), and a packed batch carrying pixel_values is refused before any work."""
+    runs exactly (the sweep proves it), and a packed batch carrying pixel_values without the token types that make
+    its images' blocks is refused before any work."""
     from padfree.model.sweep import build_tiny
 
     model = build_tiny("gemma3")
@@ -366,7 +367,8 @@ def test_a_multimodal_model_packs_text_only_and_refuses_images_in_a_packed_batch
     pos = torch.tensor([[0, 1, 2, 0, 1, 2, 3]])
     vision = model.config.vision_config
     pixels = torch.zeros(1, vision.num_channels, vision.image_size, vision.image_size)
-    with pytest.raises(PackingDisabledError, match=r"non-text inputs \(pixel_values\)"):
+    with pytest.raises(PackingDisabledError, match=r"with images reached Gemma3ForConditionalGeneration without .*"
+                                                   r"token_type_ids"):
         model(input_ids=ids, position_ids=pos, pixel_values=pixels, use_cache=False)
     # the model folds its attention_mask into per-layer-type masks above the language model: a 0/1 mask next to
     # restarting positions is refused there, as the language model's own hook refuses it

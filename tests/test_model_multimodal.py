@@ -171,22 +171,37 @@ def gemma3():
     return model
 
 
-@pytest.mark.parametrize("case", ["inputs_embeds", "token_type_ids", "mm_encoder_outputs", "an unknown tensor"])
+@pytest.mark.parametrize("case", ["inputs_embeds", "mm_encoder_outputs", "an unknown tensor"])
 def test_a_configured_multimodal_model_refuses_a_packed_batch_with_anything_but_text(gemma3, case):
-    """Precomputed image features (merged embeddings, encoder outputs), image token types, and a tensor under a name
-    padfree has never seen: each would reach layers that read them without padfree's boundaries."""
+    """Precomputed image features (merged embeddings, encoder outputs) and a tensor under a name padfree has never
+    seen: each would reach layers that read them without padfree's boundaries."""
     ids = torch.randint(3, 90, (1, 7))
     pos = torch.tensor([[0, 1, 2, 0, 1, 2, 3]])
     hidden = gemma3.config.text_config.hidden_size
     inputs = {
         "inputs_embeds": {"inputs_embeds": torch.randn(1, 7, hidden)},
-        "token_type_ids": {"input_ids": ids, "token_type_ids": torch.tensor([[0, 0, 0, 0, 1, 1, 0]])},
         "mm_encoder_outputs": {"input_ids": ids, "mm_encoder_outputs": torch.randn(1, 2, hidden)},
         "an unknown tensor": {"input_ids": ids, "patch_tokens": torch.randn(1, 2, hidden)},
     }[case]
     named = case.split()[-1] if case != "an unknown tensor" else "patch_tokens"
     with pytest.raises(PackingDisabledError, match=rf"non-text inputs \({named}"):
         gemma3(position_ids=pos, use_cache=False, **inputs)
+
+
+def test_image_token_types_without_images_make_blocks_within_their_sample(gemma3):
+    """Token types marking image tokens (no pixels): the model's own mask makes those tokens one bidirectional
+    block; in a packed row each block stays inside its sample — exact against each sample alone."""
+    ids = torch.randint(3, 90, (1, 7))
+    pos = torch.tensor([[0, 1, 2, 0, 1, 2, 3]])
+    types = torch.tensor([[0, 1, 1, 0, 1, 1, 0]])
+    with torch.no_grad():
+        out = gemma3(input_ids=ids, position_ids=pos, token_type_ids=types, use_cache=False).logits
+        first = gemma3(input_ids=ids[:, :3], token_type_ids=types[:, :3], use_cache=False).logits
+        second = gemma3(input_ids=ids[:, 3:], token_type_ids=types[:, 3:], use_cache=False).logits
+        causal = gemma3(input_ids=ids[:, :3], use_cache=False).logits  # control: the same sample without its block
+    alone = torch.cat([first, second], 1)
+    assert float((out - alone).abs().max()) <= ATOL * max(1.0, float(alone.abs().max()))
+    assert float((causal - first).abs().max()) > 1e-3
 
 
 def test_text_token_types_of_zeros_are_text(gemma3):

@@ -25,14 +25,16 @@ import transformers
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 from padfree.model import registry
-from padfree.model.sweep import sweep_type
+from padfree.model.sweep import multimodal_types, sweep_type
 
 ROOT = Path(__file__).resolve().parents[1]
 TABLE = ROOT / "src" / "padfree" / "model" / "support.json"
 README = ROOT / "README.md"
 TYPES = sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+MULTIMODAL = sorted(multimodal_types())
 UPDATE = os.environ.get("PADFREE_UPDATE_DOCS") == "1"
 RESULTS: dict[str, dict] = {}
+MULTIMODAL_RESULTS: dict[str, dict] = {}
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -65,23 +67,51 @@ def test_every_causal_lm_type_is_exact_or_refused_with_a_reason(model_type):
             f"src/padfree/model/support.json is stale for {model_type}: rerun with PADFREE_UPDATE_DOCS=1")
 
 
+@pytest.mark.parametrize("model_type", MULTIMODAL)
+def test_every_vision_language_class_is_exact_on_text_rows_or_refused_with_a_reason(model_type):
+    """The image-text-to-text classes outside the causal-LM mapping (Qwen2-VL, LLaVA, Idefics3, ...; Qwen3.5's
+    ForConditionalGeneration beside its ForCausalLM): the same proof on text-only packed rows, the vision and audio
+    towers left on their own attention implementation."""
+    entry = sweep_type(model_type, multimodal=True)
+    MULTIMODAL_RESULTS[model_type] = entry
+    assert entry["verdict"] in ("exact", "refused")
+    if entry["verdict"] == "exact":
+        assert entry["backends"] and entry["variants"], entry
+        assert "fp32" in {p for ps in entry["backends"].values() for p in ps}, entry["backends"]
+    else:
+        assert entry["reason"] and entry["module"], entry
+    if not UPDATE and registry.load()["transformers"] == transformers.__version__:
+        shipped = registry.load().get("multimodal", {}).get(model_type)
+        assert _comparable(shipped) == _comparable(entry), (
+            f"src/padfree/model/support.json is stale for {model_type} (multimodal): rerun with PADFREE_UPDATE_DOCS=1")
+
+
+SECTIONS = {"types": ("support-table", TYPES, RESULTS), "multimodal": ("multimodal-table", MULTIMODAL,
+                                                                       MULTIMODAL_RESULTS)}
+
+
 def test_readme_support_table_is_rendered_from_the_table():
-    begin, end = "<!-- support-table:begin -->", "<!-- support-table:end -->"
     text = README.read_text()
-    block = f"{begin}\n{registry.markdown_table()}\n{end}"
     if not UPDATE and registry.load()["transformers"] != transformers.__version__:
         pytest.skip("the README's table is the shipped one, proven on another transformers")
-    if UPDATE and RESULTS:  # the types that ran replace their entries; a type no longer installed is dropped
+    if UPDATE and (RESULTS or MULTIMODAL_RESULTS):  # the types that ran replace their entries; gone types dropped
         shipped = registry.load()
-        kept = shipped["types"] if shipped["transformers"] == transformers.__version__ else {}
-        table = {"transformers": transformers.__version__, "generated_by": "tests/test_model_sweep.py",
-                 "types": {t: RESULTS.get(t, kept.get(t)) for t in TYPES if t in RESULTS or t in kept}}
+        same = shipped["transformers"] == transformers.__version__
+        table = {"transformers": transformers.__version__, "generated_by": "tests/test_model_sweep.py"}
+        for section, (_, types, results) in SECTIONS.items():
+            kept = shipped.get(section, {}) if same else {}
+            table[section] = {t: results.get(t, kept.get(t)) for t in types if t in results or t in kept}
         TABLE.write_text(json.dumps(table, indent=1, sort_keys=True) + "\n")
         registry.load.cache_clear()
-        block = f"{begin}\n{registry.markdown_table()}\n{end}"
-        README.write_text(re.sub(re.escape(begin) + ".*?" + re.escape(end), lambda _: block, text, flags=re.S))
-        return
-    assert block in text, "README support table is stale: rerun with PADFREE_UPDATE_DOCS=1"
+    for section, (marker, _, _) in SECTIONS.items():
+        begin, end = f"<!-- {marker}:begin -->", f"<!-- {marker}:end -->"
+        block = f"{begin}\n{registry.markdown_table(section=section)}\n{end}"
+        if UPDATE:
+            text = re.sub(re.escape(begin) + ".*?" + re.escape(end), lambda _, b=block: b, text, flags=re.S)
+        else:
+            assert block in text, f"README {marker} is stale: rerun with PADFREE_UPDATE_DOCS=1"
+    if UPDATE:
+        README.write_text(text)
 
 
 def test_the_table_covers_exactly_the_installed_types():
@@ -91,3 +121,4 @@ def test_the_table_covers_exactly_the_installed_types():
                     f"{transformers.__version__} configure_packing certifies every model on the spot")
     assert table["transformers"] == transformers.__version__
     assert sorted(table["types"]) == TYPES
+    assert sorted(table.get("multimodal", {})) == MULTIMODAL

@@ -150,7 +150,7 @@ def _twin(model: Any, device: torch.device) -> Any:
 
     config = shrink_config(model.config)
     state = packing_state(model)
-    base = state.previous[0] if state is not None and state.previous[0] else None
+    base = state.previous[0][""] if state is not None and state.previous[0] else None
     config._attn_implementation_internal = None
     torch.manual_seed(0)
     import transformers

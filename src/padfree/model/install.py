@@ -412,9 +412,9 @@ def install_packing(model: Any, *, backend: str = "auto", strict: bool = True, s
         warnings.warn(f"padfree: {type(model).__name__} is only partly packing-exact: {what}", stacklevel=2)
 
     register_backends()
-    state.previous = (config._attn_implementation if attention else None, getattr(config, "use_cache", None))
+    state.previous = (_implementations(config) if attention else None, getattr(config, "use_cache", None))
     if attention:
-        model.set_attn_implementation(name)
+        model.set_attn_implementation(_language_only(config, name))
         if sp is not None and config._attn_implementation != name:  # checked before any hook is installed
             _uninstall_families(model)
             raise UnsupportedModelError(
@@ -494,6 +494,55 @@ def _multimodal_pre_hook(module: torch.nn.Module, args: tuple, kwargs: dict[str,
 @torch.compiler.disable
 def _post_hook(module: torch.nn.Module, args: tuple, kwargs: dict[str, Any], output: Any) -> None:
     _after(module.__dict__[_HOOKED].state)
+
+
+def _implementations(config: Any) -> dict[str, Any]:
+    """The attention implementation of ``config`` and of every sub-config under it, in the nested form
+    ``set_attn_implementation`` takes (what :func:`unconfigure_packing` restores)."""
+    tree: dict[str, Any] = {"": config._attn_implementation}
+    for key in getattr(config, "sub_configs", None) or {}:
+        sub = getattr(config, key, None)
+        if sub is not None and hasattr(sub, "_attn_implementation"):
+            tree[key] = _implementations(sub)
+    return tree
+
+
+def _language_only(config: Any, name: str) -> dict[str, Any]:
+    """``set_attn_implementation``'s nested form that gives ``name`` to the language model's configs (the text
+    config and the configs above it) and leaves every other sub-config — a vision or audio tower's, a projector's —
+    on its own implementation: a tower runs each image apart, under the masks its model builds (bidirectional within
+    an image), which padfree's packed functions, reading the text's boundaries, must not replace."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    if text is config:  # a language model's own config: its sub-configs (if any) are its own layers'
+        return _everything(config, name)
+    tree: dict[str, Any] = {"": name}
+    for key in getattr(config, "sub_configs", None) or {}:
+        sub = getattr(config, key, None)
+        if sub is None or not hasattr(sub, "_attn_implementation"):
+            continue
+        if sub is text or any(c is text for c in _under(sub)):
+            tree[key] = _language_only(sub, name) if sub is not text else _everything(sub, name)
+        else:
+            tree[key] = _implementations(sub)
+    return tree
+
+
+def _everything(config: Any, name: str) -> dict[str, Any]:
+    tree: dict[str, Any] = {"": name}
+    for key in getattr(config, "sub_configs", None) or {}:
+        sub = getattr(config, key, None)
+        if sub is not None and hasattr(sub, "_attn_implementation"):
+            tree[key] = _everything(sub, name)
+    return tree
+
+
+def _under(config: Any) -> list[Any]:
+    found = []
+    for key in getattr(config, "sub_configs", None) or {}:
+        sub = getattr(config, key, None)
+        if sub is not None:
+            found += [sub, *_under(sub)]
+    return found
 
 
 def _layers(model: torch.nn.Module) -> list[torch.nn.Module]:

@@ -117,7 +117,7 @@ def lookup(model: Any, backend: str) -> tuple[str, dict[str, Any] | None]:
 
     table = load()
     model_type = str(getattr(model.config, "model_type", ""))
-    entry = table["types"].get(model_type)
+    entry = _entry(table, model_type, type(model).__name__)
     if table["transformers"] is None:
         return "uncovered: padfree ships no support table", None
     if table["transformers"] != versions.installed():
@@ -153,6 +153,18 @@ def lookup(model: Any, backend: str) -> tuple[str, dict[str, Any] | None]:
     return "covered", entry
 
 
+def _entry(table: dict[str, Any], model_type: str, name: str) -> dict[str, Any] | None:
+    """The entry that proved class ``name`` of ``model_type``: the causal-LM section's, or the ``multimodal``
+    section's where the type's vision-language class is another class (Qwen3.5's ForConditionalGeneration beside
+    its ForCausalLM)."""
+    causal, multimodal = table["types"].get(model_type), table.get("multimodal", {}).get(model_type)
+    if multimodal is not None and name == multimodal["class"]:
+        return multimodal
+    if (causal is not None and name in (causal["class"], causal.get("base_class"))) or multimodal is None:
+        return causal
+    return multimodal if name == multimodal.get("base_class") else causal
+
+
 def _differences(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
     return sorted(k for k in a.keys() | b.keys() if a.get(k) != b.get(k))
 
@@ -176,12 +188,13 @@ def _low(entry: dict[str, Any], precision: str) -> str:
     return "✓*" if any(b.endswith("/" + precision) for b in entry.get("blind", [])) else "✓"
 
 
-def markdown_table(table: dict[str, Any] | None = None) -> str:
-    """The README's support table, rendered from the support table (every type of the sweep, one row each)."""
+def markdown_table(table: dict[str, Any] | None = None, section: str = "types") -> str:
+    """The README's support table, rendered from the support table (every type of the sweep, one row each;
+    ``section="multimodal"``: the vision-language classes, on text rows)."""
     table = load() if table is None else table
     rows = ["| model type | class | padfree | `sdpa` | `eager` | bf16 · autocast | stock transformers | "
             "mixers, or why refused |", "|---|---|---|---|---|---|---|---|"]
-    for model_type, e in sorted(table["types"].items()):
+    for model_type, e in sorted(table.get(section, {}).items()):
         exact = e.get("verdict") == "exact"
         lows = " · ".join(_low(e, p) for p in ("bf16", "autocast_bf16")) if exact else "—"
         if exact:

@@ -40,9 +40,12 @@ from __future__ import annotations
 
 import copy
 import functools
+import importlib
+import inspect
 import itertools
 import math
 import re
+import sys
 from typing import Any
 
 __all__ = ["FAMILY_FIXES", "UNBUILDABLE", "VOCAB", "default_config", "shrink_config"]
@@ -390,6 +393,29 @@ def _original_positions(original: int, maximum: int, new_maximum: int) -> int:
     return max(8, round(new_maximum * original / max(1, maximum)))
 
 
+@functools.cache
+def _code_default_section(model_type: Any) -> list[int] | None:
+    """The ``mrope_section`` a model type's rotary embedding falls back to when its config has none (Qwen2-VL's
+    ``[16, 24, 24]``: full-size, so a tiny head needs it stated, rescaled), read from its modeling code."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    if not isinstance(model_type, str) or model_type not in CONFIG_MAPPING:
+        return None
+    module = sys.modules.get(CONFIG_MAPPING[model_type].__module__.replace(".configuration_", ".modeling_"))
+    if module is None:
+        try:
+            module = importlib.import_module(CONFIG_MAPPING[model_type].__module__.replace(".configuration_",
+                                                                                             ".modeling_"))
+        except Exception:  # no modeling module to read: no fallback
+            return None
+    try:
+        source = inspect.getsource(module)
+    except (OSError, TypeError):
+        return None
+    found = re.search(r'get\("mrope_section",\s*\[([0-9,\s]+)\]\)', source)
+    return [int(v) for v in found.group(1).split(",") if v.strip()] if found else None
+
+
 def _shrink_rope(rope: Any, d: dict[str, Any], out: dict[str, Any]) -> Any:
     """Rope parameters (flat, or one dict per layer type) fitted to the new head dim and position range."""
     if not isinstance(rope, dict):
@@ -400,7 +426,7 @@ def _shrink_rope(rope: Any, d: dict[str, Any], out: dict[str, Any]) -> Any:
     partial = rope.get("partial_rotary_factor", d.get("partial_rotary_factor", 1.0)) or 1.0
     new_head = _head_dim(out) or HIDDEN // HEADS
     new_half = max(1, int(new_head * partial) // 2)
-    section = rope.get("mrope_section")
+    section = rope.get("mrope_section", _code_default_section(d.get("model_type")) if "vocab_size" in d else None)
     if isinstance(section, list) and section and all(_is_int(s) for s in section) and sum(section) > new_half:
         rope["mrope_section"] = _split(new_half, section)
     for key in ("short_factor", "long_factor"):

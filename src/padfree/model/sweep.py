@@ -32,7 +32,7 @@ import torch
 from padfree.errors import InvalidArgumentError, PadfreeError, describe
 from padfree.model.registry import features, module_classes
 
-__all__ = ["BACKENDS", "PRECISIONS", "build_tiny", "sweep_type"]
+__all__ = ["BACKENDS", "PRECISIONS", "build_tiny", "multimodal_types", "sweep_type"]
 
 #: the backends every type is proven on (flex_attention has no backward on the CPU: certified on the spot instead)
 BACKENDS = ("sdpa", "eager")
@@ -58,10 +58,27 @@ def _quiet():
     return Quiet()
 
 
-def build_tiny(model_type: str, variant: Mapping[str, Any] | None = None, *, seed: int = 0) -> torch.nn.Module:
-    """The tiny fp32 causal LM of ``model_type``: its config class's defaults shrunk, ``variant`` fields on top,
-    built with ``sdpa`` where the class has it, ``eager`` otherwise, every weight offset a little
-    (:func:`padfree.model.proof.perturb`: no path silenced by a zero initialisation)."""
+def multimodal_types() -> dict[str, str]:
+    """The vision-language types the sweep proves apart from the causal-LM mapping: every image-text-to-text
+    (and video-text-to-text) type whose class is not the causal-LM mapping's class of that type — model type ->
+    class name. Their entries sit in the support table's ``multimodal`` section."""
+    from transformers.models.auto import modeling_auto
+
+    causal = modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    found: dict[str, str] = {}
+    for name in ("MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES", "MODEL_FOR_VIDEO_TEXT_TO_TEXT_MAPPING_NAMES"):
+        for model_type, cls in getattr(modeling_auto, name, {}).items():
+            if isinstance(cls, str) and causal.get(model_type) != cls:
+                found.setdefault(model_type, cls)
+    return found
+
+
+def build_tiny(model_type: str, variant: Mapping[str, Any] | None = None, *, seed: int = 0,
+               multimodal: bool = False) -> torch.nn.Module:
+    """The tiny fp32 causal LM of ``model_type`` (with ``multimodal``, its vision-language class of
+    :func:`multimodal_types`): its config class's defaults shrunk, ``variant`` fields on top, built with ``sdpa``
+    where the class has it, ``eager`` otherwise, every weight offset a little (:func:`padfree.model.proof.perturb`:
+    no path silenced by a zero initialisation)."""
     import transformers
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
@@ -70,13 +87,20 @@ def build_tiny(model_type: str, variant: Mapping[str, Any] | None = None, *, see
     if model_type not in CONFIG_MAPPING:
         raise InvalidArgumentError(f"model_type={model_type!r} is not a model type of transformers "
                                    f"{transformers.__version__}")
+    if multimodal and model_type not in multimodal_types():
+        raise InvalidArgumentError(f"model_type={model_type!r} has no vision-language class apart from its causal "
+                                   f"LM in transformers {transformers.__version__}")
     with _quiet():
         config = shrink_config(default_config(model_type), **dict(variant or {}))
         torch.manual_seed(seed)
         for attn in ("sdpa", "eager", None):
             try:
                 kwargs = {} if attn is None else {"attn_implementation": attn}
-                model = transformers.AutoModelForCausalLM.from_config(config, **kwargs)
+                if multimodal:
+                    cls = getattr(transformers, multimodal_types()[model_type])
+                    model = cls._from_config(config, **kwargs)
+                else:
+                    model = transformers.AutoModelForCausalLM.from_config(config, **kwargs)
                 break
             except (ValueError, TypeError, ImportError) as exc:
                 if attn is None:
@@ -137,11 +161,13 @@ def _refused(entry: dict[str, Any], reason: str, module: str | None, model: torc
     return entry
 
 
-def sweep_type(model_type: str, *, precisions: Mapping[str, Sequence[str]] | None = None) -> dict[str, Any]:
-    """Prove ``model_type`` (see the module docstring) and return its support-table entry: ``verdict``
-    (``exact`` / ``refused``), ``class``, ``base_class``, ``backends`` (resolved backend -> precisions proven),
-    ``variants`` (per proven config: its features and module classes), ``mixers``, ``stock``, ``reason`` and
-    ``module`` when refused, ``params`` and ``seconds``."""
+def sweep_type(model_type: str, *, precisions: Mapping[str, Sequence[str]] | None = None,
+               multimodal: bool = False) -> dict[str, Any]:
+    """Prove ``model_type`` (see the module docstring) — with ``multimodal``, its vision-language class of
+    :func:`multimodal_types`, on text rows — and return its support-table entry: ``verdict`` (``exact`` /
+    ``refused``), ``class``, ``base_class``, ``backends`` (resolved backend -> precisions proven), ``variants`` (per
+    proven config: its features and module classes), ``mixers``, ``stock``, ``reason`` and ``module`` when refused,
+    ``params`` and ``seconds``."""
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, MODEL_MAPPING_NAMES
 
     from padfree.model import shrink
@@ -149,21 +175,23 @@ def sweep_type(model_type: str, *, precisions: Mapping[str, Sequence[str]] | Non
     from padfree.model.proof import first_divergence, prove
     from padfree.model.shrink import shrink_config
 
-    if not isinstance(model_type, str) or model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
-        raise InvalidArgumentError(f"model_type must be a causal-LM type of the installed transformers, got "
+    classes = multimodal_types() if multimodal else MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    if not isinstance(model_type, str) or model_type not in classes:
+        what = "vision-language" if multimodal else "causal-LM"
+        raise InvalidArgumentError(f"model_type must be a {what} type of the installed transformers, got "
                                    f"{describe(model_type)}")
     plan = dict(PRECISIONS if precisions is None else precisions)
     start = time.perf_counter()
-    entry: dict[str, Any] = {"class": MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type],
+    entry: dict[str, Any] = {"class": classes[model_type],
                              "base_class": MODEL_MAPPING_NAMES.get(model_type), "backends": {}, "variants": [],
                              "mixers": [], "stock": "not run"}
     unbuildable = getattr(shrink, "UNBUILDABLE", {})
     if model_type in unbuildable:
         return _refused(entry, unbuildable[model_type], entry["class"])
     backends: dict[str, set[str]] = {}
-    for variant in _variants(model_type):
+    for variant in _variants(model_type) if not multimodal else [{}]:
         try:
-            model = build_tiny(model_type, variant)
+            model = build_tiny(model_type, variant, multimodal=multimodal)
         except Exception as exc:
             if variant:
                 continue  # the hand-made variant is a bonus
@@ -171,6 +199,9 @@ def sweep_type(model_type: str, *, precisions: Mapping[str, Sequence[str]] | Non
                                    f"({type(exc).__name__}: {str(exc)[:200]})", entry["class"])
         entry["class"] = type(model).__name__
         entry["params"] = sum(p.numel() for p in model.parameters())
+        why = _not_text_alone(model)
+        if why is not None:
+            return _refused(entry, why, type(model).__name__)
         if not variant:
             entry["stock"] = _stock(model)
         try:  # refusals by name (a module no family handles, a table of another shape) before any proof runs
@@ -228,6 +259,25 @@ def sweep_type(model_type: str, *, precisions: Mapping[str, Sequence[str]] | Non
         entry["blind"] = sorted(entry["blind"])
     entry.update(verdict="exact", seconds=round(time.perf_counter() - start, 2))
     return entry
+
+
+def _not_text_alone(model: torch.nn.Module) -> str | None:
+    """Why ``model`` cannot be proven on text rows at all: not a causal LM (:mod:`padfree.model.kinds`), or a
+    vision-language forward that requires its images in every call (a BLIP-style image prefix)."""
+    import inspect
+
+    from padfree.model.kinds import not_a_causal_lm
+
+    why = not_a_causal_lm(model)
+    if why is not None:
+        return why
+    params = inspect.signature(type(model).forward).parameters.values()
+    required = [p.name for p in params if p.default is inspect.Parameter.empty and p.name not in ("self", "input_ids")
+                and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+    if required:
+        return (f"its forward requires {', '.join(required)} in every call (every text follows its image's "
+                f"features): text-only rows cannot run through it, and packed rows with images are not made exact")
+    return None
 
 
 def _module_in(message: str) -> str | None:

@@ -1,0 +1,56 @@
+"""Vision-language classes through ``configure_packing``: accepted where the language model inside can be made exact
+(the support table's ``multimodal`` section, or a certification), the towers left on their own attention.
+
+The sweep (``tests/test_model_sweep.py``) proves every such class on text rows; these tests pin what the sweep
+relies on: the class is accepted, padfree's backend reaches the language model and no tower, undoing restores every
+sub-config's own implementation, and a text-only packed row through the whole model is exact.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import padfree
+from padfree.errors import UnsupportedModelError
+from padfree.model.sweep import build_tiny
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def _implementations(model) -> dict[str, str]:
+    config = model.config
+    return {"top": config._attn_implementation, "text": config.get_text_config()._attn_implementation,
+            "vision": config.vision_config._attn_implementation}
+
+
+@pytest.mark.parametrize("model_type", ["qwen2_vl", "llava", "idefics3"])
+def test_a_vision_language_class_is_configured_on_its_language_model_only(model_type):
+    model = build_tiny(model_type, multimodal=True)
+    model.set_attn_implementation({"": "sdpa", "text_config": "sdpa", "vision_config": "eager"})
+    report = padfree.configure_packing(model)
+    assert report.supported and report.proof.startswith("support table"), report.proof
+    assert _implementations(model) == {"top": report.backend, "text": report.backend, "vision": "eager"}
+    padfree.unconfigure_packing(model)
+    assert _implementations(model) == {"top": "sdpa", "text": "sdpa", "vision": "eager"}
+
+
+def test_a_text_only_packed_row_through_a_qwen2_vl_class_is_exact():
+    """Restarting 2-D positions: the model's mRoPE takes them on all three axes, the boundaries come from them."""
+    model = build_tiny("qwen2_vl", multimodal=True).train()
+    padfree.configure_packing(model)
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randint(3, 80, (1, 6), generator=g), torch.randint(3, 80, (1, 9), generator=g)
+    ids, pos = torch.cat([a, b], 1), torch.cat([torch.arange(6), torch.arange(9)])[None]
+    with torch.no_grad():
+        packed = model(input_ids=ids, position_ids=pos).logits
+        alone = torch.cat([model(input_ids=a).logits, model(input_ids=b).logits], 1)
+        leaking = model(input_ids=ids, position_ids=torch.arange(15)[None]).logits  # control: one sequence
+    assert float((packed - alone).abs().max()) <= 1e-5
+    assert float((leaking - alone).abs().max()) > 1e-3
+
+
+def test_an_encoder_decoder_vision_class_is_refused_as_one():
+    model = build_tiny("florence2", multimodal=True)
+    with pytest.raises(UnsupportedModelError, match="Florence2ForConditionalGeneration is an encoder-decoder"):
+        padfree.configure_packing(model)
