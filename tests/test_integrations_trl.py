@@ -123,18 +123,10 @@ def test_skip_reasons(tok, records, tmp_path, monkeypatch, caplog):
     """Every reason to skip the automatic choice leaves TRL's standard batching, with its one-line reason."""
     caplog.set_level(logging.INFO, logger="padfree")
     ds = prompt_completion(records, 8)
-    text = transformers.LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                    num_attention_heads=4, num_key_value_heads=2)
-    vision = transformers.CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                           num_attention_heads=2, image_size=32, patch_size=8)
+    # a processor and a vision-language model are no reasons any more: tests/test_integrations_vlm.py
     cases = {
         "collator": (dict(data_collator=trl.trainer.sft_trainer.DataCollatorForLanguageModeling(pad_token_id=2)),
                      "a custom data_collator (DataCollatorForLanguageModeling) was given"),
-        "processor": (dict(processing_class=transformers.LlavaProcessor(
-            image_processor=transformers.CLIPImageProcessor(), tokenizer=tok)), "processing_class is a ProcessorMixin"),
-        "vlm": (dict(model=transformers.LlavaForConditionalGeneration(
-            transformers.LlavaConfig(text_config=text, vision_config=vision, image_token_index=0))),
-            "the model is a vision-language model (LlavaForConditionalGeneration"),
         "unsupported": (dict(model=with_unknown_mixer(llama(tok))),
                         "not supported because cannot make LlamaForCausalLM packing-exact: model.layers.0.mlp: "
                         "ToyRecurrentMixer carries state"),
@@ -369,9 +361,6 @@ def test_bad_input(tok, records, tmp_path):
                         processing_class=tok, compute_loss_func=lambda outputs, labels, **kw: outputs.loss)
     with pytest.raises(InvalidArgumentError, match=r"packing=True packs the whole dataset at once.*IterableDataset"):
         build(packing=True, dataset=ds.to_iterable_dataset())
-    with pytest.raises(InvalidArgumentError, match="ProcessorMixin"):
-        build(padding_free=True, processing_class=transformers.LlavaProcessor(
-            image_processor=transformers.CLIPImageProcessor(), tokenizer=tok))
     with pytest.raises(InvalidArgumentError, match="enable takes a trainer class"):
         enable(build())
 
