@@ -1,8 +1,9 @@
 """Whether a TRL trainer runs a padfree mode: the automatic choice, its skip reasons and the explicit refusals.
 
 Shared by padfree's TRL trainers (SFT, DPO, reward, GRPO): :func:`skip_reason` says why automatic padding-free
-batching is skipped (an environment opt-out, a custom collator, a processor, a vision-language model, a model padfree
-does not support), :func:`refuse_unsafe` raises for an explicit setting that cannot be exact, :func:`configure_for`
+batching is skipped (an environment opt-out, a custom collator, a model padfree does not support; for the trainers
+that pack text only, a processor or a vision-language model; for SFT, images padfree does not lay out per sample:
+:func:`image_reason`), :func:`refuse_unsafe` raises for an explicit setting that cannot be exact, :func:`configure_for`
 runs :func:`padfree.configure_packing` and words its refusal for the mode that asked.
 
 >>> from padfree.model.sweep import build_tiny

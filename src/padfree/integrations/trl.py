@@ -33,14 +33,24 @@ assistant-only losses keep working: TRL's label masks are carried into the packe
 - the environment asks for logits to be returned (``PADFREE_RETURN_LOGITS=1``, or Unsloth's
   ``UNSLOTH_RETURN_LOGITS=1``): a padding-free forward returns one flattened row of logits, not one per sample;
 - a ``data_collator`` is given (padfree would have to replace it);
-- ``processing_class`` is a ``ProcessorMixin`` (a multimodal processor), or the model is a vision-language model
-  (or the dataset holds images);
+- the dataset holds images (TRL's vision formats) and padfree does not lay out the model's images per sample
+  (:func:`~padfree.integrations.decide.image_reason`: exact for the Qwen-VL mRoPE family and Gemma3/Gemma4 image
+  blocks);
 - padfree does not support the model (:func:`support_reason`: what :func:`padfree.configure_packing` would decide —
   the support table of the sweep, or an on-the-spot certification of a tiny twin of the model's class).
 
+**Vision-language data.** With a processor and TRL's vision formats (``images`` + ``messages``, or
+``prompt`` + ``completion`` with images), TRL's vision collator still runs the processor on every loader batch, and
+padfree makes its padded batch one row (:class:`~padfree.integrations.trainer_data.PackedVisionCollator`): the
+samples' tokens back to back, ``position_ids`` restarting, token types laid out like the tokens, pixel values and
+grids in sample order; the configured model computes each sample's mRoPE positions or image blocks. ``packing=True``
+packs whole samples by their processed token counts (each sample through the processor once at construction).
+A vision-language model on text-only data trains like any causal LM.
+
 **Explicit settings always win** over the automatic choice: ``packing=True`` / ``padding_free=True`` turn padfree
-on even with the environment opt-out set, and refuse (naming why) what they cannot do exactly — a custom collator, a
-processor, a VLM, a model padfree does not support, ``max_length`` missing with packing. With :class:`SFTConfig`, whose
+on even with the environment opt-out set, and refuse (naming why) what they cannot do exactly — a custom collator,
+images of a model padfree does not lay out per sample, a model padfree does not support, ``max_length`` missing with
+packing. With :class:`SFTConfig`, whose
 ``packing`` and ``padding_free`` default to None ("decide for me"), ``padding_free=False`` is an explicit opt-out
 too; a plain ``trl.SFTConfig`` cannot tell ``False`` from its default, so use the opt-outs above.
 
@@ -530,11 +540,11 @@ class SFTTrainer(SFTMixin, trl.SFTTrainer):
     :class:`SFTConfig` is made. After construction, ``padfree.packing_status(trainer)`` reports the mode and why.
 
     Raises:
-        InvalidArgumentError: ``packing=True`` / ``padding_free=True`` with a custom ``data_collator`` or a
-            ``ProcessorMixin``; ``packing=True`` without ``max_length >= 1``, with an unknown ``packing_strategy``
-            or an ``IterableDataset``.
-        UnsupportedModelError: an explicit padfree mode on a vision-language or unsupported model, or a model that
-            ``configure_packing`` cannot make exact.
+        InvalidArgumentError: ``packing=True`` / ``padding_free=True`` with a custom ``data_collator``;
+            ``packing=True`` without ``max_length >= 1``, with an unknown ``packing_strategy`` (``"wrapped"`` with
+            images) or an ``IterableDataset``.
+        UnsupportedModelError: an explicit padfree mode on images padfree does not lay out per sample, on an
+            unsupported model, or a model that ``configure_packing`` cannot make exact.
         DataLoadError: a dataset without ``input_ids``, without the text field and without messages or
             prompt/completion columns.
     """
