@@ -252,6 +252,15 @@ def test_images_padfree_cannot_lay_out_are_skipped_or_refused(tmp_path):
         with pytest.raises(UnsupportedModelError, match="with images: padfree does not lay out the images of Llava"):
             ptrl.SFTTrainer(model=llava, args=config(tmp_path, **setting), train_dataset=ds,
                             processing_class=processor)
+    # a model TRL loads by name is judged once loaded
+    llava.save_pretrained(tmp_path / "llava")
+    by_name = ptrl.SFTTrainer(model=str(tmp_path / "llava"), args=config(tmp_path), train_dataset=ds,
+                              processing_class=processor)
+    assert "does not lay out the images of LlavaForConditionalGeneration" in packing_status(by_name).reason
+    assert not packing_status(by_name).enabled and not isinstance(by_name.data_collator, PackedVisionCollator)
+    with pytest.raises(UnsupportedModelError, match="padding_free=True with images: padfree does not lay out"):
+        ptrl.SFTTrainer(model=str(tmp_path / "llava"), args=config(tmp_path, padding_free=True), train_dataset=ds,
+                        processing_class=processor)
 
 
 def test_a_vision_language_model_on_text_trains_padding_free(tmp_path):
