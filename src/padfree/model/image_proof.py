@@ -1,0 +1,192 @@
+"""Images in a packed row against each sample alone, on one tiny vision-language model: the images verdict.
+
+:func:`prove_images` takes :func:`padfree.model.images.probe_samples`' three samples (an image; text only; two
+images), runs each alone through the model as transformers runs it (the reference), then installs padfree's
+packing machinery and runs them as one packed row (:func:`padfree.model.images.pack_samples`: tokens side by side,
+``position_ids`` restarting, the images concatenated in row order) — a training step: the model's own loss from
+``labels=`` and its backward. It compares logits, the loss (the token mean over every sample) and every gradient,
+the vision tower's included, and runs a negative control the same comparison must catch: the images in the wrong
+order (causal route), positions that never restart (rope route), the blocks left out (blocks route).
+
+>>> import transformers
+>>> from padfree.model.shrink import default_config, shrink_config
+>>> torch.manual_seed(0) and None
+>>> model = transformers.LlavaForConditionalGeneration(shrink_config(default_config("llava")))
+>>> proof = prove_images(model)
+>>> proof.route, proof.ok
+('causal', True)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from padfree.errors import PadfreeError
+from padfree.layout import IGNORE_INDEX
+from padfree.model import images
+from padfree.model.install import install_packing, unconfigure_packing
+
+__all__ = ["FP32_TOL", "ImageProof", "prove_images"]
+
+FP32_TOL = 1e-5
+# parameters on the image path (the tower, its projector, a resampler): at least one must have a compared gradient
+_IMAGE_PATH = re.compile(r"(vision|visual|image|multi_modal|mm_|projector|connector|perceiver|resampler)")
+
+
+@dataclasses.dataclass(frozen=True)
+class ImageProof:
+    """The images verdict of one model on one backend (fp32).
+
+    Attributes:
+        model_type: the model's ``config.model_type``.
+        route: :func:`padfree.model.images.image_route` (``"rope"``, ``"blocks"``, ``"causal"``) or None.
+        backend: the attention backend the packed row ran on (None when it did not run).
+        logits: the largest ``|packed - alone|`` over every logit, divided by ``max(1, max |logit|)``.
+        loss: ``|packed - alone|``: the model's own loss on the packed row against the token mean of every sample's.
+        grads: the largest gradient difference of any parameter, divided by ``max(1, its largest gradient)``.
+        image_grads: how many parameters of the image path (tower, projector) had their gradients compared.
+        control: the ``logits`` measure of the negative control; must exceed ``tolerance``.
+        refused: why padfree refuses this model's images (naming the module), or why the proof could not run;
+            None when it ran.
+        tolerance: the bound of ``logits``, ``loss`` and ``grads``.
+    """
+
+    model_type: str
+    route: str | None
+    backend: str | None = None
+    logits: float | None = None
+    loss: float | None = None
+    grads: float | None = None
+    image_grads: int = 0
+    control: float | None = None
+    refused: str | None = None
+    tolerance: float = FP32_TOL
+
+    @property
+    def ok(self) -> bool:
+        """Exact: it ran, every measure within ``tolerance``, the image path's gradients compared, and the control
+        caught."""
+        measures = (self.logits, self.loss, self.grads, self.control)
+        return self.refused is None and None not in measures and max(self.logits, self.loss, self.grads) <= \
+            self.tolerance and self.control > self.tolerance and self.image_grads > 0
+
+
+def _labels(ids: torch.Tensor, lengths: Sequence[int]) -> torch.Tensor:
+    """``ids`` as labels with every sample's first token ignored (nothing predicts it from the sample before)."""
+    labels = ids.clone()
+    starts = torch.tensor([0, *lengths[:-1]]).cumsum(0)
+    labels[0, starts] = IGNORE_INDEX
+    return labels
+
+
+def _grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _alone(model: torch.nn.Module, samples: Sequence[dict[str, Any]]) -> tuple[torch.Tensor, float, dict]:
+    model.zero_grad(set_to_none=True)
+    total = sum(s["input_ids"].shape[1] - 1 for s in samples)
+    logits, loss = [], 0.0
+    for s in samples:
+        out = model(**s, labels=s["input_ids"], use_cache=False)
+        part = out.loss * (s["input_ids"].shape[1] - 1) / total
+        part.backward()
+        loss += float(part.detach())
+        logits.append(out.logits[0].detach())
+    return torch.cat(logits), loss, _grads(model)
+
+
+def _packed(model: torch.nn.Module, row: dict[str, Any], lengths: Sequence[int], grads: bool = True
+            ) -> tuple[torch.Tensor, float, dict]:
+    model.zero_grad(set_to_none=True)
+    out = model(**row, labels=_labels(row["input_ids"], lengths), use_cache=False)
+    if grads:
+        out.loss.backward()
+    return out.logits[0].detach(), float(out.loss.detach()), _grads(model) if grads else {}
+
+
+def _scaled(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got - want).abs().max()) / max(1.0, float(want.abs().max()))
+
+
+def _grad_measure(got: dict, want: dict) -> float:
+    names = got.keys() | want.keys()
+
+    def get(d, n):
+        return d[n] if n in d else torch.zeros_like(want.get(n, got.get(n)))
+
+    return max((_scaled(get(got, n), get(want, n)) for n in names), default=0.0)
+
+
+def _control(model: torch.nn.Module, route: str, row: dict[str, Any], samples: Sequence[dict[str, Any]]
+             ) -> dict[str, Any]:
+    """The packed row with the one thing wrong that the route's layout must get right."""
+    if route == "rope":  # positions running on over the row: one sequence, rotary rows over the whole row
+        return {**row, "position_ids": torch.arange(row["input_ids"].shape[1])[None]}
+    if route == "blocks":  # no blocks: the images causal
+        source = images.block_rule(model).source
+        return {**row, source: torch.zeros_like(row[source])}
+    # causal: the samples' images in reverse sample order (the placeholder counts still add up, each sample's
+    # placeholders get another sample's features)
+    flipped = images.pack_samples(model, list(reversed(samples)))
+    return {**row, **{k: v for k, v in flipped.items() if k not in ("input_ids", "position_ids")}}
+
+
+def prove_images(model: torch.nn.Module, backend: str = "sdpa", *, seed: int = 0) -> ImageProof:
+    """Packed against alone for ``model``'s images (see the module's docstring).
+
+    Args:
+        model: a tiny fp32 vision-language model, not configured; it is left unconfigured, in the mode it came in,
+            its weights untouched (its gradients cleared).
+        backend: the attention backend ``install_packing`` takes (``"sdpa"``, ``"eager"``, ...).
+        seed: the random tokens and pixels of the probe samples.
+
+    Returns:
+        An :class:`ImageProof`: ``refused`` says why it did not run (no route — the model's own reason —, no probe
+        samples for its config, padfree refusing the backend, the model's own forward failing on the samples).
+    """
+    model_type = str(getattr(model.config, "model_type", type(model).__name__))
+    route = images.image_route(model)
+    if route is None:
+        return ImageProof(model_type, None, refused=images.image_refusal(model))
+    samples = images.probe_samples(model, seed=seed)
+    if samples is None:
+        return ImageProof(model_type, route, refused=f"no probe samples for this {type(model).__name__} config "
+                                                      f"(its image tokens or resolutions do not fit its tower)")
+    lengths = [s["input_ids"].shape[1] for s in samples]
+    row = images.pack_samples(model, samples)
+    device = next(model.parameters()).device
+    samples = [{k: v.to(device) for k, v in s.items()} for s in samples]
+    row = {k: v.to(device) for k, v in row.items()}
+    was_training = model.training
+    model.eval()
+    try:
+        try:
+            want, want_loss, want_grads = _alone(model, samples)
+        except (RuntimeError, ValueError, IndexError, TypeError) as exc:
+            return ImageProof(model_type, route, refused=f"the samples do not run alone through "
+                                                         f"{type(model).__name__}: {str(exc).splitlines()[0]}")
+        try:
+            report = install_packing(model, backend=backend)
+        except PadfreeError as exc:
+            return ImageProof(model_type, route, refused=str(exc).splitlines()[0])
+        try:
+            got, loss, grads = _packed(model, row, lengths)
+            with torch.no_grad():
+                wrong, _, _ = _packed(model, _control(model, route, row, samples), lengths, grads=False)
+        except PadfreeError as exc:
+            return ImageProof(model_type, route, getattr(report, "backend", backend),
+                              refused=str(exc).splitlines()[0])
+        compared = [n for n in want_grads if _IMAGE_PATH.search(n) and not n.startswith("lm_head")]
+        return ImageProof(model_type, route, getattr(report, "backend", backend), logits=_scaled(got, want),
+                          loss=abs(loss - want_loss), grads=_grad_measure(grads, want_grads),
+                          image_grads=len(compared), control=_scaled(wrong, want))
+    finally:
+        unconfigure_packing(model)
+        model.zero_grad(set_to_none=True)
+        model.train(was_training)

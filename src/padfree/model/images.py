@@ -1,0 +1,412 @@
+"""Images in packed rows of vision-language models: how padfree lays them out per model, and samples to prove it on.
+
+A packed row holds several samples, each with its own images: their pixel inputs concatenated in the order the
+samples sit in the row (:mod:`padfree.data.carry`), the tokens side by side, positions restarting per sample. What
+else makes such a row exact depends on how the model places its image tokens — its *route*:
+
+- ``"rope"``: multi-axis rotary positions computed from each sample's image grids (Qwen-VL, GLM-4V, ...:
+  :mod:`padfree.model.mrope` gives every sample its own);
+- ``"blocks"``: image tokens attend to each other both ways inside their image (Gemma 3, Gemma 4 with bidirectional
+  vision): each image a block of its own sample on the forward's layout (:data:`padfree.model.packed.BLOCK_RULES`);
+- ``"causal"``: image tokens are ordinary causal tokens (LLaVA, Idefics, SmolVLM, Mistral 3, InternVL, ...): the
+  vision tower runs per image, the features land on the placeholder tokens in order, and the language model sees
+  1-D positions under a causal mask only — the row's own boundaries are all it needs;
+- None: refused (:func:`image_refusal` says why: cross-attention to a row's images, a mask or positions the model
+  builds above its language model that padfree does not lay out per sample, ...).
+
+:func:`probe_samples` builds three tiny samples (an image; text only; two images, of different sizes where the model
+takes sizes) as a processor returns them, and :func:`pack_samples` lays them out as one packed row — what
+:func:`padfree.model.image_proof.prove_images` compares against each sample alone.
+
+>>> image_route(torch.nn.Linear(2, 2)) is None  # no language model, no images
+True
+"""
+
+from __future__ import annotations
+
+import inspect
+import re
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from padfree.model import mrope
+from padfree.model.packed import BLOCK_RULES, BlockRule
+
+__all__ = ["IMAGE_INPUTS", "block_rule", "image_inputs", "image_refusal", "image_route", "pack_samples",
+           "probe_samples"]
+
+#: the forward arguments that carry a row's images on the causal route, each concatenated in row order: per image
+#: (``pixel_values`` — on its image axis —, ``image_sizes``, ``pixel_attention_mask``, ``spatial_shapes``) or per
+#: sample (``batch_num_images``, LLaVA-OneVision's count of images in each sample, which decides its anyres tiling)
+IMAGE_INPUTS = frozenset({"pixel_values", "image_sizes", "pixel_attention_mask", "spatial_shapes", "batch_num_images"})
+
+# words in the source of a multimodal model's forward (the outer class and the inner model holding the language model)
+# that mean it does more to a packed row than put image features on their tokens: each a reason the causal route
+# would be wrong, with what it is
+_BUILDS_MASK = ("create_causal_mask", "create_sliding_window_causal_mask", "create_masks_for_generate",
+                "create_bidirectional_mask", "block_sequence_ids", "or_mask_function", "and_mask_function",
+                "_prepare_4d_causal_attention_mask", "_prepare_decoder_attention_mask")
+_BUILDS_POSITIONS = ("get_rope_index", "rope_deltas", "compute_3d_position_ids")
+_READS = (("token_type_ids", "token types (a mask made from them: bidirectional image or prefix blocks)"),
+          ("cross_attention", "cross-attention to the row's images"))
+_PER_TOKEN = ("token_type_ids", "mm_token_type_ids")
+_SPECIAL = re.compile(r"(token_id|token_index|_id)$")
+
+
+def block_rule(model: torch.nn.Module) -> BlockRule | None:
+    """The rule of the bidirectional image blocks ``model``'s own mask makes (:data:`BLOCK_RULES`), where padfree
+    lays them out per sample: Gemma3's images; Gemma4's images and videos when its text config makes them
+    bidirectional. None: none (a model whose images are plain causal tokens needs no rule; PaliGemma's prefix is
+    bidirectional through attention built with ``is_causal=False``, which padfree's packed attention refuses)."""
+    config = getattr(model, "config", None)
+    model_type = str(getattr(config, "model_type", ""))
+    if model_type in ("gemma3", "shieldgemma2"):
+        return BLOCK_RULES[model_type]
+    if model_type in ("gemma4", "gemma4_unified"):
+        text = config.get_text_config()
+        if getattr(text, "use_bidirectional_attention", None) == "vision":
+            return BLOCK_RULES[model_type]
+    return None
+
+
+# where a vision-language model keeps its language model (Idefics2/3 and SmolVLM: text_model)
+_LANGUAGE_MODEL = ("language_model", "text_model")
+
+
+def _holder(model: torch.nn.Module) -> torch.nn.Module | None:
+    """The module whose forward hands the language model its inputs (``model.model`` or the model itself)."""
+    for candidate in (getattr(model, "model", None), model):
+        if isinstance(candidate, torch.nn.Module) and _language_model(candidate) is not None:
+            return candidate
+    return None
+
+
+def _language_model(holder: torch.nn.Module) -> torch.nn.Module | None:
+    for name in _LANGUAGE_MODEL:
+        found = getattr(holder, name, None)
+        if isinstance(found, torch.nn.Module):
+            return found
+    return None
+
+
+def _source(cls: type) -> str:
+    try:
+        return inspect.getsource(cls.forward)
+    except (OSError, TypeError, AttributeError):
+        return ""
+
+
+def _parameters(model: torch.nn.Module) -> list[str]:
+    try:
+        return list(inspect.signature(type(model).forward).parameters)
+    except (TypeError, ValueError):
+        return []
+
+
+def _cross_attention(model: torch.nn.Module) -> str | None:
+    """The class name of the model's cross-attention (the attention module itself where there is one)."""
+    names = [type(module).__name__ for module in model.modules() if "CrossAttention" in type(module).__name__]
+    return next((n for n in names if n.endswith("CrossAttention")), names[0] if names else None)
+
+
+def image_refusal(model: torch.nn.Module) -> str | None:
+    """Why a packed batch with images through ``model`` cannot be made exact (naming the module), or None when
+    :func:`image_route` has a route for it."""
+    if mrope.rope_index(model) is not None or block_rule(model) is not None:
+        return None
+    name = type(model).__name__
+    cross = _cross_attention(model)
+    if cross is not None:
+        # Mllama, Idefics (1): text tokens attend to a dense state of every image of their row through a per-token
+        # cross-attention mask the model applies itself; padfree's packed attention reads no such mask
+        return (f"{cross}: cross-attention from each token to its row's images (through a dense cross-attention "
+                f"mask that padfree does not lay out per sample): a packed row would let one sample's tokens attend "
+                f"to another sample's images")
+    holder = _holder(model)
+    if holder is None:
+        return (f"{name} has no language model apart from its image path (no language_model or text_model "
+                f"module): padfree cannot tell how its images meet the text")
+    sources = {cls.__name__: _source(cls) for cls in (type(model), type(holder))}
+    for owner, source in sources.items():
+        if not source:
+            return f"{owner}.forward cannot be read: padfree cannot tell how its images meet the text"
+    for owner, source in sources.items():
+        for word in _BUILDS_MASK:
+            if word in source:
+                return (f"{owner}.forward builds its own attention mask above its language model ({word}; "
+                        f"PaliGemma's: a bidirectional prefix of image and prompt), which padfree does not lay out "
+                        f"per sample")
+    for owner, source in sources.items():
+        for word in _BUILDS_POSITIONS:
+            if word in source:
+                return (f"{owner}.forward computes positions of its own ({word}) with a scheme padfree does not lay "
+                        f"out per sample")
+    for owner, source in sources.items():
+        for word, what in _READS:
+            if word in source:
+                return f"{owner}.forward reads {what}, which padfree does not lay out per sample"
+    text = _text_config(model)
+    if "mrope_section" in (getattr(text, "rope_parameters", None) or {}):
+        return (f"{type(_language_model(holder)).__name__} takes multi-axis rotary positions that {name} computes "
+                f"without a rope index padfree knows")
+    if "position_ids" not in _parameters(_language_model(holder)):
+        return (f"{type(_language_model(holder)).__name__} takes no position_ids, so its positions cannot restart per "
+                f"sample")
+    if not set(_parameters(model)) & IMAGE_INPUTS:
+        return f"{name}.forward takes none of the image inputs padfree lays out ({', '.join(sorted(IMAGE_INPUTS))})"
+    return None
+
+
+def image_route(model: torch.nn.Module) -> str | None:
+    """How padfree lays out a packed batch with images through ``model``: ``"rope"``, ``"blocks"``, ``"causal"``
+    (see the module's docstring) or None (refused: :func:`image_refusal`).
+
+    The causal route is read from the model's structure, not from a list of names: a language model (under
+    ``language_model``) that takes ``position_ids`` and 1-D rotary positions, and forwards (the outer class's and
+    its inner model's) that build no mask, no positions and read no token types or cross-attention inputs of their
+    own — all they do to a row is put each image's features on its placeholder tokens, in order."""
+    if mrope.rope_index(model) is not None:
+        return "rope"
+    if block_rule(model) is not None:
+        return "blocks"
+    return "causal" if image_refusal(model) is None else None
+
+
+def image_inputs(model: torch.nn.Module) -> frozenset[str]:
+    """The forward arguments that carry a packed row's images on ``model``'s route (empty when refused): the ones
+    padfree lays out (rope, blocks) or lets through in row order (causal)."""
+    route = image_route(model)
+    if route == "rope":
+        return mrope.ROPE_INPUTS
+    if route == "blocks":
+        rule = block_rule(model)
+        return frozenset({"pixel_values", rule.source})
+    if route == "causal":
+        return frozenset(set(_parameters(model)) & IMAGE_INPUTS)
+    return frozenset()
+
+
+# ---- samples to prove it on --------------------------------------------------------------------------------------
+
+
+# the images of the three probe samples: an image; none; two images (in units of the model's smallest image step)
+_PLAN = (((5, (2, 2)), 4), ((7, None),), ((3, (2, 4)), (2, (4, 2)), 3))
+# a sample's parts: (text tokens, an image's (height, width) in steps or None), or text tokens alone
+_IMAGES = tuple(part[1] for plan in _PLAN for part in plan if isinstance(part, tuple) and part[1] is not None)
+# the largest image of the plan, in steps: every sample's pixels are padded to it (as a processor pads a batch)
+_HEIGHT, _WIDTH = max(h for h, _ in _IMAGES), max(w for _, w in _IMAGES)
+
+
+def _text_config(model: torch.nn.Module) -> Any:
+    config = model.config
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+def _words(model: torch.nn.Module, n: int, g: torch.Generator) -> list[int]:
+    """``n`` random ordinary token ids (none of the config's special ids)."""
+    vocab = int(_text_config(model).vocab_size)
+    special = set()
+    for config in (model.config, _text_config(model)):
+        for key, value in config.to_dict().items():
+            if _SPECIAL.search(key) and isinstance(value, int):
+                special.add(value)
+    allowed = torch.tensor([i for i in range(3, vocab) if i not in special])
+    return allowed[torch.randint(len(allowed), (n,), generator=g)].tolist()
+
+
+def _convention(model: torch.nn.Module) -> str:
+    """How the causal-route model takes its images, from its forward's arguments."""
+    params = set(_parameters(model))
+    if "spatial_shapes" in params:
+        return "patches"  # (N, P, C*p*p) patch rows, spatial_shapes (N, 2), pixel_attention_mask (N, P): LFM2-VL
+    if "pixel_attention_mask" in params:
+        return "tiles"  # (B, N, C, H, W), pixel_attention_mask (B, N, H, W): Idefics2/3, SmolVLM
+    if "image_sizes" in params and getattr(model.config, "image_grid_pinpoints", None):
+        return "anyres"  # (N, P, C, S, S) tiles of each image, image_sizes (N, 2): LLaVA-NeXT, OneVision
+    tower = getattr(_holder(model), "vision_tower", None)
+    if "image_sizes" in params and tower is not None and "image_sizes" in _parameters(tower):
+        return "sized"  # (N, C, H, W) padded to the largest, image_sizes (N, 2): Pixtral towers (Mistral 3)
+    return "plain"  # (N, C, S, S) at the tower's one size
+
+
+def _side(vision: Any) -> tuple[int, int]:
+    size, patch = vision.image_size, vision.patch_size
+    size = size[0] if isinstance(size, (list, tuple)) else size
+    patch = patch[0] if isinstance(patch, (list, tuple)) else patch
+    return int(size), int(patch)
+
+
+def _causal_images(model: torch.nn.Module, shapes: Sequence[tuple[int, int]], g: torch.Generator) -> dict[str, Any]:
+    """One sample's image inputs for ``shapes`` (each an image's size in steps), as the model's processor returns."""
+    vision = model.config.vision_config
+    kind = _convention(model)
+    n = len(shapes)
+    if kind == "patches":
+        factor = int(getattr(model.config, "downsample_factor", 1) or 1)
+        patch, channels = int(vision.patch_size), int(vision.num_channels)
+        grids = [(h * factor, w * factor) for h, w in shapes]
+        longest = _HEIGHT * _WIDTH * factor * factor
+        mask = torch.zeros(n, longest, dtype=torch.bool)
+        for i, (h, w) in enumerate(grids):
+            mask[i, :h * w] = True
+        pixels = torch.randn(n, longest, channels * patch * patch, generator=g) * mask[..., None]
+        return {"pixel_values": pixels, "spatial_shapes": torch.tensor(grids), "pixel_attention_mask": mask}
+    side, patch = _side(vision)
+    channels = int(getattr(vision, "num_channels", 3))
+    if kind == "tiles":
+        return {"pixel_values": torch.randn(1, n, channels, side, side, generator=g),
+                "pixel_attention_mask": torch.ones(1, n, side, side, dtype=torch.bool)}
+    if kind == "anyres":  # image sizes of whole tiles: each image's grid of tiles is exact
+        from transformers.models.llava_next.modeling_llava_next import image_size_to_num_patches
+
+        def tiles(h: int, w: int) -> int:
+            return image_size_to_num_patches([h * side // 2, w * side // 2], model.config.image_grid_pinpoints, side)
+
+        counts = [tiles(h, w) for h, w in shapes]
+        most = max(tiles(h, w) for h, w in _IMAGES)
+        sizes = torch.tensor([[h * side // 2, w * side // 2] for h, w in shapes])
+        pixels = torch.zeros(n, most, channels, side, side)
+        for i, count in enumerate(counts):
+            pixels[i, :count] = torch.randn(count, channels, side, side, generator=g)
+        out = {"pixel_values": pixels, "image_sizes": sizes}
+        if "batch_num_images" in _parameters(model):
+            out["batch_num_images"] = torch.tensor([n])
+        return out
+    if kind == "sized":
+        step = patch * int(getattr(model.config, "spatial_merge_size", 1) or 1)
+        sizes = torch.tensor([[h * step, w * step] for h, w in shapes])
+        pixels = torch.zeros(n, channels, _HEIGHT * step, _WIDTH * step)
+        for i, (h, w) in enumerate(sizes.tolist()):
+            pixels[i, :, :h, :w] = torch.randn(channels, h, w, generator=g)
+        return {"pixel_values": pixels, "image_sizes": sizes}
+    return {"pixel_values": torch.randn(n, channels, side, side, generator=g)}
+
+
+def _tokens_per_image(model: torch.nn.Module, images: dict[str, Any], n: int) -> list[int]:
+    """How many placeholder tokens each of ``n`` images takes: the model's own image features counted."""
+    holder = _holder(model)
+    function = holder.get_image_features
+    accepted = set(inspect.signature(function).parameters)
+    with torch.no_grad():
+        out = function(**{k: v for k, v in images.items() if k in accepted})
+    features = getattr(out, "pooler_output", out)
+    if isinstance(features, (list, tuple)):
+        counts = [int(f.reshape(-1, f.shape[-1]).shape[0]) for f in features]
+    elif features.dim() == 3:
+        counts = [int(features.shape[1])] * features.shape[0]
+    else:
+        counts = [int(features.reshape(-1, features.shape[-1]).shape[0])]
+    # per sample (Idefics: a list over the batch) or flat: the images are of one size, so they share the count
+    return counts if len(counts) == n else [sum(counts) // n] * n
+
+
+def _causal_sample(model: torch.nn.Module, plan: Sequence[Any], g: torch.Generator) -> dict[str, Any]:
+    shapes = [part[1] for part in plan if isinstance(part, tuple) and part[1] is not None]
+    images = _causal_images(model, shapes, g) if shapes else {}
+    counts = _tokens_per_image(model, images, len(shapes)) if shapes else []
+    token = int(getattr(model.config, "image_token_id", None) or model.config.image_token_index)
+    ids: list[int] = []
+    for part in plan:
+        text, image = part if isinstance(part, tuple) else (part, None)
+        ids += _words(model, text, g)
+        if image is not None:
+            ids += [token] * counts.pop(0)
+    return {"input_ids": torch.tensor([ids]), **images}
+
+
+def _rope_sample(model: torch.nn.Module, plan: Sequence[Any], g: torch.Generator) -> dict[str, Any]:
+    """Qwen-VL-style: each image a grid of patch rows between the vision start and end tokens, token type 1."""
+    config, vision = model.config, model.config.vision_config
+    merge, patch = int(vision.spatial_merge_size), int(vision.patch_size)
+    width = int(vision.in_channels) * int(getattr(vision, "temporal_patch_size", 1) or 1) * patch * patch
+    ids: list[int] = []
+    types: list[int] = []
+    pixels, grids = [], []
+    for part in plan:
+        text, image = part if isinstance(part, tuple) else (part, None)
+        ids += _words(model, text, g)
+        types += [0] * text
+        if image is not None:
+            h, w = image[0] * merge, image[1] * merge
+            count = h * w // (merge * merge)
+            ids += [config.vision_start_token_id, *[config.image_token_id] * count, config.vision_end_token_id]
+            types += [0, *[1] * count, 0]
+            pixels.append(torch.randn(h * w, width, generator=g))
+            grids.append([1, h, w])
+    out: dict[str, Any] = {"input_ids": torch.tensor([ids]), "mm_token_type_ids": torch.tensor([types])}
+    if pixels:
+        out.update(pixel_values=torch.cat(pixels), image_grid_thw=torch.tensor(grids))
+    return out
+
+
+def _blocks_sample(model: torch.nn.Module, plan: Sequence[Any], g: torch.Generator) -> dict[str, Any]:
+    """Gemma3-style: each image ``mm_tokens_per_image`` tokens between its markers, token type 1."""
+    config, vision = model.config, model.config.vision_config
+    ids: list[int] = []
+    types: list[int] = []
+    pixels = []
+    for part in plan:
+        text, image = part if isinstance(part, tuple) else (part, None)
+        ids += _words(model, text, g)
+        types += [0] * text
+        if image is not None:
+            count = int(config.mm_tokens_per_image)
+            ids += [config.boi_token_id, *[config.image_token_id] * count, config.eoi_token_id]
+            types += [0, *[1] * count, 0]
+            pixels.append(torch.randn(1, vision.num_channels, vision.image_size, vision.image_size, generator=g))
+    out: dict[str, Any] = {"input_ids": torch.tensor([ids]), "token_type_ids": torch.tensor([types])}
+    if pixels:
+        out["pixel_values"] = torch.cat(pixels)
+    return out
+
+
+def probe_samples(model: torch.nn.Module, seed: int = 0) -> list[dict[str, Any]] | None:
+    """Three samples of text and images for a tiny ``model`` — one image; text only; two images (of different sizes
+    where the model takes sizes) — each as its processor returns it: ``input_ids`` ``(1, T)`` with as many
+    placeholder tokens per image as the model's features, the pixel inputs, grids / sizes / masks, token types.
+    None where padfree has no builder for the model (or no route: :func:`image_route`).
+
+    The image sizes are in units of the model's smallest step (a merged patch, an anyres half tile, ...); the
+    images' pixel tensors of one sample share their trailing sizes (padded as the processor pads a batch), and so do
+    the three samples', so that they concatenate.
+    """
+    route = image_route(model)
+    g = torch.Generator().manual_seed(seed)
+    config = model.config
+    if route == "causal":
+        pinpoints = getattr(config, "image_grid_pinpoints", None)
+        if _convention(model) == "anyres" and any(v % _side(config.vision_config)[0] for p in pinpoints for v in p):
+            return None  # resolutions that are no whole number of tiles: the model's own tiling does not add up
+        build = _causal_sample
+    elif route == "rope":
+        ids = [getattr(config, k, None) for k in ("vision_start_token_id", "vision_end_token_id", "image_token_id")]
+        if None in ids or len(set(ids)) < 3 or max(ids) >= int(_text_config(model).vocab_size):
+            return None  # no distinct marker tokens in the vocabulary: no sample the processor could make
+        build = _rope_sample
+    elif route == "blocks" and block_rule(model).source == "token_type_ids":
+        build = _blocks_sample
+    else:
+        return None
+    return [build(model, plan, g) for plan in _PLAN]
+
+
+def pack_samples(model: torch.nn.Module, samples: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """``samples`` (:func:`probe_samples`' form: batches of one) as one packed row ``(1, ΣT)``: the tokens and the
+    per-token inputs side by side, ``position_ids`` restarting at 0 per sample, every image input concatenated in
+    row order — on the image axis (axis 1 of a ``(B, N, ...)`` tile tensor and its mask), as one sample's images
+    are."""
+    row: dict[str, Any] = {
+        "input_ids": torch.cat([s["input_ids"] for s in samples], 1),
+        "position_ids": torch.cat([torch.arange(s["input_ids"].shape[1]) for s in samples])[None]}
+    tiles = image_route(model) == "causal" and _convention(model) == "tiles"
+    keys = dict.fromkeys(k for s in samples for k in s if k != "input_ids")
+    for key in keys:
+        if key in _PER_TOKEN:
+            row[key] = torch.cat([s[key] for s in samples], 1)
+            continue
+        parts = [s[key] for s in samples if key in s]
+        axis = 1 if tiles and key in ("pixel_values", "pixel_attention_mask") else 0
+        row[key] = torch.cat(parts, axis)
+    return row
