@@ -92,6 +92,14 @@ def test_a_registered_llama_subclass_is_certified_and_accepted(caplog):
     assert verdict.ok
 
 
+def test_configuring_inside_autocast_certifies_in_fp32():
+    """A user who configures inside ``torch.autocast`` (a training loop's context): the twin's fp32 reference and
+    fp32 check run in fp32, not in the caller's bf16 (which refused exact models: 1.9e-03 off in "fp32")."""
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        verdict = certify.certify(_model(CertLlamaForCausalLM, CertLlamaConfig), "padfree_sdpa", cache=False)
+    assert verdict.ok, verdict.reason
+
+
 def test_a_certified_class_is_not_checked_again(monkeypatch):
     model = _model(CertLlamaForCausalLM, CertLlamaConfig)
     configure_packing(model)

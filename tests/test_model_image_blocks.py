@@ -132,3 +132,21 @@ def test_images_need_their_token_types():
     padfree.configure_packing(model)
     with pytest.raises(PackingDisabledError, match="token_type_ids"):
         model(**row, use_cache=False)
+
+
+def test_images_under_bf16_autocast_are_exact_within_rounding():
+    """fp32 weights under bf16 autocast: packed vs each sample alone within three times what rounding moves the
+    per-sample run from fp32; the control (no blocks) lands beyond it."""
+    model = tiny_gemma3()
+    g = torch.Generator().manual_seed(1)
+    samples = [build_sample(model, parts, g) for parts in SAMPLES]
+    exact, exact_grads = _alone(model, samples)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        want, want_grads = _alone(model, samples)
+        padfree.configure_packing(model)
+        got, grads = _packed(model, samples)
+        leaky, _ = _packed(model, samples, types=False)
+    rounding = float((want.float() - exact).abs().max())
+    assert rounding > 0 and float((got.float() - want.float()).abs().max()) <= 3 * rounding
+    assert _relative(grads, want_grads) <= 3 * _relative(want_grads, exact_grads)
+    assert float((leaky.float() - want.float()).abs().max()) > 3 * rounding

@@ -218,3 +218,23 @@ def test_a_data_loader_of_processor_outputs_packs_exact_rows():
     for piece, index in enumerate(batch.sequence_ids.tolist()):
         got = flat[starts[piece]:starts[piece + 1]]
         assert float((got - want[index]).abs().max()) <= ATOL
+
+
+@pytest.mark.parametrize("model_type", ["qwen2_vl", "qwen3_5"])
+def test_images_under_bf16_autocast_are_exact_within_rounding(model_type):
+    """fp32 weights under bf16 autocast: packed vs each sample alone within three times what rounding moves the
+    per-sample run from fp32 (logits and gradients); the control — the row as one sequence — lands beyond it."""
+    model = tiny_vlm(model_type)
+    g = torch.Generator().manual_seed(1)
+    samples = [build_sample(model, parts, g) for parts in SAMPLES["images"]]
+    exact, exact_grads = alone(model, samples)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        want, want_grads = alone(model, samples)
+        stock, _ = packed(model, samples, position_ids=None)
+        padfree.configure_packing(model)
+        got, grads = packed(model, samples)
+    rounding = float((want.float() - exact).abs().max())
+    grad_rounding = grad_diff(want_grads, exact_grads)
+    assert rounding > 0 and float((got.float() - want.float()).abs().max()) <= 3 * rounding
+    assert grad_diff(grads, want_grads) <= 3 * grad_rounding
+    assert float((stock.float() - want.float()).abs().max()) > 3 * rounding

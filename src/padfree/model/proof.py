@@ -423,6 +423,10 @@ def prove(
     was_training = model.training
     model.eval()
     checks, refused, unchanged, mixers, unrunnable = [], {}, True, {}, {}
+    # the caller's autocast (configure_packing called inside one certifies here) would turn the fp32 reference
+    # into a bf16 run: off, and each autocast precision switches its own on
+    ambient = torch.autocast(device.type, enabled=False)
+    ambient.__enter__()
     try:
         base = _unpacked_logits(model, case)
         ref_logits, ref_loss, ref_grads = _alone(model, case, grads)
@@ -447,6 +451,7 @@ def prove(
                     unrunnable[f"{name}/{precision}"] = str(exc)
             _install.unconfigure_packing(model)
     finally:
+        ambient.__exit__(None, None, None)
         _install.unconfigure_packing(model)
         model.zero_grad(set_to_none=True)
         model.train(was_training)
