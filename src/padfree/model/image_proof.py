@@ -154,7 +154,11 @@ def prove_images(model: torch.nn.Module, backend: str = "sdpa", *, seed: int = 0
     route = images.image_route(model)
     if route is None:
         return ImageProof(model_type, None, refused=images.image_refusal(model))
-    samples = images.probe_samples(model, seed=seed)
+    try:
+        samples = images.probe_samples(model, seed=seed)
+    except (RuntimeError, ValueError, TypeError, AttributeError, IndexError, KeyError) as exc:
+        return ImageProof(model_type, route, refused=f"no probe samples for this {type(model).__name__} config: "
+                                                      f"{type(exc).__name__}: {str(exc).splitlines()[0]}")
     if samples is None:
         return ImageProof(model_type, route, refused=f"no probe samples for this {type(model).__name__} config "
                                                       f"(its image tokens or resolutions do not fit its tower)")

@@ -52,6 +52,8 @@ _BUILDS_POSITIONS = ("get_rope_index", "rope_deltas", "compute_3d_position_ids")
 _READS = (("token_type_ids", "token types (a mask made from them: bidirectional image or prefix blocks)"),
           ("cross_attention", "cross-attention to the row's images"))
 _PER_TOKEN = ("token_type_ids", "mm_token_type_ids")
+# the names of a forward's image arguments (videos apart: a packed batch with them stays refused by the hook)
+_IMAGE_ARGUMENT = re.compile(r"^(pixel_|image_|high_res_|spatial_)(?!.*video)")
 _SPECIAL = re.compile(r"(token_id|token_index|_id)$")
 
 
@@ -154,6 +156,9 @@ def image_refusal(model: torch.nn.Module) -> str | None:
     if "position_ids" not in _parameters(_language_model(holder)):
         return (f"{type(_language_model(holder)).__name__} takes no position_ids, so its positions cannot restart per "
                 f"sample")
+    unknown = [p for p in _parameters(model) if _IMAGE_ARGUMENT.match(p) and p not in IMAGE_INPUTS]
+    if unknown:  # a Qwen-style tower's grids, a second resolution, ...: inputs padfree has not proven in row order
+        return f"{name}.forward takes image inputs padfree does not lay out per sample ({', '.join(unknown)})"
     if not set(_parameters(model)) & IMAGE_INPUTS:
         return f"{name}.forward takes none of the image inputs padfree lays out ({', '.join(sorted(IMAGE_INPUTS))})"
     return None
@@ -225,8 +230,9 @@ def _convention(model: torch.nn.Module) -> str:
         return "tiles"  # (B, N, C, H, W), pixel_attention_mask (B, N, H, W): Idefics2/3, SmolVLM
     if "image_sizes" in params and getattr(model.config, "image_grid_pinpoints", None):
         return "anyres"  # (N, P, C, S, S) tiles of each image, image_sizes (N, 2): LLaVA-NeXT, OneVision
-    tower = getattr(_holder(model), "vision_tower", None)
-    if "image_sizes" in params and tower is not None and "image_sizes" in _parameters(tower):
+    holder = _holder(model)
+    towers = [getattr(holder, name, None) for name in ("vision_tower", "vision_encoder", "vision_model")]
+    if "image_sizes" in params and any(t is not None and "image_sizes" in _parameters(t) for t in towers):
         return "sized"  # (N, C, H, W) padded to the largest, image_sizes (N, 2): Pixtral towers (Mistral 3)
     return "plain"  # (N, C, S, S) at the tower's one size
 
