@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import padfree
-from padfree.errors import UnsupportedModelError
+from padfree.errors import InvalidLayoutError, UnsupportedModelError
 from padfree.model.sweep import build_tiny
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -54,3 +54,52 @@ def test_an_encoder_decoder_vision_class_is_refused_as_one():
     model = build_tiny("florence2", multimodal=True)
     with pytest.raises(UnsupportedModelError, match="Florence2ForConditionalGeneration is an encoder-decoder"):
         padfree.configure_packing(model)
+
+
+SPELLINGS = {
+    "position_ids": lambda: {"position_ids": torch.cat([torch.arange(6), torch.arange(9)])[None]},
+    "seq_lens": lambda: {"seq_lens": torch.tensor([6, 9])},
+    "cu_seq_lens": lambda: {"cu_seq_lens_q": torch.tensor([0, 6, 15]), "cu_seq_lens_k": torch.tensor([0, 6, 15]),
+                            "max_length_q": 9, "max_length_k": 9},
+}
+
+
+@pytest.mark.parametrize("spelling", sorted(SPELLINGS))
+@pytest.mark.parametrize("model_type", ["llama", "qwen2_vl", "qwen3_vl", "qwen3_5", "llava"])
+def test_every_boundary_spelling_of_a_text_row_is_exact(model_type, spelling):
+    """Boundaries as restarting positions, as lengths or as flash offsets: an mRoPE model gets positions that
+    restart per sample on every rotary axis (it would count them over the whole row, as one sample, from lengths
+    alone), and ``seq_lens`` is read, not passed by unnoticed (it was: 0.74 off through Qwen3-VL, 0.79 through
+    llama)."""
+    model = build_tiny(model_type, multimodal=model_type != "llama").eval()
+    padfree.configure_packing(model)
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randint(3, 80, (1, 6), generator=g), torch.randint(3, 80, (1, 9), generator=g)
+    with torch.no_grad():
+        packed = model(input_ids=torch.cat([a, b], 1), **SPELLINGS[spelling]()).logits
+        alone = torch.cat([model(input_ids=a).logits, model(input_ids=b).logits], 1)
+        leaking = model(input_ids=torch.cat([a, b], 1)).logits  # control: the row as one sequence
+    assert float((packed - alone).abs().max()) <= 1e-5
+    assert float((leaking - alone).abs().max()) > 1e-3
+
+
+def test_lengths_that_do_not_cover_the_row_are_refused_by_name():
+    model = build_tiny("llama")
+    padfree.configure_packing(model)
+    with pytest.raises(InvalidLayoutError, match=r"seq_lens = \[6, 8\] does not lay out the 1 x 15 tokens"):
+        model(input_ids=torch.randint(3, 80, (1, 15)), seq_lens=torch.tensor([6, 8]))
+
+
+def test_embeddings_as_wide_as_the_row_are_not_a_mask():
+    """``inputs_embeds`` of shape (B, T, hidden) with hidden == T looks like a (B, T, T) mask by shape alone: it is
+    token data, run exactly (it was refused as "a 3-D mask")."""
+    model = build_tiny("llama").eval()
+    padfree.configure_packing(model)
+    width = model.config.hidden_size
+    g = torch.Generator().manual_seed(0)
+    embeds = torch.randn(1, width, width, generator=g)
+    pos = torch.cat([torch.arange(24), torch.arange(width - 24)])[None]
+    with torch.no_grad():
+        packed = model(inputs_embeds=embeds, position_ids=pos).logits
+        alone = torch.cat([model(inputs_embeds=embeds[:, :24]).logits, model(inputs_embeds=embeds[:, 24:]).logits], 1)
+    assert float((packed - alone).abs().max()) <= 1e-5

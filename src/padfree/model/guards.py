@@ -125,10 +125,16 @@ def _dense(value: Any, shape: tuple[int, int]) -> str | None:
     return None
 
 
+# arguments that carry the tokens' (or images') data, never a mask
+_TOKEN_DATA = frozenset({"inputs_embeds", "hidden_states", "per_layer_inputs", "encoder_hidden_states"})
+
+
 def find_dense_mask(named: dict[str, Any], shape: tuple[int, int]) -> str | None:
     """``"name (what)"`` for the first argument of ``named`` that is a dense attention mask over a ``(B, T)``
     batch (a ``(B, [H,] T, T)`` tensor, a ``BlockMask``, or a dict of them), else None."""
     for name, value in named.items():
+        if name in _TOKEN_DATA or name.endswith("_embeds") or name.startswith("pixel_values"):
+            continue  # token data, (B, T, hidden): a mask only in shape when the hidden size equals the row width
         what = _dense(value, shape)
         if what is not None:
             return f"{name} ({what})"

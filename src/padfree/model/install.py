@@ -46,7 +46,7 @@ from padfree.errors import (
     describe,
 )
 from padfree.layout import position_ids_to_segment_ids
-from padfree.model import flight, guards, mrope
+from padfree.model import flight, guards, images, mrope
 from padfree.model.attention import (
     BACKENDS,
     LAYOUT_KWARG,
@@ -55,7 +55,7 @@ from padfree.model.attention import (
     SHARDED_CALLS,
     register_backends,
 )
-from padfree.model.packed import BLOCK_RULES, BlockRule, PackedLayout
+from padfree.model.packed import BlockRule, PackedLayout
 from padfree.model.sharded import ShardedLayout, gather_boundaries, refuse_together
 from padfree.model.state import PackingState, current_layout, packing_state
 from padfree.packing.inputs import as_flag
@@ -688,10 +688,13 @@ def _layout(named: dict[str, Any], shape: tuple[int, int] | None = None) -> Pack
         if pos is not None and pos.shape[0] == 1 and batch > 1:
             pos = pos.expand(batch, -1)
     segments = isinstance(mask, torch.Tensor) and mask.dim() == 2 and mask.numel() > 0 and bool(mask.max() > 1)
+    lens = named.get("seq_lens")
     if segments:
         lay = PackedLayout.from_segment_ids(mask)
     elif cu is not None:
         lay = PackedLayout.from_cu_seqlens(cu, batch, seq_len)
+    elif isinstance(lens, torch.Tensor):
+        lay = _from_seq_lens(lens, batch, seq_len)
     elif pos is not None and _restarts(pos, mask[:, -pos.shape[1]:].bool()  # decoding: the mask covers the cache
                                           if isinstance(mask, torch.Tensor) and mask.dim() == 2 else None):
         if mask is not None:
@@ -707,6 +710,20 @@ def _layout(named: dict[str, Any], shape: tuple[int, int] | None = None) -> Pack
         if not torch.equal(agree, lay.segment_ids.to(agree.dtype)):
             raise InvalidLayoutError(f"position_ids and {lay.source} disagree on where the sequences start")
     return lay
+
+
+def _from_seq_lens(lens: torch.Tensor, batch: int, seq_len: int) -> PackedLayout:
+    """The layout of ``seq_lens``: ``(n,)`` the tokens of every sequence, row after row, covering the ``B x T``
+    tokens (a padding run counts as a sequence of its own), none crossing into the next row."""
+    flat = lens.reshape(-1).to(torch.int64)
+    try:
+        return PackedLayout.from_cu_seqlens(torch.cat([flat.new_zeros(1), flat.cumsum(0)]), batch, seq_len)
+    except InvalidLayoutError:
+        raise InvalidLayoutError(
+            f"seq_lens = {flat.tolist()[:12]}{'...' if flat.numel() > 12 else ''} does not lay out the {batch} x "
+            f"{seq_len} tokens: the lengths of every sequence row after row must cover each row exactly (a padding "
+            f"run as a sequence of its own); or pass position_ids restarting at 0 per sequence "
+            f"(PackedBatch.model_inputs())") from None
 
 
 def _boundary_row(pos: torch.Tensor, other_spelling: bool) -> torch.Tensor | None:
@@ -731,7 +748,7 @@ def _boundary_row(pos: torch.Tensor, other_spelling: bool) -> torch.Tensor | Non
         f"beside them")
 
 
-_BOUNDARY_KWARGS = ("position_ids", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
+_BOUNDARY_KWARGS = ("position_ids", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_lens")
 
 
 def _before(state: _State, config: Any, module: torch.nn.Module, args: tuple, kwargs: dict[str, Any], *,
@@ -775,6 +792,7 @@ def _before(state: _State, config: Any, module: torch.nn.Module, args: tuple, kw
     kwargs = {name: value for name, value in named.items() if "[" not in name}
     args = tuple(named[name] for name in named if "[" in name)
     kwargs.update(attention_mask=None, use_cache=False)
+    kwargs.pop("seq_lens", None)  # read into the layout: the layers below take their boundaries from it
     if forward:
         given = named.get("position_ids")
         if positions:  # rotary rows (mRoPE) go on as given: the layout read its boundaries from them
@@ -936,28 +954,33 @@ def _before_multimodal(state: _State, module: torch.nn.Module, args: tuple, kwar
     named = guards.bind(type(module).forward, (module, *args), kwargs) or {}
     named.pop(next(iter(guards.parameters(type(module).forward)), "self"), None)
     call = None
-    pos = named.get("position_ids")
     mask = named.get("attention_mask")
-    if isinstance(pos, torch.Tensor) and pos.dim() == 3:
-        pos = _boundary_row(pos, named.get("cu_seq_lens_q") is not None)
-    packed = state.sp is not None or named.get("cu_seq_lens_q") is not None or (
-        isinstance(pos, torch.Tensor) and pos.dim() == 2 and _restarts(pos, None)) or (
-        isinstance(mask, torch.Tensor) and mask.dim() == 2 and mask.numel() > 0 and bool(mask.max() > 1))
+    lay = None if state.sp is not None else _layout(named)
+    packed = state.sp is not None or (lay is not None and lay.is_packed)
+    if packed and state.sp is None and named.get("position_ids") is None:
+        # the model would count positions over the whole row (mRoPE: its rope index over the row as one sample)
+        named = {**named, "position_ids": lay.position_ids}
+        call = _by_name(named)
     if packed:
         problem = None
         extra = _non_text({k: v for k, v in named.items() if k not in ("self", "kwargs")})
         cache = guards.find_cache(named, type(module).forward)
-        rule = _block_rule(module)
+        rule = images.block_rule(module)
         if extra and state.sp is None and set(extra) <= mrope.ROPE_INPUTS and mrope.rope_index(module) is not None:
             call = _with_rope_rows(module, named)  # exact: every sample's own rotary positions
             extra = []
         elif extra and state.sp is None and rule is not None and set(extra) <= {"pixel_values", rule.source}:
             call = _with_blocks(module, named, rule)  # exact: each image a bidirectional block of its own sample
             extra = []
+        elif extra and state.sp is None and images.image_route(module) == "causal" and \
+                set(extra) <= images.image_inputs(module):
+            extra = []  # exact: causal image tokens, each image's features from its own pixels, in row order
         if extra:
             problem = (f"a packed batch reached {type(module).__name__} with non-text inputs ({', '.join(extra)}): "
                        f"padfree packs text-only batches (input_ids) through this multimodal model (its image, video "
                        f"and audio paths are not made boundary-aware); pass these batches unpacked")
+            why = images.image_refusal(module)  # the module that keeps its images from being made exact
+            problem = f"{problem} ({why})" if why is not None else problem
         elif cache is not None:
             problem = _fix(f"{cache} (a cache)")
         elif state.sp is not None and isinstance(mask, torch.Tensor) and mask.numel() and not bool((mask == 1).all()):
@@ -976,20 +999,10 @@ def _before_multimodal(state: _State, module: torch.nn.Module, args: tuple, kwar
     return call
 
 
-def _block_rule(model: torch.nn.Module) -> BlockRule | None:
-    """The rule of the bidirectional image blocks ``model``'s own mask makes (:data:`BLOCK_RULES`), where padfree
-    lays them out per sample: Gemma3's images; Gemma4's images and videos when its text config makes them
-    bidirectional. None: none (a model whose images are plain causal tokens needs no rule, and others stay
-    refused)."""
-    config = model.config
-    model_type = str(getattr(config, "model_type", ""))
-    if model_type in ("gemma3", "shieldgemma2"):
-        return BLOCK_RULES[model_type]
-    if model_type in ("gemma4", "gemma4_unified"):
-        text = config.get_text_config()
-        if getattr(text, "use_bidirectional_attention", None) == "vision":
-            return BLOCK_RULES[model_type]
-    return None
+def _by_name(named: dict[str, Any]) -> tuple[tuple, dict[str, Any]]:
+    """A bound call's arguments as the ``(args, kwargs)`` a pre-hook returns: every named one by name."""
+    kwargs = {name: value for name, value in named.items() if "[" not in name}
+    return tuple(named[name] for name in named if "[" in name), kwargs
 
 
 def _with_blocks(module: torch.nn.Module, named: dict[str, Any], rule: BlockRule) -> tuple[tuple, dict[str, Any]]:
