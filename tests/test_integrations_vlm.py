@@ -29,6 +29,7 @@ from padfree.errors import UnsupportedModelError  # noqa: E402
 from padfree.integrations.status import packing_status  # noqa: E402
 from padfree.integrations.trainer_data import PackedRowsCollator, PackedVisionCollator  # noqa: E402
 from padfree.model.shrink import default_config, shrink_config  # noqa: E402
+from padfree.model.sweep import build_tiny  # noqa: E402
 
 datasets.disable_progress_bars()
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -232,34 +233,29 @@ def test_automatic_padding_free_turns_on_for_images_padfree_lays_out(tmp_path):
 
 
 def test_images_padfree_cannot_lay_out_are_skipped_or_refused(tmp_path):
-    """LLaVA's images: not laid out per sample by padfree — automatic padding-free is skipped naming why, an
-    explicit setting refused at construction (not at the first step)."""
+    """Mllama's images (cross-attention from every token to its row's images): not put in packed rows by padfree —
+    automatic padding-free is skipped naming the module, an explicit setting refused at construction (not at the
+    first step)."""
     processor = qwen_processor()
-    tok = processor.tokenizer
-    text = transformers.LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                    num_attention_heads=4, num_key_value_heads=2)
-    vision = transformers.CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                           num_attention_heads=2, image_size=32, patch_size=8)
-    llava = transformers.LlavaForConditionalGeneration(
-        transformers.LlavaConfig(text_config=text, vision_config=vision, image_token_index=3))
+    mllama = build_tiny("mllama", multimodal=True)
     ds = vision_dataset("messages")
-    skipped = ptrl.SFTTrainer(model=llava, args=config(tmp_path), train_dataset=ds, processing_class=processor)
+    skipped = ptrl.SFTTrainer(model=mllama, args=config(tmp_path), train_dataset=ds, processing_class=processor)
     status = packing_status(skipped)
     assert (status.mode, status.auto) == ("standard batching", True)
-    assert "does not lay out the images of LlavaForConditionalGeneration per sample" in status.reason
+    assert "the images of MllamaForConditionalGeneration in packed rows: MllamaTextCrossAttention" in status.reason
     assert not isinstance(skipped.data_collator, PackedVisionCollator)
     for setting in (dict(padding_free=True), dict(packing=True, max_length=512)):
-        with pytest.raises(UnsupportedModelError, match="with images: padfree does not lay out the images of Llava"):
-            ptrl.SFTTrainer(model=llava, args=config(tmp_path, **setting), train_dataset=ds,
+        with pytest.raises(UnsupportedModelError, match="with images: padfree does not put the images of Mllama"):
+            ptrl.SFTTrainer(model=mllama, args=config(tmp_path, **setting), train_dataset=ds,
                             processing_class=processor)
     # a model TRL loads by name is judged once loaded
-    llava.save_pretrained(tmp_path / "llava")
-    by_name = ptrl.SFTTrainer(model=str(tmp_path / "llava"), args=config(tmp_path), train_dataset=ds,
+    mllama.save_pretrained(tmp_path / "mllama")
+    by_name = ptrl.SFTTrainer(model=str(tmp_path / "mllama"), args=config(tmp_path), train_dataset=ds,
                               processing_class=processor)
-    assert "does not lay out the images of LlavaForConditionalGeneration" in packing_status(by_name).reason
+    assert "MllamaTextCrossAttention" in packing_status(by_name).reason
     assert not packing_status(by_name).enabled and not isinstance(by_name.data_collator, PackedVisionCollator)
-    with pytest.raises(UnsupportedModelError, match="padding_free=True with images: padfree does not lay out"):
-        ptrl.SFTTrainer(model=str(tmp_path / "llava"), args=config(tmp_path, padding_free=True), train_dataset=ds,
+    with pytest.raises(UnsupportedModelError, match="padding_free=True with images: padfree does not put"):
+        ptrl.SFTTrainer(model=str(tmp_path / "mllama"), args=config(tmp_path, padding_free=True), train_dataset=ds,
                         processing_class=processor)
 
 

@@ -44,7 +44,7 @@ def _comparable(entry: dict | None) -> dict | None:
     if entry is None:
         return None
     keep = ("verdict", "class", "base_class", "backends", "variants", "mixers", "stock", "reason", "module", "failed",
-            "blind")
+            "blind", "images")
     return {k: entry.get(k) for k in keep}
 
 

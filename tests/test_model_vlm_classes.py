@@ -103,3 +103,22 @@ def test_embeddings_as_wide_as_the_row_are_not_a_mask():
         packed = model(inputs_embeds=embeds, position_ids=pos).logits
         alone = torch.cat([model(inputs_embeds=embeds[:, :24]).logits, model(inputs_embeds=embeds[:, 24:]).logits], 1)
     assert float((packed - alone).abs().max()) <= 1e-5
+
+
+def test_images_are_let_through_only_where_proven():
+    """A route read from the model's structure is not a proof: Qwen4-Exp lays its images out like Qwen3.5 (mRoPE),
+    but a packed row with images differs from its samples alone (its n-gram embeddings run on across samples), so
+    configure_packing's hook refuses its images, naming why; its text rows stay exact. The proof is asked once."""
+    from padfree.errors import PackingDisabledError
+    from padfree.model import images
+    from padfree.model.state import packing_state
+
+    model = build_tiny("qwen4_exp", multimodal=True)
+    assert images.image_route(model) == "rope"
+    padfree.configure_packing(model)
+    row = images.pack_samples(model, images.probe_samples(model))
+    for _ in range(2):
+        with pytest.raises(PackingDisabledError, match=r"Qwen4ExpForConditionalGeneration, whose images padfree lays "
+                                                       r"out per sample but has not proven exact: .*differs"):
+            model(**row, use_cache=False)
+    assert packing_state(model).images["why"] is not None

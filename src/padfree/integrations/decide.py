@@ -153,34 +153,24 @@ def holds_images(sample: Any) -> bool:
 
 def image_reason(model: Any) -> str | None:
     """Why padfree cannot put the images of ``model`` (an instance) in packed rows exactly; None when it can: the
-    model computes its rotary positions with the common mRoPE index (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3.5, GLM-4V,
-    ...: each sample's positions from its own grids, :mod:`padfree.model.mrope`), or its mask makes each image a
-    bidirectional block padfree lays out per sample (Gemma3; Gemma4 when its text config makes images
-    bidirectional). Other vision-language models take images in padded batches only.
+    model has a route padfree lays images out by (:func:`padfree.model.images.image_route`: each sample's mRoPE
+    positions from its own grids, Gemma-style image blocks made per sample, or LLaVA-style causal image tokens) and
+    images through it are proven exact — by the support sweep for its type, or on a tiny twin of its class and
+    config (:func:`padfree.model.certify.certify_images`, the check configure_packing's hook runs).
 
     >>> from padfree.model.sweep import build_tiny
     >>> image_reason(build_tiny("llama"))
     'LlamaForCausalLM takes no images'
     """
-    from padfree.model import mrope
-    from padfree.model.packed import BLOCK_RULES
+    from padfree.model.certify import certify_images
 
     inner = unwrap_model(model)
     name = type(inner).__name__
     config = getattr(inner, "config", None)
     if config is None or getattr(config, "vision_config", None) is None:
         return f"{name} takes no images"
-    if mrope.rope_index(inner) is not None:
-        return None
-    model_type = str(getattr(config, "model_type", ""))
-    # the rule configure_packing's multimodal hook applies (the model's own mask made per sample)
-    if model_type in ("gemma3", "shieldgemma2"):
-        return None
-    if model_type in ("gemma4", "gemma4_unified") and model_type in BLOCK_RULES and getattr(
-            config.get_text_config(), "use_bidirectional_attention", None) == "vision":
-        return None
-    return (f"padfree does not lay out the images of {name} per sample in a packed row (its positions are not the "
-            f"common mRoPE index and its mask makes no image blocks padfree applies)")
+    why = certify_images(inner, "padfree_sdpa")
+    return None if why is None else f"padfree does not put the images of {name} in packed rows: {why}"
 
 
 def first_sample(dataset: Any) -> Any:

@@ -45,11 +45,12 @@ import torch
 from padfree.errors import PackingDisabledError, PadfreeError
 from padfree.model.registry import Verdict, features
 
-__all__ = ["cache_dir", "certify"]
+__all__ = ["cache_dir", "certify", "certify_images"]
 
 log = logging.getLogger("padfree")
 
 _MEMORY: dict[str, Verdict] = {}
+_IMAGES: dict[str, str | None] = {}
 _CUDA_ONLY = ("padfree_varlen", "flash_attention_2")  # half-precision kernels: proven in bf16
 # run on the model's own device: these backends are refused on the CPU (flex: no backward there, and torch's
 # compiled CPU kernel is wrong for some head sizes), so a CPU twin could never prove what a GPU model will run
@@ -259,3 +260,46 @@ def certify(model: Any, backend: str, *, why: str = "", cache: bool = True) -> V
         _MEMORY[key] = verdict
         _write(key, verdict, model)
     return verdict
+
+
+def certify_images(model: Any, backend: str) -> str | None:
+    """None when images in packed rows are proven exact for ``model``: the support table's images verdict for its
+    type where the table covers its config (:func:`padfree.model.registry.lookup`), else
+    :func:`padfree.model.image_proof.prove_images` on a tiny twin of its class and config (kept for the process);
+    otherwise why not, naming the module where padfree refuses the model's images.
+
+    Args:
+        model: the user's vision-language model (configured or not); it is not run or modified.
+        backend: the resolved backend its packed rows run on.
+    """
+    from padfree.model import images, registry
+    from padfree.model.image_proof import prove_images
+    from padfree.model.shrink import shrink_config
+
+    route = images.image_route(model)
+    if route is None:
+        return images.image_refusal(model) or f"{type(model).__name__} lays out no images per sample"
+    status, entry = registry.lookup(model, backend)
+    proven = (entry or {}).get("images") if status == "covered" else None
+    if proven is not None and proven.get("route") == route and proven.get("verdict") in ("exact", "refused"):
+        return None if proven["verdict"] == "exact" else f"the support sweep: {proven.get('reason', 'not exact')}"
+    try:
+        key = _key(model, backend, features(shrink_config(model.config)))
+    except Exception as exc:  # a config its own class cannot rebuild: no twin, no proof
+        return f"its config could not be shrunk for a proof ({type(exc).__name__}: {str(exc)[:160]})"
+    if key not in _IMAGES:
+        start = time.perf_counter()
+        try:
+            # asked from inside the caller's forward: its no_grad / autocast are not the proof's (fp32, backward)
+            with torch.enable_grad(), torch.autocast("cpu", enabled=False):
+                run = "auto" if backend == "none" else backend.removeprefix("padfree_")
+                proof = prove_images(_twin(model, torch.device("cpu")), backend=run)
+        except Exception as exc:  # the twin could not be built: say what, do not guess
+            _IMAGES[key] = f"a tiny twin could not be built ({type(exc).__name__}: {str(exc)[:160]})"
+        else:
+            _IMAGES[key] = None if proof.ok else (proof.refused or (
+                f"a tiny twin's packed row differs from its samples alone (logits {proof.logits:.1e}, loss "
+                f"{proof.loss:.1e}, gradients {proof.grads:.1e}; tolerance {proof.tolerance:.0e})"))
+            log.info("padfree: images through %s %s on a tiny twin (%.2f s)", type(model).__name__,
+                     "proven exact" if proof.ok else "not proven", time.perf_counter() - start)
+    return _IMAGES[key]

@@ -36,6 +36,7 @@ True
 
 from __future__ import annotations
 
+import functools
 import logging
 import warnings
 import weakref
@@ -188,8 +189,12 @@ def _configure(inner: Any, backend: str, strict: bool, sequence_parallel: Any) -
             unconfigure_packing(inner)
             raise UnsupportedModelError(message)
         warnings.warn(f"padfree: {message} (strict=False: configured anyway)", stacklevel=3)
+    state = packing_state(inner)
+    if state is not None:  # images are proven when the first packed batch with images comes (text-only: never)
+        state.image_check = functools.partial(certify.certify_images, backend=report.backend)
     log.info("configure_packing(%s): %s", type(inner).__name__, report)
     return report
+
 
 
 def _joined(problems: Mapping[str, str]) -> str:

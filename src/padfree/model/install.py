@@ -446,18 +446,19 @@ def install_packing(model: Any, *, backend: str = "auto", strict: bool = True, s
     # The hooks find what they need on the module they fire on, never in a closure: a deep copy of the configured
     # model (a reference model, an EMA copy) then runs its own hooks with its own state.
     target.__dict__[_HOOKED] = _Hooked(state, config, forward, positions)
-    state.handles += [
-        target.register_forward_pre_hook(_decoder_pre_hook, with_kwargs=True),
-        target.register_forward_hook(_post_hook, with_kwargs=True, always_call=True),
-    ]
-    if target is not model and _multimodal(model):
+    if _multimodal(model):
         # A multimodal model builds its masks (and merges image / audio features) above the language model: the
-        # packed forward must be marked before that, and a packed batch with non-text inputs refused there.
+        # packed forward must be marked before that, and a packed batch with non-text inputs laid out or refused
+        # there — also when the model itself is the hooked module (its multimodal hook runs first).
         model.__dict__[_HOOKED] = _Hooked(state, config, forward, positions)
         state.handles += [
             model.register_forward_pre_hook(_multimodal_pre_hook, with_kwargs=True),
             model.register_forward_hook(_post_hook, with_kwargs=True, always_call=True),
         ]
+    state.handles += [
+        target.register_forward_pre_hook(_decoder_pre_hook, with_kwargs=True),
+        target.register_forward_hook(_post_hook, with_kwargs=True, always_call=True),
+    ]
     model._padfree_state = state
     return report
 
@@ -966,6 +967,7 @@ def _before_multimodal(state: _State, module: torch.nn.Module, args: tuple, kwar
         extra = _non_text({k: v for k, v in named.items() if k not in ("self", "kwargs")})
         cache = guards.find_cache(named, type(module).forward)
         rule = images.block_rule(module)
+        carried = bool(extra)
         if extra and state.sp is None and set(extra) <= mrope.ROPE_INPUTS and mrope.rope_index(module) is not None:
             call = _with_rope_rows(module, named)  # exact: every sample's own rotary positions
             extra = []
@@ -975,12 +977,16 @@ def _before_multimodal(state: _State, module: torch.nn.Module, args: tuple, kwar
         elif extra and state.sp is None and images.image_route(module) == "causal" and \
                 set(extra) <= images.image_inputs(module):
             extra = []  # exact: causal image tokens, each image's features from its own pixels, in row order
+        unproven = _images_unproven(state, module) if carried and not extra else None
         if extra:
             problem = (f"a packed batch reached {type(module).__name__} with non-text inputs ({', '.join(extra)}): "
                        f"padfree packs text-only batches (input_ids) through this multimodal model (its image, video "
                        f"and audio paths are not made boundary-aware); pass these batches unpacked")
             why = images.image_refusal(module)  # the module that keeps its images from being made exact
             problem = f"{problem} ({why})" if why is not None else problem
+        elif unproven is not None:
+            problem = (f"a packed batch with images reached {type(module).__name__}, whose images padfree lays out "
+                       f"per sample but has not proven exact: {unproven}; pass these batches unpacked")
         elif cache is not None:
             problem = _fix(f"{cache} (a cache)")
         elif state.sp is not None and isinstance(mask, torch.Tensor) and mask.numel() and not bool((mask == 1).all()):
@@ -997,6 +1003,17 @@ def _before_multimodal(state: _State, module: torch.nn.Module, args: tuple, kwar
             _layout(named)
     state.tokens.append(((PACKED_FORWARD.reset, PACKED_FORWARD.set(packed)),))
     return call
+
+
+def _images_unproven(state: _State, module: torch.nn.Module) -> str | None:
+    """Why images in packed rows are not proven exact for ``module`` (None: proven, or not asked — the machinery
+    alone, as the proofs run it): ``configure_packing``'s check (the support table's images verdict for its type,
+    or a proof on a tiny twin), asked once per configuration."""
+    if state.image_check is None:
+        return None
+    if "why" not in state.images:
+        state.images["why"] = state.image_check(module)
+    return state.images["why"]
 
 
 def _by_name(named: dict[str, Any]) -> tuple[tuple, dict[str, Any]]:

@@ -188,12 +188,24 @@ def _low(entry: dict[str, Any], precision: str) -> str:
     return "✓*" if any(b.endswith("/" + precision) for b in entry.get("blind", [])) else "✓"
 
 
+def _images(entry: dict[str, Any]) -> str:
+    """``✓ rope`` / ``✓ blocks`` / ``✓ causal``: a packed row with images proven exact, by the route padfree lays them
+    out; ``refused`` (why: in the last column); ``not proven``: no
+    probe could be built for the swept config (a user's config is proven on the spot); ``—``: no images."""
+    images = entry.get("images")
+    if not images:
+        return "—"
+    if images.get("verdict") == "exact":
+        return f"✓ {images.get('route')}"
+    return str(images.get("verdict"))
+
+
 def markdown_table(table: dict[str, Any] | None = None, section: str = "types") -> str:
     """The README's support table, rendered from the support table (every type of the sweep, one row each;
     ``section="multimodal"``: the vision-language classes, on text rows)."""
     table = load() if table is None else table
-    rows = ["| model type | class | padfree | `sdpa` | `eager` | bf16 · autocast | stock transformers | "
-            "mixers, or why refused |", "|---|---|---|---|---|---|---|---|"]
+    rows = ["| model type | class | padfree | `sdpa` | `eager` | bf16 · autocast | images | stock transformers | "
+            "mixers, or why refused |", "|---|---|---|---|---|---|---|---|---|"]
     for model_type, e in sorted(table.get(section, {}).items()):
         exact = e.get("verdict") == "exact"
         lows = " · ".join(_low(e, p) for p in ("bf16", "autocast_bf16")) if exact else "—"
@@ -202,7 +214,11 @@ def markdown_table(table: dict[str, Any] | None = None, section: str = "types") 
         else:
             module = f"`{e['module']}`: " if e.get("module") else ""
             detail = (module + e.get("reason", "")).replace("|", "/").replace("\n", " ")
+        images = e.get("images") or {}
+        if exact and images.get("verdict") in ("refused", "not proven") and images.get("reason"):
+            why = str(images["reason"]).replace("|", "/").replace("\n", " ")
+            detail = f"{detail}; images: {why}" if detail else f"images: {why}"
         rows.append(f"| {model_type} | `{e.get('class', '?')}` | {'exact' if exact else 'refused'} | "
-                    f"{_cell(e, 'padfree_sdpa')} | {_cell(e, 'padfree_eager')} | {lows} | {e.get('stock', '?')} | "
-                    f"{detail} |")
+                    f"{_cell(e, 'padfree_sdpa')} | {_cell(e, 'padfree_eager')} | {lows} | {_images(e)} | "
+                    f"{e.get('stock', '?')} | {detail} |")
     return "\n".join(rows)

@@ -21,7 +21,8 @@ type — and shrinks every *size*:
   sequence crosses it; sparse-attention indexers select at most 4 tokens (or 2 blocks of 4);
 - rope: ``mrope_section`` rescaled to the new head dim, ``original_max_position_embeddings`` kept in the same ratio
   to ``max_position_embeddings`` (256), long-rope factor lists cut to the new rotary dim;
-- token ids past the vocabulary become 0 / 1 / 2.
+- token ids past the vocabulary become 0 / 1 / 2 (pad, bos, eos, ...), and every other special token (an image's, its
+  markers') a distinct id at the top of the vocabulary.
 
 A size that is off (``None``) stays off. Sub-configs (text, vision, audio, attention, FFN, ...) are shrunk the same
 way. Anything the rules cannot shrink consistently is fixed per family (:data:`FAMILY_FIXES`); model types whose
@@ -190,6 +191,11 @@ def _layers(d: dict[str, Any]) -> int:
     return next(int(d[k]) for k in _LAYER_KEYS if isinstance(d.get(k), int))
 
 
+def _tiles(d: dict[str, Any]) -> int:
+    """A patch size that cuts a tiny image into 4 x 4 patches (a 2 x 2 pixel shuffle then leaves 4 tokens)."""
+    return max(1, d["vision_config"]["image_size"] // 4)
+
+
 #: model type -> config fields set after the generic rules, for families whose sizes are tied in ways the rules
 #: cannot see, or whose class defaults cannot build a model. A dotted key reaches into a sub-config; a callable value
 #: is called with the tiny config dict; a ``_Fill`` value only fills a field the config leaves unset (before the rules).
@@ -220,6 +226,18 @@ FAMILY_FIXES: dict[str, dict[str, Any]] = {
     # position_ids (a transformers bug), so chunks are of one token
     "reformer": {"is_decoder": True, "axial_pos_shape": [16, 16], "local_attn_chunk_length": 1,
                  "lsh_attn_chunk_length": 1},
+    # image geometry: the tokens an image becomes must be what its tower makes of the tiny image (Gemma3: patches
+    # pooled to mm_tokens_per_image; Idefics: 4 x 4 patches, pixel-shuffled; LLaVA-NeXT: a resolution of whole tiles)
+    "gemma3": {"mm_tokens_per_image": lambda d: (d["vision_config"]["image_size"]
+                                                 // d["vision_config"]["patch_size"]) ** 2},
+    "shieldgemma2": {"mm_tokens_per_image": lambda d: (d["vision_config"]["image_size"]
+                                                       // d["vision_config"]["patch_size"]) ** 2},
+    "idefics2": {"vision_config.patch_size": _tiles},
+    "idefics3": {"vision_config.patch_size": _tiles},
+    "smolvlm": {"vision_config.patch_size": _tiles},
+    "llava_next": {"image_grid_pinpoints": lambda d: [[2 * d["vision_config"]["image_size"]] * 2]},
+    "llava_next_video": {"image_grid_pinpoints": lambda d: [[2 * d["vision_config"]["image_size"]] * 2]},
+    "llava_onevision": {"image_grid_pinpoints": lambda d: [[2 * d["vision_config"]["image_size"]] * 2]},
     # the input language must be known: the first configured one
     "xmod": {"default_language": _Fill(lambda d: next(iter(d.get("languages") or ["en_XX"])))},
     # the hierarchical stacks repeat their layers H_cycles * (L_cycles + 1) times, stored as num_hidden_layers
@@ -279,7 +297,13 @@ class _Context:
 
     def __init__(self, d: dict[str, Any]) -> None:
         self.hidden: set[int] = set()
+        self.special: dict[int, int] = {}  # an out-of-vocabulary special token id -> its id at the vocabulary's top
         self._collect(d)
+
+    def special_id(self, value: int) -> int:
+        """A distinct id at the top of the tiny vocabulary for each distinct special token (image, video, their
+        markers: one id for all would make every marker an image token)."""
+        return self.special.setdefault(value, VOCAB - 1 - len(self.special))
 
     def _collect(self, d: dict[str, Any]) -> None:
         for key, value in d.items():
@@ -303,7 +327,7 @@ def _shrink_value(key: str, value: Any, ctx: _Context) -> Any:
     if key in _AT_MOST:
         return min(value, _AT_MOST[key]) if value > 0 else value
     if key in _TOKEN_IDS or key.endswith("token_id") or key.endswith("token_index"):
-        return value if 0 <= value < VOCAB else _TOKEN_IDS.get(key, VOCAB - 1)
+        return value if 0 <= value < VOCAB else _TOKEN_IDS.get(key) if key in _TOKEN_IDS else ctx.special_id(value)
     if "vocab" in key:
         return min(value, VOCAB)
     if _COUNT_LIKE.search(key) and value > 4:
@@ -664,6 +688,19 @@ def _other_layer_counts(d: dict[str, Any], out: dict[str, Any]) -> None:
             out[k] = 2
 
 
+def _tie_image_geometry(tiny: dict[str, Any]) -> None:
+    """The sizes a vision tower shares with the rest of the model, made to agree again once shrunk: its output width
+    is the language model's (the features replace token embeddings), and a window counted in pixels (Qwen2.5-VL's
+    ``window_size``) spans whole merged patches."""
+    vision, text = tiny.get("vision_config"), tiny.get("text_config")
+    if not isinstance(vision, dict):
+        return
+    if isinstance(text, dict) and _is_int(vision.get("out_hidden_size")) and _is_int(text.get("hidden_size")):
+        vision["out_hidden_size"] = text["hidden_size"]
+    if all(_is_int(vision.get(k)) for k in ("window_size", "patch_size", "spatial_merge_size")):
+        vision["window_size"] = vision["patch_size"] * vision["spatial_merge_size"] * 2
+
+
 def _apply_fixes(d: dict[str, Any], fixes: dict[str, Any], fills: bool) -> None:
     """Set the fixes of one family in ``d``: the ``_Fill`` ones (``fills``) or the others."""
     for path, value in fixes.items():
@@ -698,6 +735,7 @@ def shrink_config(config: Any, **overrides: Any) -> Any:
     _apply_fixes(d, fixes, fills=True)
     tiny = _shrink_dict(d, _Context(d), _LAYOUT.get(model_type, (1, 1)))
     _walk_other_counts(d, tiny)
+    _tie_image_geometry(tiny)
     _apply_fixes(tiny, fixes, fills=False)
     tiny.update(overrides)
     new = type(config).from_dict(tiny)

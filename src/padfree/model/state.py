@@ -30,6 +30,10 @@ class PackingState:
         checkpointed: the modules whose activation-checkpointing function padfree binds to each forward.
         previous: ``(attention implementation, use_cache)`` before configuring.
         sp: the sequence-parallel group every forward is split across (None: each rank runs whole rows).
+        image_check: ``(model) -> None | why``: whether images in packed rows are proven exact for this model, set
+            by ``configure_packing`` (None: not asked — :func:`~padfree.model.install.install_packing` alone, the
+            machinery the proofs themselves run); its answer is kept in ``images`` after the first packed batch
+            with images.
     """
 
     backend: str
@@ -39,6 +43,8 @@ class PackingState:
     checkpointed: list = dataclasses.field(default_factory=list)
     previous: tuple = (None, None)
     sp: Any = None
+    image_check: Any = None
+    images: dict = dataclasses.field(default_factory=dict)
 
 
 def packing_state(model: torch.nn.Module) -> PackingState | None:

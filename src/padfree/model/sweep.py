@@ -253,12 +253,36 @@ def sweep_type(model_type: str, *, precisions: Mapping[str, Sequence[str]] | Non
         with _quiet():
             proven = features(shrink_config(model.config))  # what registry.lookup compares a user's config with
         entry["variants"].append({"features": proven, "modules": module_classes(model)})
+        if not variant and getattr(model.config, "vision_config", None) is not None:
+            with _quiet():
+                entry["images"] = _images(model)
     order = ("fp32", "autocast_bf16", "bf16", "autocast_fp16", "fp16")
     entry["backends"] = {b: [p for p in order if p in ps] for b, ps in sorted(backends.items())}
     if "blind" in entry:
         entry["blind"] = sorted(entry["blind"])
     entry.update(verdict="exact", seconds=round(time.perf_counter() - start, 2))
     return entry
+
+
+def _images(model: torch.nn.Module) -> dict[str, Any]:
+    """The images verdict of a vision-language model (:func:`padfree.model.image_proof.prove_images`): ``exact``,
+    ``refused`` (padfree refuses its images, naming the module, or the packed row differs) or ``not proven`` (no
+    probe samples could be built for the swept config: configure_packing proves a user's own config on the spot);
+    with the route padfree lays its images out by."""
+    from padfree.model import images
+    from padfree.model.image_proof import prove_images
+
+    route = images.image_route(model)
+    if route is None:
+        return {"verdict": "refused", "route": None, "reason": images.image_refusal(model) or "no image route"}
+    proof = prove_images(model)
+    if proof.ok:
+        return {"verdict": "exact", "route": route}
+    if proof.logits is None:
+        return {"verdict": "not proven", "route": route, "reason": proof.refused}
+    return {"verdict": "refused", "route": route, "reason": (
+        f"a packed row with images differs from its samples alone (logits {proof.logits:.1e}, loss {proof.loss:.1e}, "
+        f"gradients {proof.grads:.1e}; tolerance {proof.tolerance:.0e})")}
 
 
 def _not_text_alone(model: torch.nn.Module) -> str | None:
