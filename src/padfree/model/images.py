@@ -187,7 +187,8 @@ def image_inputs(model: torch.nn.Module) -> frozenset[str]:
         return mrope.ROPE_INPUTS
     if route == "blocks":
         rule = block_rule(model)
-        return frozenset({"pixel_values", rule.source})
+        # Gemma4's patches come with their coordinates (padding patches at -1), one row per image
+        return frozenset({"pixel_values", rule.source, *({"image_position_ids"} & set(_parameters(model)))})
     if route == "causal":
         return frozenset(set(_parameters(model)) & IMAGE_INPUTS)
     return frozenset()
@@ -368,6 +369,37 @@ def _blocks_sample(model: torch.nn.Module, plan: Sequence[Any], g: torch.Generat
     return out
 
 
+def _patch_blocks_sample(model: torch.nn.Module, plan: Sequence[Any], g: torch.Generator) -> dict[str, Any]:
+    """Gemma4-style: an image of ``(h, w)`` steps is ``h·k x w·k`` patches (``k``: the pooling kernel) pooled to
+    ``h·w`` soft tokens between its markers, token type 1; every image's patches padded to the plan's largest
+    (coordinates ``-1``), as the processor pads each image to one patch budget."""
+    config, vision = model.config, model.config.vision_config
+    k, patch = int(vision.pooling_kernel_size), int(vision.patch_size)
+    budget = _HEIGHT * k * _WIDTH * k
+    ids: list[int] = []
+    types: list[int] = []
+    pixels, coords = [], []
+    for part in plan:
+        text, image = part if isinstance(part, tuple) else (part, None)
+        ids += _words(model, text, g)
+        types += [0] * text
+        if image is not None:
+            h, w = image[0] * k, image[1] * k
+            ids += [config.boi_token_id, *[config.image_token_id] * (image[0] * image[1]), config.eoi_token_id]
+            types += [0, *[1] * (image[0] * image[1]), 0]
+            values = torch.zeros(1, budget, 3 * patch * patch)
+            values[0, :h * w] = torch.randn(h * w, 3 * patch * patch, generator=g)
+            where = torch.full((1, budget, 2), -1, dtype=torch.long)
+            ys, xs = torch.meshgrid(torch.arange(h), torch.arange(w), indexing="ij")
+            where[0, :h * w] = torch.stack([xs.flatten(), ys.flatten()], -1)
+            pixels.append(values)
+            coords.append(where)
+    out: dict[str, Any] = {"input_ids": torch.tensor([ids]), "mm_token_type_ids": torch.tensor([types])}
+    if pixels:
+        out["pixel_values"], out["image_position_ids"] = torch.cat(pixels), torch.cat(coords)
+    return out
+
+
 def probe_samples(model: torch.nn.Module, seed: int = 0) -> list[dict[str, Any]] | None:
     """Three samples of text and images for a tiny ``model`` — one image; text only; two images (of different sizes
     where the model takes sizes) — each as its processor returns it: ``input_ids`` ``(1, T)`` with as many
@@ -393,6 +425,8 @@ def probe_samples(model: torch.nn.Module, seed: int = 0) -> list[dict[str, Any]]
         build = _rope_sample
     elif route == "blocks" and block_rule(model).source == "token_type_ids":
         build = _blocks_sample
+    elif route == "blocks" and hasattr(getattr(config, "vision_config", None), "pooling_kernel_size"):
+        build = _patch_blocks_sample
     else:
         return None
     return [build(model, plan, g) for plan in _PLAN]

@@ -971,7 +971,7 @@ def _before_multimodal(state: _State, module: torch.nn.Module, args: tuple, kwar
         if extra and state.sp is None and set(extra) <= mrope.ROPE_INPUTS and mrope.rope_index(module) is not None:
             call = _with_rope_rows(module, named)  # exact: every sample's own rotary positions
             extra = []
-        elif extra and state.sp is None and rule is not None and set(extra) <= {"pixel_values", rule.source}:
+        elif extra and state.sp is None and rule is not None and set(extra) <= images.image_inputs(module):
             call = _with_blocks(module, named, rule)  # exact: each image a bidirectional block of its own sample
             extra = []
         elif extra and state.sp is None and images.image_route(module) == "causal" and \
