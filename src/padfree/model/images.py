@@ -323,11 +323,22 @@ def _causal_sample(model: torch.nn.Module, plan: Sequence[Any], g: torch.Generat
     return {"input_ids": torch.tensor([ids]), **images}
 
 
+def _markers(config: Any) -> tuple[Any, Any]:
+    """The tokens around an image of an mRoPE model: Qwen's vision start / end, GLM-4V's image start / end."""
+    start = getattr(config, "vision_start_token_id", None)
+    end = getattr(config, "vision_end_token_id", None)
+    if start is None or end is None:
+        start, end = getattr(config, "image_start_token_id", None), getattr(config, "image_end_token_id", None)
+    return start, end
+
+
 def _rope_sample(model: torch.nn.Module, plan: Sequence[Any], g: torch.Generator) -> dict[str, Any]:
     """Qwen-VL-style: each image a grid of patch rows between the vision start and end tokens, token type 1."""
     config, vision = model.config, model.config.vision_config
     merge, patch = int(vision.spatial_merge_size), int(vision.patch_size)
-    width = int(vision.in_channels) * int(getattr(vision, "temporal_patch_size", 1) or 1) * patch * patch
+    channels = getattr(vision, "in_channels", None) or getattr(vision, "num_channels", 3)
+    width = int(channels) * int(getattr(vision, "temporal_patch_size", 1) or 1) * patch * patch
+    start, end = _markers(config)
     ids: list[int] = []
     types: list[int] = []
     pixels, grids = [], []
@@ -338,7 +349,7 @@ def _rope_sample(model: torch.nn.Module, plan: Sequence[Any], g: torch.Generator
         if image is not None:
             h, w = image[0] * merge, image[1] * merge
             count = h * w // (merge * merge)
-            ids += [config.vision_start_token_id, *[config.image_token_id] * count, config.vision_end_token_id]
+            ids += [start, *[config.image_token_id] * count, end]
             types += [0, *[1] * count, 0]
             pixels.append(torch.randn(h * w, width, generator=g))
             grids.append([1, h, w])
@@ -419,7 +430,7 @@ def probe_samples(model: torch.nn.Module, seed: int = 0) -> list[dict[str, Any]]
             return None  # resolutions that are no whole number of tiles: the model's own tiling does not add up
         build = _causal_sample
     elif route == "rope":
-        ids = [getattr(config, k, None) for k in ("vision_start_token_id", "vision_end_token_id", "image_token_id")]
+        ids = [*_markers(config), getattr(config, "image_token_id", None)]
         if None in ids or len(set(ids)) < 3 or max(ids) >= int(_text_config(model).vocab_size):
             return None  # no distinct marker tokens in the vocabulary: no sample the processor could make
         build = _rope_sample
