@@ -27,8 +27,17 @@ each forward runs:
 In both padfree modes the policy and the reference model go through :func:`padfree.configure_packing`, which fails
 closed (:class:`~padfree.errors.UnsupportedModelError` instead of a leaking forward); the automatic choice is skipped,
 with the reason logged, on the same grounds as :class:`padfree.SFTTrainer`'s (an environment opt-out, a custom
-collator, a processor or vision-language model, a model padfree cannot make exact) and for prompt-learning PEFT
+collator, images padfree does not lay out per sample, a model padfree cannot make exact) and for prompt-learning PEFT
 adapters, whose virtual tokens belong to each sequence. ``padfree.packing_status(trainer)`` says which mode runs.
+
+Images (TRL's vision preference format: ``images`` with ``prompt`` / ``chosen`` / ``rejected``, and a processor) run
+padding-free too: TRL's collator hands the images in the order of its rows (every pair's images for the chosen
+sequences, then again for the rejected ones), the packed row keeps that order, and the token types
+(``mm_token_type_ids``, ``token_type_ids``) are packed like the tokens, so a model configured by
+:func:`padfree.configure_packing` lays each sample's images out on its own (Qwen-VL's mRoPE positions, Gemma3's image
+blocks). Where padfree cannot (:func:`~padfree.integrations.decide.image_reason`: Mllama's cross-attention, ...), the
+automatic choice is skipped naming the module, an explicit ``padding_free=True`` refused. ``packing=True`` packs TRL's
+tokenized pairs, which image data never becomes: refused with images.
 
 The datasets are read through :mod:`padfree.integrations.preference_data` before TRL sees them, whatever the mode:
 a missing column, a None, a value of another type, an empty completion or no rows is one
@@ -67,6 +76,7 @@ from padfree.integrations.decide import (
     configure_for,
     default_output_dir,
     first_sample,
+    holds_images,
     model_config,
     prompt_learning,
     refuse_prompt_learning,
@@ -269,6 +279,11 @@ def _decide(args: Any, model: Any, ref_model: Any, config: Any, processing_class
                 f"packing=True with loss_type {coupled}: {coupled[0]!r} {_BATCH_COUPLED[coupled[0]]}, and packed "
                 f"micro-batches hold a varying number of pairs, so it cannot equal the padded trainer's; use "
                 f"padding_free=True (the padded micro-batches, run unpadded) or drop those loss types")
+        if holds_images(sample):
+            raise InvalidArgumentError("packing=True with images: pairs are packed across the train set from TRL's "
+                                       "tokenized pairs, and image data is processed one batch at a time (TRL never "
+                                       "tokenizes it ahead); use padding_free=True (each batch's pairs, images "
+                                       "included, run as one packed row)")
         if isinstance(train_dataset, datasets.IterableDataset):
             raise InvalidArgumentError("packing=True packs the whole train set at once, which needs a "
                                        "datasets.Dataset; train_dataset is an IterableDataset — use padding_free=True")
@@ -278,17 +293,19 @@ def _decide(args: Any, model: Any, ref_model: Any, config: Any, processing_class
     elif explicit and padding_free is False:
         return Decision(STANDARD, "padding_free=False", auto=False)
     else:
-        skip = skip_reason(args, model, config, processing_class, data_collator, sample, returns_logits=False)
+        skip = skip_reason(args, model, config, processing_class, data_collator, sample, returns_logits=False,
+                           vision=True)
         if skip is None and prompt_learning(model):
             skip = PROMPT_LEARNING_SKIP
         if skip is None and ref_model is not None and not isinstance(ref_model, str):
             skip = skip_reason(args, ref_model, getattr(ref_model, "config", None), processing_class, None, sample,
-                               returns_logits=False)
+                               returns_logits=False, vision=True)
             skip = None if skip is None else f"the reference model: {skip}"
         return auto_decision(skip, config)
-    refuse_unsafe(setting, model, config, processing_class, data_collator, sample)
+    refuse_unsafe(setting, model, config, processing_class, data_collator, sample, vision=True)
     if ref_model is not None and not isinstance(ref_model, str):
-        refuse_unsafe(setting, ref_model, getattr(ref_model, "config", None), processing_class, None, sample)
+        refuse_unsafe(setting, ref_model, getattr(ref_model, "config", None), processing_class, None, sample,
+                      vision=True)
     refuse_prompt_learning(setting, model, f"unset {setting}")
     reason = setting if mode == PADDING_FREE else f"{setting}: pairs packed across the train set"
     return Decision(mode, reason, auto=False)
@@ -551,12 +568,12 @@ class DPOTrainer(DPOMixin, trl.DPOTrainer):
     (``padding_free=None`` lets padfree decide; adds ``packing``, ``packing_length`` and ``auto_padding_free``).
 
     Raises:
-        InvalidArgumentError: ``padding_free=True`` / ``packing=True`` with a custom ``data_collator`` or a
-            ``ProcessorMixin``; ``packing=True`` with a batch-coupled loss type, an ``IterableDataset`` or a bad
+        InvalidArgumentError: ``padding_free=True`` / ``packing=True`` with a custom ``data_collator``;
+            ``packing=True`` with images, a batch-coupled loss type, an ``IterableDataset`` or a bad
             ``packing_length``; a ``max_length`` that drops every pair of a dataset.
         InvalidSampleError: a dataset TRL cannot train (missing column, None, wrong type, empty completion, no rows).
         OverlongSequenceError: ``packing=True`` with a pair longer than ``packing_length``, named with its row.
-        UnsupportedModelError: an explicit padfree mode on a vision-language or unsupported model (policy or
-            reference), or a prompt-learning PEFT adapter.
+        UnsupportedModelError: an explicit padfree mode on an unsupported model (policy or reference), with images
+            padfree does not put in packed rows, or with a prompt-learning PEFT adapter.
     """
 

@@ -5,6 +5,9 @@ metrics from per-token outputs laid out ``(batch, seq)``. :class:`Unpadded` is t
 forward padding-free without touching that arithmetic: the real tokens of the batch become one row (each sequence's
 ``position_ids`` restarting at 0, so a model configured by :func:`padfree.configure_packing` keeps every sequence to
 itself), and each output comes back as ``(batch, seq, ...)`` with ``fill`` where the padded forward had padding.
+A vision-language batch keeps its images: the per-token columns (``mm_token_type_ids``, ``token_type_ids``) are
+packed like the tokens, the per-sample ones (``pixel_values``, ``image_grid_thw``, ...) passed on as they are — the
+sequences keep their order in the row, so their images stay in the order the model meets their image tokens.
 :func:`unpadded_forwards` installs that on a model's ``forward`` for the calls made inside it, so a trainer's own
 loss code runs unchanged over exactly the numbers the padded forward would have given.
 
@@ -29,6 +32,7 @@ import types
 from collections.abc import Iterator
 from typing import Any
 
+from padfree.data.carry import PER_TOKEN
 from padfree.errors import BackendUnavailableError, InvalidArgumentError, describe
 from padfree.layout import IGNORE_INDEX
 from padfree.model.wrappers import unwrap_model
@@ -172,12 +176,24 @@ def _install(model: Any) -> None:
         kwargs = dict(kwargs)
         kwargs.pop("attention_mask")
         kwargs["input_ids"] = layout.pack(ids)
+        for key in sorted(PER_TOKEN & kwargs.keys()):  # token types: one per token, packed like the tokens
+            if kwargs[key] is None:
+                continue
+            value = kwargs[key]
+            if not isinstance(value, torch.Tensor) or value.shape != ids.shape:
+                got = f"of shape {tuple(value.shape)}" if isinstance(value, torch.Tensor) else describe(value)
+                raise InvalidArgumentError(f"{key} is {got}, not one value per token of input_ids "
+                                           f"{tuple(ids.shape)}; it is packed like the tokens")
+            kwargs[key] = layout.pack(kwargs[key])
         kwargs["position_ids"] = layout.position_ids.to(ids.device)
         if kwargs.get("labels") is not None:
             kwargs["labels"] = layout.labels(kwargs["labels"])
         if kwargs.get("shift_labels") is not None:
             kwargs["shift_labels"] = layout.shift_labels(kwargs["shift_labels"])
-        return _unpack_output(original(**kwargs), layout)
+        # through the module's call again, not straight to ``original``: the hooks configure_packing put on the model
+        # itself (a multimodal model's, which lay out each sample's images) must see the packed row, not the padded
+        # batch; the call comes back here with position_ids and goes on to ``original``
+        return _unpack_output(self(**kwargs), layout)
 
     forward.__padfree_unpadded__ = True  # type: ignore[attr-defined]
     inner.forward = types.MethodType(forward, inner)
@@ -192,6 +208,11 @@ def unpadded_forwards(*models: Any) -> Iterator[None]:
     sequences; padfree's trainers do both. Calls with ``position_ids``, ``inputs_embeds`` or positional arguments,
     and every call outside the block (generation included), run the model's own forward untouched. ``None`` entries
     are skipped (a trainer without a reference model).
+
+    The other arguments of the call pass through, the token types (``mm_token_type_ids``, ``token_type_ids``, shaped
+    like ``input_ids``) packed like the tokens, images and their grids as given. The packed call goes through the
+    model's call again, so the hooks of ``configure_packing`` on the model itself (a multimodal model's, which lays
+    out each sample's images) see the packed row.
     """
     for model in models:
         if model is not None:
