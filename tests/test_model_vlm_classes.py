@@ -122,3 +122,35 @@ def test_images_are_let_through_only_where_proven():
                                                        r"out per sample but has not proven exact: .*differs"):
             model(**row, use_cache=False)
     assert packing_state(model).images["why"] is not None
+
+
+@pytest.mark.parametrize("model_type", ["qwen2_vl", "llava"])
+def test_a_packed_row_with_images_entering_the_inner_model_is_laid_out_there(model_type):
+    """``model.model(...)`` — what a fused LM head's ``base_model`` call or a user runs — with a packed row of images
+    bypasses the outer class: the inner multimodal model lays the images out too (Qwen2-VL's images got text
+    positions there: 1.87 off through DPO). Hidden states of the packed row vs each sample alone."""
+    from padfree.model import images
+
+    model = build_tiny(model_type, multimodal=True).eval()
+    samples = images.probe_samples(model, seed=2)
+    with torch.no_grad():
+        want = torch.cat([model.model(**s, use_cache=False).last_hidden_state[0] for s in samples])
+        padfree.configure_packing(model)
+        row = images.pack_samples(model, samples)
+        got = model.model(**row, use_cache=False).last_hidden_state[0]
+        whole = torch.arange(row["input_ids"].shape[1])[None]  # control: the row as one sequence
+        leaking = model.model(**{**row, "position_ids": whole}, use_cache=False).last_hidden_state[0]
+    assert float((got - want).abs().max()) <= 1e-5
+    assert float((leaking - want).abs().max()) > 1e-3
+
+
+def test_unproven_images_entering_the_inner_model_are_refused():
+    from padfree.errors import PackingDisabledError
+    from padfree.model import images
+
+    model = build_tiny("qwen4_exp", multimodal=True)
+    padfree.configure_packing(model)
+    row = images.pack_samples(model, images.probe_samples(model))
+    with pytest.raises(PackingDisabledError, match="Qwen4ExpModel, whose images padfree lays out per sample but has "
+                                                   "not proven exact"):
+        model.model(**row, use_cache=False)

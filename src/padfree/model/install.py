@@ -455,6 +455,19 @@ def install_packing(model: Any, *, backend: str = "auto", strict: bool = True, s
             model.register_forward_pre_hook(_multimodal_pre_hook, with_kwargs=True),
             model.register_forward_hook(_post_hook, with_kwargs=True, always_call=True),
         ]
+        # the inner multimodal model merges the images too, and is called on its own (a fused LM head's
+        # base_model, a user's model.model(...)): a packed row with images entering there is laid out (again, to
+        # the same result) or refused there as well
+        from transformers import PreTrainedModel
+
+        inner = getattr(model, "model", None)
+        if isinstance(inner, PreTrainedModel) and inner is not target and "pixel_values" in guards.parameters(
+                type(inner).forward):
+            inner.__dict__[_HOOKED] = _Hooked(state, config, forward, positions, owner=model)
+            state.handles += [
+                inner.register_forward_pre_hook(_multimodal_pre_hook, with_kwargs=True),
+                inner.register_forward_hook(_post_hook, with_kwargs=True, always_call=True),
+            ]
     state.handles += [
         target.register_forward_pre_hook(_decoder_pre_hook, with_kwargs=True),
         target.register_forward_hook(_post_hook, with_kwargs=True, always_call=True),
@@ -474,6 +487,7 @@ class _Hooked:
     config: Any
     forward: bool  # hand the boundaries on as keyword arguments (see _route)
     positions: bool  # the hooked forward takes position_ids
+    owner: Any = None  # the vision-language model whose images verdict a hooked inner model answers to
 
 
 # Under torch.compile the hooks (like the packed attention and the mixers' segment primitives) run outside the graphs:
@@ -489,7 +503,8 @@ def _decoder_pre_hook(module: torch.nn.Module, args: tuple, kwargs: dict[str, An
 @torch.compiler.disable
 def _multimodal_pre_hook(module: torch.nn.Module, args: tuple, kwargs: dict[str, Any]
                          ) -> tuple[tuple, dict[str, Any]] | None:
-    return _before_multimodal(module.__dict__[_HOOKED].state, module, args, kwargs)
+    hooked: _Hooked = module.__dict__[_HOOKED]
+    return _before_multimodal(hooked.state, module, args, kwargs, owner=hooked.owner)
 
 
 @torch.compiler.disable
@@ -822,7 +837,7 @@ def _refuse_unconfigured_parent(state: _State, module: torch.nn.Module) -> None:
     while frame is not None:
         owner = frame.f_locals.get("self")
         if isinstance(owner, PreTrainedModel) and owner is not module:
-            if packing_state(owner) is state:
+            if packing_state(owner) is state or getattr(owner.__dict__.get(_HOOKED), "state", None) is state:
                 return  # the call comes through the model padfree configured (whose own hook saw its inputs)
             if parent is None and _multimodal(owner) and packing_state(owner) is None:
                 parent = owner
@@ -946,8 +961,8 @@ def _multimodal(model: torch.nn.Module) -> bool:
         type(model).__name__.endswith("ForConditionalGeneration")
 
 
-def _before_multimodal(state: _State, module: torch.nn.Module, args: tuple, kwargs: dict[str, Any]
-                       ) -> tuple[tuple, dict[str, Any]] | None:
+def _before_multimodal(state: _State, module: torch.nn.Module, args: tuple, kwargs: dict[str, Any],
+                       owner: torch.nn.Module | None = None) -> tuple[tuple, dict[str, Any]] | None:
     """The outer pre-hook of a multimodal model: for a packed batch, lay out what padfree can make exact (the images
     and videos of an mRoPE model: each sample's rotary positions, :mod:`padfree.model.mrope`), refuse every other
     non-text input, and mark the forward packed before the model builds its masks (padfree's mask functions then
@@ -977,7 +992,7 @@ def _before_multimodal(state: _State, module: torch.nn.Module, args: tuple, kwar
         elif extra and state.sp is None and images.image_route(module) == "causal" and \
                 set(extra) <= images.image_inputs(module):
             extra = []  # exact: causal image tokens, each image's features from its own pixels, in row order
-        unproven = _images_unproven(state, module) if carried and not extra else None
+        unproven = _images_unproven(state, owner or module) if carried and not extra else None
         if extra:
             problem = (f"a packed batch reached {type(module).__name__} with non-text inputs ({', '.join(extra)}): "
                        f"padfree packs text-only batches (input_ids) through this multimodal model (its image, video "
