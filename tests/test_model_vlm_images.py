@@ -10,8 +10,8 @@ through. :func:`padfree.model.image_proof.prove_images` compares it with each sa
 images, of different sizes where the model takes sizes): logits, the model's own loss, every gradient — the vision
 tower's included — relative to its parameter's scale (fp32, 1e-5); its control (each sample's placeholders given
 another sample's images) must be caught by the same comparison. Qwen2-VL (rope route) and Gemma3 (blocks route) run
-through the same proof. Mllama (cross-attention to the row's images) and PaliGemma (a bidirectional prefix made with
-``is_causal=False`` attention) are refused by name.
+through the same proof. Mllama (cross-attention to the row's images) is refused by name; PaliGemma's bidirectional
+prefix is laid out per sample (tests/test_model_paligemma.py).
 """
 
 from __future__ import annotations
@@ -153,8 +153,7 @@ def test_cross_attention_to_the_rows_images_is_refused_by_name():
         model(**_mllama_row(), use_cache=False)
 
 
-def test_a_prefix_mask_built_above_the_language_model_is_refused_by_name():
+def test_a_prefix_mask_built_above_the_language_model_is_laid_out_per_sample():
     model = tiny("paligemma")
-    assert images.image_route(model) is None
-    proof = prove_images(model)
-    assert not proof.ok and "PaliGemmaModel.forward builds its own attention mask" in proof.refused
+    assert images.image_route(model) == "blocks"  # each sample's prefix a block of its own
+    assert prove_images(model).ok

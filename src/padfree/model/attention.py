@@ -245,6 +245,9 @@ def packed_forward(
         _check_bias(position_bias, module, query, lay, backend, softcap=softcap, sinks=s_aux)
     if sinks is not None:
         _check_token_sinks(sinks, module, query, backend, softcap=softcap, s_aux=s_aux)
+    why = _not_causal(module, kwargs.get("is_causal"), lay)
+    if why is not None:
+        raise PackingDisabledError(why)
     extra = _unapplied(kwargs, backend, module)
     if extra is not None:
         raise PackingDisabledError(
@@ -410,9 +413,8 @@ def _unapplied(kwargs: dict[str, Any], backend: str, module: torch.nn.Module) ->
     """A keyword argument that would change the attention and that the packed path does not apply, described;
     None when there is none.
 
-    The packed path is causal (``is_causal=False`` is refused whatever reads it: padfree's mask functions build no
-    mask in a packed forward, so nothing else would make the attention bidirectional) and applies its own named
-    parameters and the boundaries. A tensor among the rest is refused when the function transformers runs for the
+    The packed path is causal (``is_causal`` is decided with the layout, :func:`_not_causal`) and applies its own
+    named parameters and the boundaries. A tensor among the rest is refused when the function transformers runs for the
     backend's base (``sdpa_attention_forward``, the modeling file's ``eager_attention_forward``,
     ``flex_attention_forward``) reads it — or when what that function reads cannot be told. A tensor it ignores
     (``labels``, ``logits_to_keep``: a model's forward hands its ``**kwargs`` down through its layers) cannot change
@@ -423,9 +425,7 @@ def _unapplied(kwargs: dict[str, Any], backend: str, module: torch.nn.Module) ->
     for name, value in kwargs.items():
         if value is None or name in _ROUTING:
             continue
-        if name == "is_causal":
-            if value is False:
-                return "is_causal=False (bidirectional attention)"
+        if name == "is_causal":  # decided with the layout (_not_causal)
             continue
         if not isinstance(value, torch.Tensor):
             continue
@@ -434,6 +434,39 @@ def _unapplied(kwargs: dict[str, Any], backend: str, module: torch.nn.Module) ->
         if reads is None or name in reads:
             return f"{name}= (a tensor of shape {tuple(value.shape)})"
     return None
+
+
+# the block rules whose blocks are the whole of a model's departure from causal attention although its attention
+# modules are built with is_causal=False: PaliGemma (a prefix-LM; its text config's use_bidirectional_attention)
+# makes its attention causal only through the mask it builds from token_type_ids (causal, or both in the sample's
+# prefix), which the layout's blocks lay out per sample. Not Gemma 3's rule: with use_bidirectional_attention its
+# mask is bidirectional everywhere, whatever its image blocks.
+_PREFIX_RULES = frozenset({"paligemma"})
+
+
+def _not_causal(module: torch.nn.Module, is_causal: Any, lay: PackedLayout) -> str | None:
+    """Why a packed call of ``module`` would not compute the attention the model defines, where that attention is not
+    causal (``is_causal`` handed to the call, else the module's own, False); None when the packed path's causal
+    attention plus the layout's blocks is that attention.
+
+    transformers' SDPA function reads ``module.is_causal`` when it is handed no mask: a module built bidirectional
+    then attends both ways over everything it sees, and only a mask the model builds makes it causal. In a packed
+    forward padfree's mask functions build none, so such a module is exact only where the layout carries the blocks
+    of the mask its model would build (:data:`_PREFIX_RULES`, laid out from the model's token types by the
+    multimodal hook); anywhere else it is refused. PaliGemma without ``token_type_ids`` is such a case: transformers
+    itself computes a different attention per backend for a sequence alone (SDPA: the mask dropped, both ways over
+    the whole sequence; eager: causal)."""
+    causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
+    if causal is not False or (lay.block_rule is not None and lay.block_rule.name in _PREFIX_RULES):
+        return None
+    who = type(module).__name__
+    return (f"{who} runs with is_causal=False (bidirectional attention) — its config's use_bidirectional_attention "
+            f"or the call's is_causal — and its model laid out no mask that makes it causal in this packed forward "
+            f"(padfree builds none): transformers' attention for one "
+            f"sequence alone depends on the mask the model builds (PaliGemma: from token_type_ids — 0 the "
+            f"bidirectional prefix of image and prompt, 1 the causal suffix —; without them SDPA attends both ways "
+            f"over the whole sequence, eager causally); pass token_type_ids as the processor returns them, or pass "
+            f"these batches unpacked")
 
 
 def _base_attention(backend: Backend, module: torch.nn.Module) -> Callable:

@@ -7,7 +7,8 @@ else makes such a row exact depends on how the model places its image tokens —
 - ``"rope"``: multi-axis rotary positions computed from each sample's image grids (Qwen-VL, GLM-4V, ...:
   :mod:`padfree.model.mrope` gives every sample its own);
 - ``"blocks"``: image tokens attend to each other both ways inside their image (Gemma 3, Gemma 4 with bidirectional
-  vision): each image a block of its own sample on the forward's layout (:data:`padfree.model.packed.BLOCK_RULES`);
+  vision), or a sample's prefix of images and prompt does (PaliGemma, PaliGemma 2): each image, or each sample's
+  prefix, a block of its own sample on the forward's layout (:data:`padfree.model.packed.BLOCK_RULES`);
 - ``"causal"``: image tokens are ordinary causal tokens (LLaVA, Idefics, SmolVLM, Mistral 3, InternVL, ...): the
   vision tower runs per image, the features land on the placeholder tokens in order, and the language model sees
   1-D positions under a causal mask only — the row's own boundaries are all it needs;
@@ -58,13 +59,15 @@ _SPECIAL = re.compile(r"(token_id|token_index|_id)$")
 
 
 def block_rule(model: torch.nn.Module) -> BlockRule | None:
-    """The rule of the bidirectional image blocks ``model``'s own mask makes (:data:`BLOCK_RULES`), where padfree
-    lays them out per sample: Gemma3's images; Gemma4's images and videos when its text config makes them
-    bidirectional. None: none (a model whose images are plain causal tokens needs no rule; PaliGemma's prefix is
-    bidirectional through attention built with ``is_causal=False``, which padfree's packed attention refuses)."""
+    """The rule of the bidirectional blocks ``model``'s own mask makes (:data:`BLOCK_RULES`), where padfree lays
+    them out per sample: Gemma3's images; Gemma4's images and videos when its text config makes them bidirectional;
+    PaliGemma's prefix (``token_type_ids == 0``: its images and prompt), with or without images — its attention is
+    built with ``is_causal=False`` and made causal only by the mask of its token types, which the layout's blocks
+    are (:func:`padfree.model.attention.packed_forward` accepts such a module exactly when they are laid out).
+    None: none (a model whose images are plain causal tokens needs no rule)."""
     config = getattr(model, "config", None)
     model_type = str(getattr(config, "model_type", ""))
-    if model_type in ("gemma3", "shieldgemma2"):
+    if model_type in ("gemma3", "shieldgemma2", "paligemma"):
         return BLOCK_RULES[model_type]
     if model_type in ("gemma4", "gemma4_unified"):
         text = config.get_text_config()
@@ -137,9 +140,8 @@ def image_refusal(model: torch.nn.Module) -> str | None:
     for owner, source in sources.items():
         for word in _BUILDS_MASK:
             if word in source:
-                return (f"{owner}.forward builds its own attention mask above its language model ({word}; "
-                        f"PaliGemma's: a bidirectional prefix of image and prompt), which padfree does not lay out "
-                        f"per sample")
+                return (f"{owner}.forward builds its own attention mask above its language model ({word}), which "
+                        f"padfree does not lay out per sample")
     for owner, source in sources.items():
         for word in _BUILDS_POSITIONS:
             if word in source:
@@ -380,6 +382,25 @@ def _blocks_sample(model: torch.nn.Module, plan: Sequence[Any], g: torch.Generat
     return out
 
 
+def _prefix_sample(model: torch.nn.Module, plan: Sequence[Any], g: torch.Generator) -> dict[str, Any]:
+    """PaliGemma-style: every image's ``num_image_tokens`` tokens first, then the prompt, both the prefix (token type
+    0, bidirectional within the sample); the last text part the suffix (type 1, causal) — a sample of text alone
+    splits its text in two."""
+    config, vision = model.config, model.config.vision_config
+    texts = [part[0] if isinstance(part, tuple) else part for part in plan]
+    count = sum(1 for part in plan if isinstance(part, tuple) and part[1] is not None)
+    prefix = sum(texts[:-1]) if len(texts) > 1 else -(-texts[0] // 2)
+    suffix = sum(texts) - prefix
+    image = int(_text_config(model).num_image_tokens)
+    ids = [config.image_token_id] * (count * image) + _words(model, prefix + suffix, g)
+    out: dict[str, Any] = {"input_ids": torch.tensor([ids]),
+                           "token_type_ids": torch.tensor([[0] * (count * image + prefix) + [1] * suffix])}
+    if count:
+        side = int(vision.image_size)
+        out["pixel_values"] = torch.randn(count, vision.num_channels, side, side, generator=g)
+    return out
+
+
 def _patch_blocks_sample(model: torch.nn.Module, plan: Sequence[Any], g: torch.Generator) -> dict[str, Any]:
     """Gemma4-style: an image of ``(h, w)`` steps is ``h·k x w·k`` patches (``k``: the pooling kernel) pooled to
     ``h·w`` soft tokens between its markers, token type 1; every image's patches padded to the plan's largest
@@ -434,6 +455,8 @@ def probe_samples(model: torch.nn.Module, seed: int = 0) -> list[dict[str, Any]]
         if None in ids or len(set(ids)) < 3 or max(ids) >= int(_text_config(model).vocab_size):
             return None  # no distinct marker tokens in the vocabulary: no sample the processor could make
         build = _rope_sample
+    elif route == "blocks" and block_rule(model).per_sample:
+        build = _prefix_sample
     elif route == "blocks" and block_rule(model).source == "token_type_ids":
         build = _blocks_sample
     elif route == "blocks" and hasattr(getattr(config, "vision_config", None), "pooling_kernel_size"):

@@ -982,11 +982,13 @@ def _before_multimodal(state: _State, module: torch.nn.Module, args: tuple, kwar
         extra = _non_text({k: v for k, v in named.items() if k not in ("self", "kwargs")})
         cache = guards.find_cache(named, type(module).forward)
         rule = images.block_rule(module)
+        # a sample's prefix is a block whatever it holds (PaliGemma's text rows too): its token types always laid out
+        prefix = rule is not None and rule.per_sample and isinstance(named.get(rule.source), torch.Tensor)
         carried = bool(extra)
         if extra and state.sp is None and set(extra) <= mrope.ROPE_INPUTS and mrope.rope_index(module) is not None:
             call = _with_rope_rows(module, named)  # exact: every sample's own rotary positions
             extra = []
-        elif extra and state.sp is None and rule is not None and set(extra) <= images.image_inputs(module):
+        elif (extra or prefix) and state.sp is None and rule is not None and set(extra) <= images.image_inputs(module):
             call = _with_blocks(module, named, rule)  # exact: each image a bidirectional block of its own sample
             extra = []
         elif extra and state.sp is None and images.image_route(module) == "causal" and \
@@ -1050,6 +1052,8 @@ def _with_blocks(module: torch.nn.Module, named: dict[str, Any], rule: BlockRule
             f"(B, T) shape (the processor returns it): its images attend bidirectionally within their block")
     kwargs = {name: value for name, value in named.items() if "[" not in name}
     kwargs[LAYOUT_KWARG] = lay.with_token_types(types, rule)
+    if kwargs[LAYOUT_KWARG].blocks is None:  # no prefix (every token causal): the rule still says the types were read
+        kwargs[LAYOUT_KWARG] = dataclasses.replace(lay, block_rule=rule)
     return tuple(named[name] for name in named if "[" in name), kwargs
 
 
