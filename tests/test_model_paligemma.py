@@ -134,3 +134,19 @@ def test_a_text_row_without_token_types_is_refused_by_name():
                 model(**images.pack_samples(model, text), use_cache=False)
         finally:
             unconfigure_packing(model)
+
+
+def test_configure_packing_accepts_paligemma_and_its_images_run_exact():
+    """The user's route: the support table proves PaliGemma's text rows (with their token types) and its images;
+    configure_packing accepts it, and a packed row with images equals each sample alone."""
+    import padfree
+    from padfree.model import images
+
+    model = tiny(1).eval()
+    samples = images.probe_samples(model, seed=4)
+    with torch.no_grad():
+        want = torch.cat([model(**s, use_cache=False).logits[0] for s in samples])
+        report = padfree.configure_packing(model)
+        got = model(**images.pack_samples(model, samples), use_cache=False).logits[0]
+    assert report.supported
+    assert float((got - want).abs().max()) <= 1e-5 * max(1.0, float(want.abs().max()))

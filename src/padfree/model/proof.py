@@ -204,7 +204,19 @@ class _Case:
 
 
 def _logits(model: torch.nn.Module, **inputs: Any) -> torch.Tensor:
-    return model(**inputs, use_cache=False).logits
+    return model(**_with_types(model, inputs), use_cache=False).logits
+
+
+def _with_types(model: torch.nn.Module, inputs: dict[str, Any]) -> dict[str, Any]:
+    """``inputs``, with the token types of a text row for a model whose attention is causal only by them (a
+    prefix-LM such as PaliGemma: every text token a prefix token, type 0) — without them its backends disagree on a
+    sequence alone, and padfree refuses the row."""
+    from padfree.model import images
+
+    rule = images.block_rule(model)
+    if rule is None or not rule.per_sample or rule.source in inputs:
+        return inputs
+    return {**inputs, rule.source: torch.zeros_like(inputs["input_ids"])}
 
 
 def _grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -267,7 +279,7 @@ def _loss_route(model: torch.nn.Module, case: _Case, ref_logits: Sequence[torch.
         labels = torch.cat([ids[:, 1:], torch.full_like(ids[:, :1], IGNORE_INDEX)], dim=1) if shifted else ids
         try:
             with torch.no_grad():
-                own = model(input_ids=ids, labels=labels, use_cache=False).loss
+                own = model(**_with_types(model, {"input_ids": ids}), labels=labels, use_cache=False).loss
         except Exception as exc:
             found.append(exc)
             continue
@@ -290,7 +302,8 @@ def _packed(model: torch.nn.Module, case: _Case, grads: bool, route: _LossRoute 
     model.zero_grad(set_to_none=True)
     with torch.set_grad_enabled(grads):
         labels = (case.shifted if route.shifted else case.labels) if route.labels else None
-        out = model(input_ids=case.ids, position_ids=case.positions, labels=labels, use_cache=False)
+        out = model(**_with_types(model, {"input_ids": case.ids, "position_ids": case.positions}), labels=labels,
+                    use_cache=False)
         loss = out.loss
         if not route.own:
             loss = sum(_ce(out.logits[row, start:start + n], case.ids[row, start:start + n])
