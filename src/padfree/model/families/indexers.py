@@ -40,16 +40,16 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import types
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from padfree.errors import InvalidLayoutError, PackingDisabledError, UnsupportedModelError
-from padfree.model import guards, mixers
-from padfree.model.packed import PackedLayout, per_bucket
-from padfree.model.state import current_layout, hooks_live
+from padfree.errors import InvalidLayoutError, UnsupportedModelError
+from padfree.model import mixers
+from padfree.model.families import replay
+from padfree.model.packed import PackedLayout
+from padfree.model.state import unpatch
 
 __all__ = ["CLASSES", "SPECS", "Spec", "install", "merge_selection", "uninstall"]
 
@@ -74,10 +74,10 @@ def _has_compressor(module: torch.nn.Module) -> bool:
 class Spec:
     """How the instances of one module class run per group of packed sequences.
 
-    The forward's first parameter is the ``(B, T, ...)`` hidden state, gathered per group. ``attention_mask``
-    (``(B | 1, ..., T, T)``), ``position_ids`` (``(B | 1, T)``) and ``position_embeddings`` (a ``(B | 1, T, ...)``
-    table, or a tuple / dict of them) are cut to the group's first ``L`` positions; ``None``, bools and numbers pass
-    unchanged; any other tensor is refused at the call.
+    Run by :mod:`padfree.model.families.replay`: the forward's first parameter is the ``(B, T, ...)`` hidden state,
+    gathered per group. ``attention_mask`` (``(B | 1, ..., T, T)``), ``position_ids`` (``(B | 1, T)``) and
+    ``position_embeddings`` (a ``(B | 1, T, ...)`` table, or a tuple / dict of them) are cut to the group's first
+    ``L`` positions; ``None``, bools and numbers pass unchanged; any other tensor is refused at the call.
 
     Attributes:
         description: one line for the configured model's report.
@@ -128,76 +128,14 @@ CLASSES: dict[str, str] = {
 }
 
 
-@dataclasses.dataclass(eq=False)
-class _Installed:
-    """What a patched instance carries: the configured model's state, its spec and grouping."""
-
-    state: Any
-    spec: Spec
-    by: str  # "length" for an instance that selects, "bucket" otherwise
-    hidden: str  # the name of the forward's first parameter
-
-
 def _patched_forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
-    """Installed as ``module.forward``: transformers' forward for an ordinary batch, one run per group otherwise."""
-    info: _Installed = self._padfree_indexed
-    hidden = args[0] if args else kwargs.get(info.hidden)
-    lay = None
-    if hooks_live(info.state) and isinstance(hidden, torch.Tensor) and hidden.dim() >= 2:
-        lay = current_layout(info.state, hidden, type(self).__name__)
-    if lay is None:
-        return type(self).forward(self, *args, **kwargs)
-    return _replay(self, info, lay, args, kwargs)
+    """Installed as ``module.forward``: transformers' forward for an ordinary batch, one run per group otherwise
+    (:func:`padfree.model.families.replay.run`)."""
+    return replay.run(self, self._padfree_indexed, args, kwargs)
 
 
-# ---- what one group of sequences gets: the row's tables cut to its length -----------------------------------------
-
-
-def _cut_rows(value: torch.Tensor, lay: PackedLayout, name: str, who: str) -> Callable[[int, int], torch.Tensor]:
-    """A ``(B | 1, T, ...)`` per-position table -> its first ``L`` positions for ``m`` sequences."""
-    batch, seq_len = lay.shape
-    if value.dim() < 2 or value.shape[1] != seq_len or value.shape[0] not in (1, batch):
-        raise PackingDisabledError(f"{who} got {name} of shape {tuple(value.shape)} with a packed batch of {batch} x "
-                                   f"{seq_len}; padfree expected one entry per position of a row")
-    return lambda n, m: value[:1, :n].expand(m, n, *value.shape[2:])
-
-
-def _cut_table(value: Any, lay: PackedLayout, name: str, who: str) -> Callable[[int, int], Any]:
-    """Rotary tables: a tensor, a tuple ``(cos, sin)`` or a dict of those per rope type, cut alike."""
-    if isinstance(value, torch.Tensor):
-        return _cut_rows(value, lay, name, who)
-    if isinstance(value, Mapping):
-        cuts = {key: _cut_table(item, lay, f"{name}[{key!r}]", who) for key, item in value.items()}
-        return lambda n, m: {key: cut(n, m) for key, cut in cuts.items()}
-    if isinstance(value, (tuple, list)):
-        cuts = [_cut_table(item, lay, name, who) for item in value]
-        return lambda n, m: type(value)(cut(n, m) for cut in cuts)
-    raise PackingDisabledError(f"{who} got {name} ({type(value).__name__}) with a packed batch; padfree expected "
-                               f"rotary tables (tensors, tuples or dicts of them)")
-
-
-def _cut_mask(value: torch.Tensor, lay: PackedLayout, who: str) -> Callable[[int, int], torch.Tensor]:
-    """The row's ``(B | 1, ..., T, T)`` causal mask -> its top-left ``L x L`` block: the mask of ``L`` tokens alone
-    (causal and sliding-window masks depend on positions only, and every row's positions run ``0 .. T-1``)."""
-    batch, seq_len = lay.shape
-    if value.dim() < 3 or tuple(value.shape[-2:]) != (seq_len, seq_len) or value.shape[0] not in (1, batch):
-        raise PackingDisabledError(f"{who} got an attention_mask of shape {tuple(value.shape)} with a packed batch of "
-                                   f"{batch} x {seq_len}; padfree expected the (B, ..., T, T) mask of a row")
-    return lambda n, m: value[:1, ..., :n, :n].expand(m, *value.shape[1:-2], n, n)
-
-
-def _rope_limit(module: torch.nn.Module) -> tuple[str, int] | None:
-    """``(rope type, longest row)`` when the model's rotary rescales by the longest position of a call (``dynamic``,
-    ``longrope``): the row's table would then not be the table a shorter sequence builds alone."""
-    params = getattr(getattr(module, "config", None), "rope_parameters", None)
-    if not isinstance(params, dict):
-        return None
-    for entry in (params, *(v for v in params.values() if isinstance(v, dict))):
-        if entry.get("rope_type") in ("dynamic", "longrope"):
-            limit = entry.get("original_max_position_embeddings") or getattr(module.config, "max_position_embeddings",
-                                                                             0)
-            return entry["rope_type"], int(limit)
-    return None
+# the row's (B | 1, ..., T, T) causal mask -> the mask of L tokens alone (its top-left L x L block)
+_cut_mask = replay.cut_mask
 
 
 def merge_selection(per_group: list[torch.Tensor], lay: PackedLayout, by: str) -> torch.Tensor:
@@ -223,72 +161,11 @@ def merge_selection(per_group: list[torch.Tensor], lay: PackedLayout, by: str) -
     return torch.cat(flat).index_select(0, plan.inverse).view(batch, seq_len, width)
 
 
-@torch.compiler.disable  # host-side group sizes: traced, every new set of lengths would recompile
-def _replay(module: torch.nn.Module, info: _Installed, lay: PackedLayout, args: tuple, kwargs: dict[str, Any]) -> Any:
-    """The module's own forward once per group of sequences, with the inputs each sequence has alone."""
-    who, spec, forward = type(module).__name__, info.spec, type(module).forward
-    named = guards.bind(forward, (module, *args), kwargs)
-    if named is None:  # a call that does not fit: transformers raises its own error
-        return forward(module, *args, **kwargs)
-    named.pop(next(iter(guards.parameters(forward))), None)
-    cache = guards.find_cache(named, forward)
-    if cache is not None:
-        raise PackingDisabledError(f"{who} got {cache} with a packed batch; packed training never uses a cache "
-                                   f"(pass use_cache=False)")
-    rope = _rope_limit(module)
-    if rope is not None and lay.shape[1] > rope[1]:
-        raise PackingDisabledError(
-            f"{who} reads {rope[0]} RoPE tables, which rescale by the longest position of a call: a packed row of "
-            f"{lay.shape[1]} tokens would rescale the sequences shorter than {rope[1]} alone; pack rows of at most "
-            f"{rope[1]} tokens")
-    if named.get("output_attentions"):
-        named["output_attentions"] = False  # per-group weights have no (B, H, T, T) form
-    token_names = [info.hidden, *spec.tokens, *([spec.selection[0]] if spec.selection else [])]
-    tokens: dict[str, torch.Tensor] = {}
-    for name in token_names:
-        value = named.pop(name, None)
-        if value is None and name != info.hidden:
-            continue
-        if not isinstance(value, torch.Tensor) or tuple(value.shape[:2]) != lay.shape:
-            raise InvalidLayoutError(f"{who} got {name} of shape {tuple(getattr(value, 'shape', ()))} but the packed "
-                                     f"layout of this forward is {lay.shape}")
-        tokens[name] = value
-    cuts: dict[str, Callable[[int, int], Any]] = {}
-    for name, value in list(named.items()):
-        if value is None or isinstance(value, (bool, int, float, str)):
-            continue
-        if name == "attention_mask" and isinstance(value, torch.Tensor):
-            cuts[name] = _cut_mask(value, lay, who)
-        elif name == "position_ids" and isinstance(value, torch.Tensor):
-            cuts[name] = _cut_rows(value, lay, name, who)
-        elif name == "position_embeddings":
-            cuts[name] = _cut_table(value, lay, name, who)
-        else:
-            raise PackingDisabledError(
-                f"{who} got {name} ({type(value).__name__}) with a packed batch; padfree runs {who} once per group of "
-                f"sequences and does not know what a sequence alone gets for {name}")
-        del named[name]
-    outputs: list[Any] = []
-    names = list(tokens)
-
-    def run(length: int, count: int, *blocks: torch.Tensor) -> torch.Tensor:
-        call = {**named, **{name: cut(length, count) for name, cut in cuts.items()},
-                **dict(zip(names[1:], blocks[1:], strict=True))}
-        out = forward(module, blocks[0], **call)
-        outputs.append(out)
-        return out[0] if isinstance(out, tuple) else out
-
-    merged = per_bucket(run, lay, *tokens.values(), by=info.by)
-    if not isinstance(outputs[0], tuple):
-        return merged
-    rest = []
-    for i in range(1, len(outputs[0])):
-        values = [out[i] for out in outputs]
-        if spec.selection is not None and i == spec.selection[1] and all(isinstance(v, torch.Tensor) for v in values):
-            rest.append(merge_selection(values, lay, info.by))
-        else:  # per-group attention weights have no row form; a shared object (None) passes
-            rest.append(values[0] if all(v is values[0] for v in values) else None)
-    return (merged, *rest)
+def _stitch_selection(per_group: list[Any], lay: PackedLayout, by: str) -> Any:
+    # a selection every group returned (not the None of a layer that hands none on) becomes the row's
+    if all(isinstance(v, torch.Tensor) for v in per_group):
+        return merge_selection(per_group, lay, by)
+    return replay.shared(per_group, lay, by)
 
 
 # ---- installation ------------------------------------------------------------------------------------------------
@@ -322,33 +199,21 @@ def install(module: torch.nn.Module, state: Any) -> str:
     spec = SPECS.get(name)
     if spec is None:
         raise UnsupportedModelError(f"{name} is not a sparse-attention module padfree knows how to run per sequence")
-    if state.backend != "none":
-        # the model's hook then sits on the decoder and hands restarting positions and no mask down: the row's
-        # tables would no longer be those of positions 0 .. T-1, which the groups are cut from
-        raise UnsupportedModelError(
-            f"{name} runs per sequence on the rotary tables and causal mask its model builds for a whole row, but this "
-            f"model also has attention layers on padfree's {state.backend} backend, which receive restarting "
-            f"positions and no mask; padfree proved {name} only in models whose attention it runs per sequence "
-            f"throughout")
-    params = guards.parameters(type(module).forward)
-    needed = [*spec.tokens, *([spec.selection[0]] if spec.selection else [])]
-    missing = [arg for arg in needed if arg not in params]
-    if len(params) < 2 or missing:
-        raise UnsupportedModelError(f"{name}.forward takes {params}, not the arguments padfree proved ({missing} "
-                                    f"missing); refusing rather than guessing")
-    module._padfree_indexed = _Installed(state, spec, "length" if spec.selects(module) else "bucket", params[1])
-    module.forward = types.MethodType(_patched_forward, module)
+    selection = (spec.selection[0],) if spec.selection else ()
+    hidden = replay.check(module, state, (*spec.tokens, *selection),
+                          reads="the rotary tables and causal mask its model builds for a whole row",
+                          receives="restarting positions and no mask")
+    plan = replay.Plan(state, hidden, "length" if spec.selects(module) else "bucket",
+                       optional=(*spec.tokens, *selection),
+                       stitch={spec.selection[1]: _stitch_selection} if spec.selection else {})
+    replay.record(module, "_padfree_indexed", plan, _patched_forward)
     return spec.description
 
 
 def uninstall(model: torch.nn.Module) -> bool:
     """Undo :func:`install` on every module of ``model``; False if nothing was installed."""
-    done = False
+    done = unpatch(model, "_padfree_indexed")
     for sub in model.modules():
-        if "_padfree_indexed" in sub.__dict__:
-            del sub._padfree_indexed
-            sub.__dict__.pop("forward", None)
-            done = True
-        elif type(sub).__name__ in _GDN_CLASSES and "_padfree_mixer" in sub.__dict__:
+        if type(sub).__name__ in _GDN_CLASSES and "_padfree_mixer" in sub.__dict__:
             done |= mixers.uninstall(sub)
     return done
