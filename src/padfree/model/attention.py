@@ -456,8 +456,15 @@ def _not_causal(module: torch.nn.Module, is_causal: Any, lay: PackedLayout) -> s
     multimodal hook); anywhere else it is refused. PaliGemma without ``token_type_ids`` is such a case: transformers
     itself computes a different attention per backend for a sequence alone (SDPA: the mask dropped, both ways over
     the whole sequence; eager: causal)."""
-    causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
-    if causal is not False or (lay.block_rule is not None and lay.block_rule.name in _PREFIX_RULES):
+    if is_causal is None:
+        # the module's own flag counts where its config declares the attention bidirectional: a decoder built with
+        # is_causal=False whose model always builds a causal mask (BigBird-Pegasus) is causal, as the sweep proves
+        config = getattr(module, "config", None)
+        bidirectional = getattr(module, "is_causal", True) is False and \
+            getattr(config, "use_bidirectional_attention", None) is True
+    else:
+        bidirectional = is_causal is False
+    if not bidirectional or (lay.block_rule is not None and lay.block_rule.name in _PREFIX_RULES):
         return None
     who = type(module).__name__
     return (f"{who} runs with is_causal=False (bidirectional attention) — its config's use_bidirectional_attention "
