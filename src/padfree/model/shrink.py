@@ -276,6 +276,9 @@ UNBUILDABLE: dict[str, str] = {
 
 # constructor arguments for config classes whose defaults do not even construct
 _DEFAULT_ARGS: dict[str, dict[str, Any]] = {
+    # Gemma 4's class defaults carry no vision tower and causal images, where every Gemma 4 checkpoint has a tower
+    # and images that attend both ways within their block: the model users load is the one to prove
+    "gemma4": {"vision_config": {}, "text_config": {"use_bidirectional_attention": "vision"}},
     # the assistant drafts for a Gemma 4 model with all layers sharing the target's KV cache, no per-layer inputs
     "gemma4_assistant": {"text_config": {"hidden_size_per_layer_input": 0, "vocab_size_per_layer_input": 0,
                                          "enable_moe_block": False, "use_double_wide_mlp": False}},
@@ -284,7 +287,8 @@ _DEFAULT_ARGS: dict[str, dict[str, Any]] = {
 
 def default_config(model_type: str) -> Any:
     """The default config of ``model_type`` (its config class with no arguments), or, where those defaults do not
-    construct (a transformers bug), the smallest change that does."""
+    construct (a transformers bug) or leave out what every checkpoint of the type has (Gemma 4's vision tower), the
+    smallest change that does."""
     from transformers import CONFIG_MAPPING
 
     config_class = CONFIG_MAPPING[model_type]
