@@ -40,7 +40,7 @@ widened to ``bench_training.py``'s text sizes (vocab 32004, hidden 256, MLP 688,
 
 Run it (from the repository root, in the project's virtual environment)::
 
-    python benchmarks/bench_vlm.py            # ~3 min on 2 cores
+    python benchmarks/bench_vlm.py            # 8 min on 2 cores shared with other jobs (load average ~4)
     python benchmarks/bench_vlm.py --quick    # a smoke run: a small sample, one repetition
 
 Only the section between ``<!-- bench_vlm:start -->`` and ``<!-- bench_vlm:end -->`` of the output file is replaced.
@@ -450,13 +450,14 @@ def render(args: argparse.Namespace, info: dict[str, str], before: str, after: s
                      " / ".join(f"{s:.1f}" for s in r.seconds), f"{r.tokens_per_second:,.0f}",
                      f"{report.speedup('packed', m):.2f}×", f"{report.cpu_speedup('packed', m):.2f}×",
                      f"{pos:,}" if pos else "–", f"{above / 2**20:,.0f}" if pos else "–",
-                     f"{peak / 2**20:,.0f}" if pos else "–", f"{collate[m]:.2f}", f"{r.final_loss():.3f}"])
+                     f"{above / 2**20 / pos * 1000:,.0f}" if pos else "–", f"{peak / 2**20:,.0f}" if pos else "–",
+                     f"{collate[m]:.2f}", f"{r.final_loss():.3f}"])
     for option, text in refusals.items():
-        rows.append([f"TRL `{option}=True`", *["–"] * 11, text])
+        rows.append([f"TRL `{option}=True`", *["–"] * 12, text])
     lines += [table(["mode", "steps", "positions", "filled", "pass s (each repetition)", "real tokens/s",
                      "packed / mode", "packed / mode, CPU time", "largest step, positions",
-                     "its peak MiB above resident", "peak RSS MiB", "collate s", "final loss"], rows,
-                    "lrrrrrrrrrrrl"), ""]
+                     "its peak MiB above resident", "per 1k positions", "peak RSS MiB", "collate s", "final loss"],
+                    rows, "lrrrrrrrrrrrrl"), ""]
     target_rows = []
     for m in ("padded", "trl"):
         if m in res and "packed" in res:
@@ -468,10 +469,10 @@ def render(args: argparse.Namespace, info: dict[str, str], before: str, after: s
     lines += [
         "Same loss — every mode's batches once at the initial weights, no gradient: each sample's summed "
         "next-token cross-entropy (float64 over the model's fp32 logits) from its own tokens in the batch, then "
-        "the per-token mean over the whole sample (Δ against `padded`; a sample's mean loss compared sample by "
-        "sample; *same targets* = every sample has as many targets in both):",
+        "the per-token mean over the whole sample (Δ: the absolute difference from `padded`'s; a sample's mean loss "
+        "compared sample by sample; *same targets* = every sample has as many targets in both):",
         "",
-        table(["mode", "samples", "targets", "per-token loss", "|Δ per-token loss|", "max |Δ| of a sample's mean",
+        table(["mode", "samples", "targets", "per-token loss", "Δ per-token loss", "largest Δ of a sample's mean",
                "same targets"], loss_rows, "lrrrrrl"),
         "",
         "- *largest step*: the mode's step with the most positions, its forward + backward run once more after the "
@@ -487,8 +488,9 @@ def render(args: argparse.Namespace, info: dict[str, str], before: str, after: s
         "their training curves are not expected to agree step by step; that the same tokens through the same "
         "weights give the same loss is what the check above shows.",
         "- TRL refuses its padding-free and packed paths for any vision dataset (the rows above, `SFTTrainer`'s own "
-        "message); for the mRoPE models it would also need each sample's rotary rows, which its flattening "
-        "collator does not compute.",
+        "message). Its text padding-free collator (`DataCollatorForLanguageModeling(padding_free=True)`) writes 1-D "
+        "`position_ids` restarting per sample; nothing in TRL 1.16's SFT code computes a sample's mRoPE rows "
+        "(`get_rope_index` over its own grids) for a flattened row.",
         "",
         "### What limits the ratio here",
         "",
@@ -496,9 +498,15 @@ def render(args: argparse.Namespace, info: dict[str, str], before: str, after: s
         "loss over the vocabulary, the decoder's linear layers): packed vs padded follows the ratio of computed "
         "positions, less what both spend alike — the vision tower runs the same patches in every mode, and "
         "padfree's per-step work (each sample's mRoPE rows, the packed layout) is timed in `packed`.",
-        "- The sample mixes short instruction records with long documents cut to C, as `bench_training.py` does; "
-        "images lengthen the samples that carry them. A data set of uniformly short samples pads less (and packs "
-        "more samples per row); one of long samples pads less too.",
+        "- The sample is drawn from the mix `bench_training.py` trains (mostly short instruction records, a long tail "
+        "of documents cut to C), and images lengthen the samples that carry them; padding follows the spread of "
+        "lengths inside each padded batch (the sample's range is under *Data*). A small sample draws few of the "
+        "long documents, so the spread here is mostly that of the records and their images.",
+        "- Peak memory follows a step's positions: about the same MiB per 1k positions in every mode (the logits "
+        "over the vocabulary and their gradient dominate). A packed step of B rows is sized to B × C whatever the "
+        "samples; a padded batch to B × its longest sample, which for short samples is well under B × C — so "
+        "packed's largest step here holds more positions, and more samples, than padded's largest batch. Choose "
+        "the packed rows per step by memory (B × C), not by the padded batch size.",
     ]
     lines.append(END)
     return "\n".join(lines)
