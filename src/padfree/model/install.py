@@ -32,7 +32,7 @@ import re
 import sys
 import types
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -515,44 +515,36 @@ def _post_hook(module: torch.nn.Module, args: tuple, kwargs: dict[str, Any], out
 def _implementations(config: Any) -> dict[str, Any]:
     """The attention implementation of ``config`` and of every sub-config under it, in the nested form
     ``set_attn_implementation`` takes (what :func:`unconfigure_packing` restores)."""
-    tree: dict[str, Any] = {"": config._attn_implementation}
-    for key in getattr(config, "sub_configs", None) or {}:
-        sub = getattr(config, key, None)
-        if sub is not None and hasattr(sub, "_attn_implementation"):
-            tree[key] = _implementations(sub)
-    return tree
+    return _tree(config, lambda c: c._attn_implementation)
 
 
 def _language_only(config: Any, name: str) -> dict[str, Any]:
     """``set_attn_implementation``'s nested form that gives ``name`` to the language model's configs (the text
-    config and the configs above it) and leaves every other sub-config — a vision or audio tower's, a projector's —
-    on its own implementation: a tower runs each image apart, under the masks its model builds (bidirectional within
-    an image), which padfree's packed functions, reading the text's boundaries, must not replace."""
+    config, the configs under it and the configs above it) and leaves every other sub-config — a vision or audio
+    tower's, a projector's — on its own implementation: a tower runs each image apart, under the masks its model
+    builds (bidirectional within an image), which padfree's packed functions, reading the text's boundaries, must
+    not replace. A language model's own config (its own text config) gives ``name`` to everything."""
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    if text is config:  # a language model's own config: its sub-configs (if any) are its own layers'
-        return _everything(config, name)
-    tree: dict[str, Any] = {"": name}
-    for key in getattr(config, "sub_configs", None) or {}:
-        sub = getattr(config, key, None)
-        if sub is None or not hasattr(sub, "_attn_implementation"):
-            continue
-        if sub is text or any(c is text for c in _under(sub)):
-            tree[key] = _language_only(sub, name) if sub is not text else _everything(sub, name)
-        else:
-            tree[key] = _implementations(sub)
-    return tree
+    below = _under(text)
+
+    def language(c: Any) -> bool:
+        return c is text or any(b is c for b in below) or any(u is text for u in _under(c))
+
+    return _tree(config, lambda c: name if language(c) else c._attn_implementation)
 
 
-def _everything(config: Any, name: str) -> dict[str, Any]:
-    tree: dict[str, Any] = {"": name}
+def _tree(config: Any, value: Callable[[Any], Any]) -> dict[str, Any]:
+    """``{"": value(config), key: the same for each sub-config that has an attention implementation, ...}``."""
+    tree: dict[str, Any] = {"": value(config)}
     for key in getattr(config, "sub_configs", None) or {}:
         sub = getattr(config, key, None)
         if sub is not None and hasattr(sub, "_attn_implementation"):
-            tree[key] = _everything(sub, name)
+            tree[key] = _tree(sub, value)
     return tree
 
 
 def _under(config: Any) -> list[Any]:
+    """Every sub-config under ``config``, at any depth."""
     found = []
     for key in getattr(config, "sub_configs", None) or {}:
         sub = getattr(config, key, None)
@@ -805,8 +797,7 @@ def _before(state: _State, config: Any, module: torch.nn.Module, args: tuple, kw
         if named.get("input_ids") is None and named.get("inputs_embeds") is not None:
             _refuse_unconfigured_parent(state, module)
     # everything by name from here on: a positional argument and a keyword for the same parameter would clash
-    kwargs = {name: value for name, value in named.items() if "[" not in name}
-    args = tuple(named[name] for name in named if "[" in name)
+    args, kwargs = _by_name(named)
     kwargs.update(attention_mask=None, use_cache=False)
     kwargs.pop("seq_lens", None)  # read into the layout: the layers below take their boundaries from it
     if forward:
@@ -986,10 +977,10 @@ def _before_multimodal(state: _State, module: torch.nn.Module, args: tuple, kwar
         prefix = rule is not None and rule.per_sample and isinstance(named.get(rule.source), torch.Tensor)
         carried = bool(extra)
         if extra and state.sp is None and set(extra) <= mrope.ROPE_INPUTS and mrope.rope_index(module) is not None:
-            call = _with_rope_rows(module, named)  # exact: every sample's own rotary positions
+            call = _with_rope_rows(module, named, lay)  # exact: every sample's own rotary positions
             extra = []
         elif (extra or prefix) and state.sp is None and rule is not None and set(extra) <= images.image_inputs(module):
-            call = _with_blocks(module, named, rule)  # exact: each image a bidirectional block of its own sample
+            call = _with_blocks(module, named, rule, lay)  # exact: each image a bidirectional block of its sample
             extra = []
         elif extra and state.sp is None and images.image_route(module) == "causal" and \
                 set(extra) <= images.image_inputs(module):
@@ -1014,10 +1005,6 @@ def _before_multimodal(state: _State, module: torch.nn.Module, args: tuple, kwar
             refuse_together(state.sp, problem)  # every rank of the group raises, none waits in a collective
         elif problem is not None:
             raise PackingDisabledError(problem)
-        else:
-            # the model turns its attention_mask into per-layer-type masks, which a packed forward builds empty:
-            # the language model's own hook would never see a 0/1 or dense mask, so it is refused here
-            _layout(named)
     state.tokens.append(((PACKED_FORWARD.reset, PACKED_FORWARD.set(packed)),))
     return call
 
@@ -1039,33 +1026,29 @@ def _by_name(named: dict[str, Any]) -> tuple[tuple, dict[str, Any]]:
     return tuple(named[name] for name in named if "[" in name), kwargs
 
 
-def _with_blocks(module: torch.nn.Module, named: dict[str, Any], rule: BlockRule) -> tuple[tuple, dict[str, Any]]:
-    """The call's arguments, all by name, with the forward's layout carrying the image blocks of every sample (the
-    model's mask, which padfree's mask functions do not build in a packed forward, made per sample): the language
-    model's hook takes it from its keyword arguments."""
-    lay = _layout(named)
+def _with_blocks(module: torch.nn.Module, named: dict[str, Any], rule: BlockRule, lay: PackedLayout
+                 ) -> tuple[tuple, dict[str, Any]]:
+    """The call's arguments, all by name, with the forward's layout ``lay`` carrying the image blocks of every sample
+    (the model's mask, which padfree's mask functions do not build in a packed forward, made per sample): the
+    language model's hook takes it from its keyword arguments."""
     types = named.get(rule.source)
-    if lay is None or not isinstance(types, torch.Tensor) or types.shape != lay.shape:
+    if not isinstance(types, torch.Tensor) or types.shape != lay.shape:
         raise PackingDisabledError(
-            f"a packed batch with images reached {type(module).__name__} without boundaries padfree can read "
-            f"(position_ids restarting at 0 per sample, or cu_seq_lens_q) or without {rule.source} of the tokens' "
+            f"a packed batch with images reached {type(module).__name__} without {rule.source} of the tokens' "
             f"(B, T) shape (the processor returns it): its images attend bidirectionally within their block")
-    kwargs = {name: value for name, value in named.items() if "[" not in name}
-    kwargs[LAYOUT_KWARG] = lay.with_token_types(types, rule)
-    if kwargs[LAYOUT_KWARG].blocks is None:  # no prefix (every token causal): the rule still says the types were read
-        kwargs[LAYOUT_KWARG] = dataclasses.replace(lay, block_rule=rule)
-    return tuple(named[name] for name in named if "[" in name), kwargs
+    blocked = lay.with_token_types(types, rule)
+    if blocked.blocks is None:  # no prefix (every token causal): the rule still says the types were read
+        blocked = dataclasses.replace(lay, block_rule=rule)
+    args, kwargs = _by_name(named)
+    kwargs[LAYOUT_KWARG] = blocked
+    return args, kwargs
 
 
-def _with_rope_rows(module: torch.nn.Module, named: dict[str, Any]) -> tuple[tuple, dict[str, Any]]:
-    """The call's arguments, all by name, with ``position_ids`` the ``(4, B, T)`` mRoPE rows of its samples. Rows the
-    caller passed must be those: a sample's rotary rows computed over the whole packed row would run on from the
-    samples before it."""
-    lay = _layout(named)
-    if lay is None:
-        raise PackingDisabledError(f"a packed batch with images or videos reached {type(module).__name__} without "
-                                   f"boundaries padfree can read (position_ids restarting at 0 per sample, or "
-                                   f"cu_seq_lens_q)")
+def _with_rope_rows(module: torch.nn.Module, named: dict[str, Any], lay: PackedLayout
+                    ) -> tuple[tuple, dict[str, Any]]:
+    """The call's arguments, all by name, with ``position_ids`` the ``(4, B, T)`` mRoPE rows of its samples (laid
+    out by ``lay``). Rows the caller passed must be those: a sample's rotary rows computed over the whole packed row
+    would run on from the samples before it."""
     rows = mrope.packed_rope_rows(module, named, lay)
     given = named.get("position_ids")
     if isinstance(given, torch.Tensor) and given.dim() == 3:
@@ -1075,9 +1058,9 @@ def _with_rope_rows(module: torch.nn.Module, named: dict[str, Any]) -> tuple[tup
                 f"position_ids of shape {tuple(given.shape)} are not the rotary positions of the packed samples "
                 f"(each sample's own get_rope_index, restarting at 0); pass position_ids restarting at 0 per sample "
                 f"(B, T) and padfree computes them")
-    kwargs = {name: value for name, value in named.items() if "[" not in name}
+    args, kwargs = _by_name(named)
     kwargs["position_ids"] = rows
-    return tuple(named[name] for name in named if "[" in name), kwargs
+    return args, kwargs
 
 def _after(state: _State) -> None:
     if state.tokens:
