@@ -18,6 +18,7 @@ transformers = pytest.importorskip("transformers")
 import padfree  # noqa: E402
 from padfree.errors import PackingDisabledError  # noqa: E402
 from padfree.model.shrink import default_config, shrink_config  # noqa: E402
+from zoo import each_alone, packed_step  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -68,12 +69,6 @@ def _pack(samples, types=True):
     return row
 
 
-def _loss(logits, ids, spans):
-    total = sum(n - 1 for _, n in spans)
-    return sum(torch.nn.functional.cross_entropy(logits[0, s:s + n - 1], ids[0, s + 1:s + n], reduction="sum")
-               for s, n in spans) / total
-
-
 def _relative(got, want) -> float:
     """The largest gradient difference relative to its parameter's largest gradient (at least 1): the projector's
     gradients reach thousands here, where fp32 rounds at 1e-4 absolute."""
@@ -81,32 +76,8 @@ def _relative(got, want) -> float:
     return max(float((got[k] - want[k]).abs().max()) / max(1.0, float(want[k].abs().max())) for k in want)
 
 
-def _grads(model):
-    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-
-
-def _alone(model, samples):
-    model.zero_grad()
-    total = sum(s["input_ids"].shape[1] - 1 for s in samples)
-    out = []
-    for s in samples:
-        logits = model(**s, use_cache=False).logits
-        n = s["input_ids"].shape[1]
-        (_loss(logits, s["input_ids"], [(0, n)]) * (n - 1) / total).backward()
-        out.append(logits[0].detach())
-    return torch.cat(out), _grads(model)
-
-
 def _packed(model, samples, **kw):
-    row = _pack(samples, **kw)
-    spans, start = [], 0
-    for s in samples:
-        spans.append((start, s["input_ids"].shape[1]))
-        start += s["input_ids"].shape[1]
-    model.zero_grad()
-    logits = model(**row, use_cache=False).logits
-    _loss(logits, row["input_ids"], spans).backward()
-    return logits[0].detach(), _grads(model)
+    return packed_step(model, _pack(samples, **kw), samples)
 
 
 @pytest.mark.parametrize("backend", ["sdpa", "eager"])
@@ -114,7 +85,7 @@ def test_a_packed_row_of_gemma3_samples_with_images_is_exact(backend):
     model = tiny_gemma3()
     g = torch.Generator().manual_seed(1)
     samples = [build_sample(model, parts, g) for parts in SAMPLES]
-    want, want_grads = _alone(model, samples)
+    want, want_grads = each_alone(model, samples)
     padfree.configure_packing(model, backend=backend)
     got, grads = _packed(model, samples)
     assert float((got - want).abs().max()) <= ATOL
@@ -140,9 +111,9 @@ def test_images_under_bf16_autocast_are_exact_within_rounding():
     model = tiny_gemma3()
     g = torch.Generator().manual_seed(1)
     samples = [build_sample(model, parts, g) for parts in SAMPLES]
-    exact, exact_grads = _alone(model, samples)
+    exact, exact_grads = each_alone(model, samples)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        want, want_grads = _alone(model, samples)
+        want, want_grads = each_alone(model, samples)
         padfree.configure_packing(model)
         got, grads = _packed(model, samples)
         leaky, _ = _packed(model, samples, types=False)

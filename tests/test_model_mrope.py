@@ -20,7 +20,7 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_
 import padfree  # noqa: E402
 from padfree.errors import InvalidLayoutError, PackingDisabledError  # noqa: E402
 from padfree.model.shrink import default_config, shrink_config  # noqa: E402
-from zoo import grad_diff  # noqa: E402
+from zoo import each_alone, grad_diff, packed_step  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -97,44 +97,8 @@ def pack(samples) -> dict[str, torch.Tensor]:
     return row
 
 
-def _loss(logits, ids, spans):
-    total = sum(n - 1 for _, n in spans)
-    return sum(torch.nn.functional.cross_entropy(logits[0, s:s + n - 1], ids[0, s + 1:s + n], reduction="sum")
-               for s, n in spans) / total
-
-
-def _spans(samples):
-    spans, start = [], 0
-    for s in samples:
-        n = s["input_ids"].shape[1]
-        spans.append((start, n))
-        start += n
-    return spans
-
-
-def _grads(model):
-    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-
-
-def alone(model, samples):
-    """Logits of every sample run alone and the gradients of the row's token-mean loss."""
-    model.zero_grad()
-    total = sum(s["input_ids"].shape[1] - 1 for s in samples)
-    logits = []
-    for s in samples:
-        out = model(**s, use_cache=False).logits
-        n = s["input_ids"].shape[1]
-        (_loss(out, s["input_ids"], [(0, n)]) * (n - 1) / total).backward()
-        logits.append(out[0].detach())
-    return torch.cat(logits), _grads(model)
-
-
 def packed(model, samples, **overrides):
-    row = {**pack(samples), **overrides}
-    model.zero_grad()
-    out = model(**row, use_cache=False).logits
-    _loss(out, row["input_ids"], _spans(samples)).backward()
-    return out[0].detach(), _grads(model)
+    return packed_step(model, {**pack(samples), **overrides}, samples)
 
 
 SAMPLES = {
@@ -153,7 +117,7 @@ def test_a_packed_row_of_samples_with_images_is_exact(model_type, what):
     model = tiny_vlm(model_type)
     g = torch.Generator().manual_seed(1)
     samples = [build_sample(model, parts, g) for parts in SAMPLES[what]]
-    want, want_grads = alone(model, samples)
+    want, want_grads = each_alone(model, samples)
     stock, _ = packed(model, samples, position_ids=None)  # transformers on its own: one sequence per row
     padfree.configure_packing(model)
     got, grads = packed(model, samples)
@@ -227,9 +191,9 @@ def test_images_under_bf16_autocast_are_exact_within_rounding(model_type):
     model = tiny_vlm(model_type)
     g = torch.Generator().manual_seed(1)
     samples = [build_sample(model, parts, g) for parts in SAMPLES["images"]]
-    exact, exact_grads = alone(model, samples)
+    exact, exact_grads = each_alone(model, samples)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        want, want_grads = alone(model, samples)
+        want, want_grads = each_alone(model, samples)
         stock, _ = packed(model, samples, position_ids=None)
         padfree.configure_packing(model)
         got, grads = packed(model, samples)

@@ -186,3 +186,43 @@ def max_diff(a, b) -> float:
 def grad_diff(ga, gb) -> float:
     assert ga.keys() == gb.keys()
     return max(float((ga[k] - gb[k]).abs().max()) for k in ga)
+
+
+# ---- one training step on samples of a multimodal model, alone and as one packed row ------------------------------
+
+
+def span_loss(logits, ids, spans) -> torch.Tensor:
+    """The token mean of next-token cross-entropy over ``spans`` (``(start, length)`` of each sample in row 0)."""
+    total = sum(n - 1 for _, n in spans)
+    return sum(torch.nn.functional.cross_entropy(logits[0, s:s + n - 1], ids[0, s + 1:s + n], reduction="sum")
+               for s, n in spans) / total
+
+
+def param_grads(model) -> dict[str, torch.Tensor]:
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def each_alone(model, samples):
+    """Logits of every sample (a batch of one) run alone, concatenated, and the gradients of the token-mean loss of
+    them all."""
+    model.zero_grad()
+    total = sum(s["input_ids"].shape[1] - 1 for s in samples)
+    logits = []
+    for s in samples:
+        out = model(**s, use_cache=False).logits
+        n = s["input_ids"].shape[1]
+        (span_loss(out, s["input_ids"], [(0, n)]) * (n - 1) / total).backward()
+        logits.append(out[0].detach())
+    return torch.cat(logits), param_grads(model)
+
+
+def packed_step(model, row, samples):
+    """Logits of ``row`` (``samples`` packed side by side) and the gradients of its token-mean loss per sample."""
+    spans, start = [], 0
+    for s in samples:
+        spans.append((start, s["input_ids"].shape[1]))
+        start += s["input_ids"].shape[1]
+    model.zero_grad()
+    out = model(**row, use_cache=False).logits
+    span_loss(out, row["input_ids"], spans).backward()
+    return out[0].detach(), param_grads(model)
