@@ -8,8 +8,8 @@ weights (within three times what rounding moves the per-sequence run), each with
 exceed the tolerance; an ordinary padded batch must be unchanged by configuring. A type padfree cannot make exact is
 refused with the module and the reason.
 
-The table padfree ships (``src/padfree/model/support.json``, read by ``configure_packing``) and the README's support
-table are what this sweep found: a plain run fails when they are stale; ``PADFREE_UPDATE_DOCS=1 pytest
+The table padfree ships (``src/padfree/model/support.json``, read by ``configure_packing``) and the support tables of
+``docs/support.md`` are what this sweep found: a plain run fails when they are stale; ``PADFREE_UPDATE_DOCS=1 pytest
 tests/test_model_sweep.py -p no:xdist`` rewrites both (with ``-k``, only the entries of the types that ran).
 """
 
@@ -29,7 +29,7 @@ from padfree.model.sweep import multimodal_types, sweep_type
 
 ROOT = Path(__file__).resolve().parents[1]
 TABLE = ROOT / "src" / "padfree" / "model" / "support.json"
-README = ROOT / "README.md"
+SUPPORT_DOC = ROOT / "docs" / "support.md"
 TYPES = sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
 MULTIMODAL = sorted(multimodal_types())
 UPDATE = os.environ.get("PADFREE_UPDATE_DOCS") == "1"
@@ -90,10 +90,10 @@ SECTIONS = {"types": ("support-table", TYPES, RESULTS), "multimodal": ("multimod
                                                                        MULTIMODAL_RESULTS)}
 
 
-def test_readme_support_table_is_rendered_from_the_table():
-    text = README.read_text()
+def test_support_doc_tables_are_rendered_from_the_table():
+    text = SUPPORT_DOC.read_text()
     if not UPDATE and registry.load()["transformers"] != transformers.__version__:
-        pytest.skip("the README's table is the shipped one, proven on another transformers")
+        pytest.skip("docs/support.md's table is the shipped one, proven on another transformers")
     if UPDATE and (RESULTS or MULTIMODAL_RESULTS):  # the types that ran replace their entries; gone types dropped
         shipped = registry.load()
         same = shipped["transformers"] == transformers.__version__
@@ -109,9 +109,9 @@ def test_readme_support_table_is_rendered_from_the_table():
         if UPDATE:
             text = re.sub(re.escape(begin) + ".*?" + re.escape(end), lambda _, b=block: b, text, flags=re.S)
         else:
-            assert block in text, f"README {marker} is stale: rerun with PADFREE_UPDATE_DOCS=1"
+            assert block in text, f"docs/support.md {marker} is stale: rerun with PADFREE_UPDATE_DOCS=1"
     if UPDATE:
-        README.write_text(text)
+        SUPPORT_DOC.write_text(text)
 
 
 def test_the_table_covers_exactly_the_installed_types():

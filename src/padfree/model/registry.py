@@ -21,13 +21,14 @@ import dataclasses
 import functools
 import json
 import logging
+import re
 from collections.abc import Mapping
 from importlib import resources
 from typing import Any
 
 from padfree.model import versions
 
-__all__ = ["Verdict", "features", "load", "markdown_table", "module_classes", "supported_types"]
+__all__ = ["Verdict", "features", "load", "markdown_table", "module_classes", "support_summary", "supported_types"]
 
 log = logging.getLogger("padfree")
 
@@ -200,25 +201,111 @@ def _images(entry: dict[str, Any]) -> str:
     return str(images.get("verdict"))
 
 
+def _short(text: str) -> str:
+    """A cell's label for a long description: up to its first ``:``, `` (``, ``,`` or ``;``."""
+    return re.split(r":| \(|,|;", text, maxsplit=1)[0].strip()
+
+
+def _flat(text: Any) -> str:
+    return str(text).replace("|", "/").replace("\n", " ").strip()
+
+
 def markdown_table(table: dict[str, Any] | None = None, section: str = "types") -> str:
-    """The README's support table, rendered from the support table (every type of the sweep, one row each;
-    ``section="multimodal"``: the vision-language classes, on text rows)."""
+    """The support table of ``docs/support.md``, rendered from the support table: every type of the sweep, one row
+    each (``section="multimodal"``: the vision-language classes, on text rows), with short cells; each long
+    description — a mixer's, a refusal's reason — is a footnote below the table, one per distinct text, so that a
+    family's types share theirs.
+
+    >>> table = {"types": {"a": {"verdict": "refused", "class": "A", "module": "A.attn", "reason": "no | way"}}}
+    >>> print(markdown_table(table))  # doctest: +NORMALIZE_WHITESPACE
+    | model type | class | padfree | `sdpa` | `eager` | bf16 · autocast | images | stock transformers | notes |
+    |---|---|---|---|---|---|---|---|---|
+    | a | `A` | refused | — | — | — | — | ? | `A.attn`[^t1] |
+    <BLANKLINE>
+    [^t1]: no / way
+    """
     table = load() if table is None else table
-    rows = ["| model type | class | padfree | `sdpa` | `eager` | bf16 · autocast | images | stock transformers | "
-            "mixers, or why refused |", "|---|---|---|---|---|---|---|---|---|"]
+    prefix = "t" if section == "types" else section[:1]
+    notes: dict[str, str] = {}  # full text -> footnote label, in order of first use
+
+    def note(label: str, text: str) -> str:
+        text = _flat(text)
+        if text == label:
+            return label
+        key = notes.setdefault(text, f"{prefix}{len(notes) + 1}")
+        return f"{label}[^{key}]"
+
+    rows = ["| model type | class | padfree | `sdpa` | `eager` | bf16 · autocast | images | stock transformers "
+            "| notes |", "|---|---|---|---|---|---|---|---|---|"]
     for model_type, e in sorted(table.get(section, {}).items()):
         exact = e.get("verdict") == "exact"
         lows = " · ".join(_low(e, p) for p in ("bf16", "autocast_bf16")) if exact else "—"
         if exact:
-            detail = "; ".join(sorted({m.split(":")[0] for m in e.get("mixers", [])})) or ""
+            mixers = {}  # short label -> full text, one per label (the first)
+            for m in sorted(e.get("mixers", [])):
+                mixers.setdefault(_short(m), m)
+            detail = "; ".join(note(short, full) for short, full in sorted(mixers.items()))
         else:
-            module = f"`{e['module']}`: " if e.get("module") else ""
-            detail = (module + e.get("reason", "")).replace("|", "/").replace("\n", " ")
-        images = e.get("images") or {}
-        if exact and images.get("verdict") in ("refused", "not proven") and images.get("reason"):
-            why = str(images["reason"]).replace("|", "/").replace("\n", " ")
-            detail = f"{detail}; images: {why}" if detail else f"images: {why}"
+            module = f"`{e['module']}`" if e.get("module") else "refused"
+            detail = note(module, e.get("reason", ""))
+        images = _images(e)
+        reason = (e.get("images") or {}).get("reason")
+        if exact and images in ("refused", "not proven") and reason:
+            images = note(images, reason)
         rows.append(f"| {model_type} | `{e.get('class', '?')}` | {'exact' if exact else 'refused'} | "
-                    f"{_cell(e, 'padfree_sdpa')} | {_cell(e, 'padfree_eager')} | {lows} | {_images(e)} | "
+                    f"{_cell(e, 'padfree_sdpa')} | {_cell(e, 'padfree_eager')} | {lows} | {images} | "
                     f"{e.get('stock', '?')} | {detail} |")
-    return "\n".join(rows)
+    footnotes = [f"[^{key}]: {text}" for text, key in notes.items()]
+    return "\n".join(rows + (["", *footnotes] if footnotes else []))
+
+
+def support_summary(table: dict[str, Any] | None = None) -> str:
+    """Five lines of counts for the README, from the support table: causal-LM types exact / refused (named),
+    vision-language classes exact on text rows / refused (named), images in packed rows by route, what stock
+    transformers does with the same packed rows, and where the full table is.
+
+    >>> table = {"transformers": "5.0", "types": {"a": {"verdict": "exact", "stock": "leaks"},
+    ...          "b": {"verdict": "refused"}}, "multimodal": {"v": {"verdict": "exact",
+    ...          "images": {"verdict": "exact", "route": "rope"}}}}
+    >>> print(support_summary(table))
+    - **Causal LMs**: 2 model types of transformers 5.0 — **1 exact**, 1 refused (b).
+    - **Vision-language models**: 1 model type — **1 exact** on text rows, 0 refused.
+    - **Images in packed rows**: **1 type exact with images** (rope 1); 0 refused.
+    - **Stock transformers** on the same packed rows leaks across sequence boundaries in 1 of the 2 causal-LM types.
+    - Every type, backend and precision, with the reason for each refusal: [docs/support.md](docs/support.md).
+    """
+    table = load() if table is None else table
+    causal, vision = table.get("types", {}), table.get("multimodal", {})
+
+    def counts(entries: dict[str, Any]) -> tuple[int, list[str]]:
+        refused = sorted(t for t, e in entries.items() if e.get("verdict") != "exact")
+        return len(entries) - len(refused), refused
+
+    def plural(n: int, word: str) -> str:
+        return f"{n} {word}" if n == 1 else f"{n} {word}s"
+
+    exact, refused = counts(causal)
+    v_exact, v_refused = counts(vision)
+    images = [e.get("images") or {} for s in (causal, vision) for e in s.values() if e.get("verdict") == "exact"]
+    routes: dict[str, int] = {}
+    for i in images:
+        if i.get("verdict") == "exact":
+            routes[str(i.get("route"))] = routes.get(str(i.get("route")), 0) + 1
+    with_images = sum(routes.values())
+    image_refused = sum(i.get("verdict") == "refused" for i in images)
+    unproven = sum(i.get("verdict") == "not proven" for i in images)
+    leaks = sum(e.get("stock") == "leaks" for e in causal.values())
+    named = lambda names: f" ({', '.join(names)})" if names else ""  # noqa: E731
+    lines = [
+        f"- **Causal LMs**: {plural(len(causal), 'model type')} of transformers {table.get('transformers')} — "
+        f"**{exact} exact**, {len(refused)} refused{named(refused)}.",
+        f"- **Vision-language models**: {plural(len(vision), 'model type')} — **{v_exact} exact** on text rows, "
+        f"{len(v_refused)} refused{named(v_refused)}.",
+        f"- **Images in packed rows**: **{plural(with_images, 'type')} exact with images** "
+        f"({', '.join(f'{r} {n}' for r, n in sorted(routes.items()))}); {image_refused} refused"
+        + (f", {unproven} not proven" if unproven else "") + ".",
+        f"- **Stock transformers** on the same packed rows leaks across sequence boundaries in {leaks} of the "
+        f"{len(causal)} causal-LM types.",
+        "- Every type, backend and precision, with the reason for each refusal: [docs/support.md](docs/support.md).",
+    ]
+    return "\n".join(lines)
