@@ -35,6 +35,7 @@ from typing import Any
 
 import numpy as np
 
+from padfree import cachedir
 from padfree.data._scratch import umask
 from padfree.errors import InvalidArgumentError, TokenizerLoadError
 
@@ -124,13 +125,9 @@ def embedded_corpus_description() -> str:
 
 
 def cache_dir() -> Path:
-    """Where padfree caches derived files: ``$PADFREE_CACHE``, else ``$XDG_CACHE_HOME/padfree``, else
-    ``~/.cache/padfree``. Nothing is created here."""
-    if os.environ.get("PADFREE_CACHE"):
-        return Path(os.environ["PADFREE_CACHE"]).expanduser()
-    if os.environ.get("XDG_CACHE_HOME"):
-        return Path(os.environ["XDG_CACHE_HOME"]).expanduser() / "padfree"
-    return Path.home() / ".cache" / "padfree"
+    """Where padfree caches derived files (:func:`padfree.cachedir.cache_dir`: ``$PADFREE_CACHE_DIR``, else
+    ``$XDG_CACHE_HOME/padfree``, else ``~/.cache/padfree``). Nothing is created here."""
+    return cachedir.cache_dir()
 
 
 def _import_transformers() -> Any:

@@ -42,6 +42,7 @@ from typing import Any
 
 import torch
 
+from padfree import cachedir
 from padfree.errors import PackingDisabledError, PadfreeError
 from padfree.model.registry import Verdict, features
 
@@ -58,12 +59,9 @@ _ON_MODEL_DEVICE = (*_CUDA_ONLY, "padfree_flex")
 
 
 def cache_dir() -> Path:
-    """Where verdicts are cached: ``$PADFREE_CACHE_DIR``, else ``$XDG_CACHE_HOME/padfree`` or
-    ``~/.cache/padfree``."""
-    if os.environ.get("PADFREE_CACHE_DIR"):
-        return Path(os.environ["PADFREE_CACHE_DIR"])
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "padfree"
+    """Where verdicts are cached (:func:`padfree.cachedir.cache_dir`: ``$PADFREE_CACHE_DIR``, else
+    ``$XDG_CACHE_HOME/padfree`` or ``~/.cache/padfree``)."""
+    return cachedir.cache_dir()
 
 
 @functools.cache
