@@ -24,7 +24,7 @@ transformers = pytest.importorskip("transformers")
 from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES  # noqa: E402
 
 import padfree  # noqa: E402
-from padfree.errors import PackingDisabledError  # noqa: E402
+from padfree.errors import InvalidArgumentError, PackingDisabledError  # noqa: E402
 from padfree.model import images  # noqa: E402
 from padfree.model.image_proof import prove_images  # noqa: E402
 from padfree.model.proof import perturb  # noqa: E402
@@ -63,7 +63,10 @@ def _anyres(cfg):  # a resolution of whole tiles of the tower's 32-pixel images 
 FIXES = {"gemma3": _gemma3, "qwen2_vl": _qwen2_vl, "idefics2": _tiles, "idefics3": _tiles, "smolvlm": _tiles,
          "llava_next": _anyres, "llava_onevision": _anyres}
 CAUSAL = ["llava", "llava_next", "llava_onevision", "idefics2", "idefics3", "smolvlm", "mistral3", "internvl",
-          "aya_vision", "cohere2_vision", "got_ocr2", "deepseek_vl", "lfm2_vl"]
+          "aya_vision", "cohere2_vision", "got_ocr2", "deepseek_vl", "lfm2_vl",
+          # a Qwen-style tower (patch rows and image_grid_thw) before a language model of 1-D positions: flat rows
+          # (Exaone 4.5), rows convolved as patches (Kimi K2.5); tiles with a mask per tile (Granite Docling)
+          "exaone4_5", "kimi_k25", "granite_docling"]
 
 
 def tiny(model_type: str) -> transformers.PreTrainedModel:
@@ -126,6 +129,23 @@ def test_configure_packing_lets_the_images_of_a_causal_model_through():
     assert float((got - want).abs().max()) <= ATOL
 
 
+def test_the_patch_grids_of_a_causal_model_go_through_in_row_order():
+    """image_grid_thw on the causal route: every sample's grids concatenated as its patch rows are; the grids out of
+    order (the first image's rows read with the second's grid) is caught by the same comparison."""
+    model = tiny("exaone4_5").eval()
+    samples = images.probe_samples(model, seed=1)
+    assert [tuple(s["image_grid_thw"].shape) for s in samples if "image_grid_thw" in s] == [(1, 3), (2, 3)]
+    with torch.no_grad():
+        want = torch.cat([model(**s, use_cache=False).logits[0] for s in samples])
+        padfree.configure_packing(model)
+        row = images.pack_samples(model, samples)
+        got = model(**row, use_cache=False).logits[0]
+        assert float((got - want).abs().max()) <= ATOL
+        swapped = {**row, "image_grid_thw": row["image_grid_thw"][[0, 2, 1]]}
+        wrong = model(**swapped, use_cache=False).logits[0]
+    assert float((wrong - want).abs().max()) > 1e-3
+
+
 def test_an_input_the_causal_route_does_not_lay_out_is_refused():
     model = tiny("llava_onevision")
     padfree.configure_packing(model)
@@ -157,3 +177,15 @@ def test_a_prefix_mask_built_above_the_language_model_is_laid_out_per_sample():
     model = tiny("paligemma")
     assert images.image_route(model) == "blocks"  # each sample's prefix a block of its own
     assert prove_images(model).ok
+
+
+def test_images_under_bf16_autocast_are_proven_within_what_rounding_moves_each_sample():
+    model = tiny("llava")
+    proof = prove_images(model, precision="autocast_bf16")
+    assert proof.ok, proof
+    # the bound is rounding's own (three times what bf16 moves each sample alone), far above fp32's, and the
+    # control — the images in the wrong samples — lands beyond it
+    assert proof.tolerance > 10 * ATOL and proof.control > 10 * proof.tolerance
+    assert proof.logits <= proof.tolerance and proof.grads <= proof.grad_tolerance
+    with pytest.raises(InvalidArgumentError, match="precision must be one of"):
+        prove_images(model, precision="fp16")

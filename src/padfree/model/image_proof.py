@@ -8,6 +8,10 @@ packing machinery and runs them as one packed row (:func:`padfree.model.images.p
 the vision tower's included, and runs a negative control the same comparison must catch: the images in the wrong
 order (causal route), positions that never restart (rope route), the blocks left out (blocks route).
 
+Under ``precision="autocast_bf16"`` (fp32 weights, bf16 autocast, as users train) the packed row may differ from the
+samples alone by :data:`padfree.model.proof.ROUNDING_FACTOR` times what rounding moves the samples alone from their
+fp32 run — per measure —, and the control must land beyond that.
+
 >>> import transformers
 >>> from padfree.model.shrink import default_config, shrink_config
 >>> torch.manual_seed(0) and None
@@ -19,21 +23,26 @@ order (causal route), positions that never restart (rope route), the blocks left
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import functools
 import re
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 
-from padfree.errors import PadfreeError
+from padfree.errors import InvalidArgumentError, PadfreeError
 from padfree.layout import IGNORE_INDEX
 from padfree.model import images
 from padfree.model.install import install_packing, unconfigure_packing
+from padfree.model.proof import ROUNDING_FACTOR
 
-__all__ = ["FP32_TOL", "ImageProof", "prove_images"]
+__all__ = ["FP32_TOL", "IMAGE_PRECISIONS", "ImageProof", "prove_images"]
 
 FP32_TOL = 1e-5
+#: the precisions :func:`prove_images` runs in
+IMAGE_PRECISIONS = ("fp32", "autocast_bf16")
 # parameters on the image path (the tower, its projector, a resampler): at least one must have a compared gradient
 _IMAGE_PATH = re.compile(r"(vision|visual|image|multi_modal|mm_|projector|connector|perceiver|resampler)")
 
@@ -53,7 +62,10 @@ class ImageProof:
         control: the ``logits`` measure of the negative control; must exceed ``tolerance``.
         refused: why padfree refuses this model's images (naming the module), or why the proof could not run;
             None when it ran.
-        tolerance: the bound of ``logits``, ``loss`` and ``grads``.
+        tolerance: the bound of ``logits`` (and of the control's floor): ``FP32_TOL`` in fp32, else the rounding
+            bound.
+        loss_tolerance, grad_tolerance: the bounds of ``loss`` and ``grads``.
+        precision: one of :data:`IMAGE_PRECISIONS`.
     """
 
     model_type: str
@@ -66,14 +78,18 @@ class ImageProof:
     control: float | None = None
     refused: str | None = None
     tolerance: float = FP32_TOL
+    loss_tolerance: float = FP32_TOL
+    grad_tolerance: float = FP32_TOL
+    precision: str = "fp32"
 
     @property
     def ok(self) -> bool:
-        """Exact: it ran, every measure within ``tolerance``, the image path's gradients compared, and the control
+        """Exact: it ran, every measure within its tolerance, the image path's gradients compared, and the control
         caught."""
         measures = (self.logits, self.loss, self.grads, self.control)
-        return self.refused is None and None not in measures and max(self.logits, self.loss, self.grads) <= \
-            self.tolerance and self.control > self.tolerance and self.image_grads > 0
+        return self.refused is None and None not in measures and self.logits <= self.tolerance and \
+            self.loss <= self.loss_tolerance and self.grads <= self.grad_tolerance and \
+            self.control > self.tolerance and self.image_grads > 0
 
 
 def _labels(ids: torch.Tensor, lengths: Sequence[int]) -> torch.Tensor:
@@ -137,7 +153,14 @@ def _control(model: torch.nn.Module, route: str, row: dict[str, Any], samples: S
     return {**row, **{k: v for k, v in flipped.items() if k not in ("input_ids", "position_ids")}}
 
 
-def prove_images(model: torch.nn.Module, backend: str = "sdpa", *, seed: int = 0) -> ImageProof:
+def _autocast(precision: str, device: torch.device) -> Any:
+    if precision == "fp32":
+        return contextlib.nullcontext()
+    return torch.autocast(device.type, dtype=torch.bfloat16)
+
+
+def prove_images(model: torch.nn.Module, backend: str = "sdpa", *, seed: int = 0,
+                 precision: str = "fp32") -> ImageProof:
     """Packed against alone for ``model``'s images (see the module's docstring).
 
     Args:
@@ -145,11 +168,14 @@ def prove_images(model: torch.nn.Module, backend: str = "sdpa", *, seed: int = 0
             its weights untouched (its gradients cleared).
         backend: the attention backend ``install_packing`` takes (``"sdpa"``, ``"eager"``, ...).
         seed: the random tokens and pixels of the probe samples.
+        precision: ``"fp32"`` or ``"autocast_bf16"`` (:data:`IMAGE_PRECISIONS`).
 
     Returns:
         An :class:`ImageProof`: ``refused`` says why it did not run (no route — the model's own reason —, no probe
         samples for its config, padfree refusing the backend, the model's own forward failing on the samples).
     """
+    if precision not in IMAGE_PRECISIONS:
+        raise InvalidArgumentError(f"precision must be one of {IMAGE_PRECISIONS}, got {precision!r}")
     model_type = str(getattr(model.config, "model_type", type(model).__name__))
     route = images.image_route(model)
     if route is None:
@@ -170,26 +196,40 @@ def prove_images(model: torch.nn.Module, backend: str = "sdpa", *, seed: int = 0
     was_training = model.training
     model.eval()
     try:
+        cast = functools.partial(_autocast, precision, device)
         try:
-            want, want_loss, want_grads = _alone(model, samples)
+            exact, exact_loss, exact_grads = _alone(model, samples)
+            want, want_loss, want_grads = exact, exact_loss, exact_grads
+            if precision != "fp32":
+                with cast():
+                    want, want_loss, want_grads = _alone(model, samples)
         except (RuntimeError, ValueError, IndexError, TypeError) as exc:
             return ImageProof(model_type, route, refused=f"the samples do not run alone through "
-                                                         f"{type(model).__name__}: {str(exc).splitlines()[0]}")
+                                                         f"{type(model).__name__}: {str(exc).splitlines()[0]}",
+                              precision=precision)
+        # what rounding alone moves the samples from their fp32 run (nothing in fp32)
+        tolerances = {"tolerance": FP32_TOL, "loss_tolerance": FP32_TOL, "grad_tolerance": FP32_TOL}
+        if precision != "fp32":
+            tolerances = {"tolerance": max(FP32_TOL, ROUNDING_FACTOR * _scaled(want.float(), exact)),
+                          "loss_tolerance": max(FP32_TOL, ROUNDING_FACTOR * abs(want_loss - exact_loss)),
+                          "grad_tolerance": max(FP32_TOL, ROUNDING_FACTOR * _grad_measure(want_grads, exact_grads))}
         try:
             report = install_packing(model, backend=backend)
         except PadfreeError as exc:
-            return ImageProof(model_type, route, refused=str(exc).splitlines()[0])
+            return ImageProof(model_type, route, refused=str(exc).splitlines()[0], precision=precision)
         try:
-            got, loss, grads = _packed(model, row, lengths)
-            with torch.no_grad():
-                wrong, _, _ = _packed(model, _control(model, route, row, samples), lengths, grads=False)
+            with cast():
+                got, loss, grads = _packed(model, row, lengths)
+                with torch.no_grad():
+                    wrong, _, _ = _packed(model, _control(model, route, row, samples), lengths, grads=False)
         except PadfreeError as exc:
             return ImageProof(model_type, route, getattr(report, "backend", backend),
-                              refused=str(exc).splitlines()[0])
+                              refused=str(exc).splitlines()[0], precision=precision)
         compared = [n for n in want_grads if _IMAGE_PATH.search(n) and not n.startswith("lm_head")]
-        return ImageProof(model_type, route, getattr(report, "backend", backend), logits=_scaled(got, want),
-                          loss=abs(loss - want_loss), grads=_grad_measure(grads, want_grads),
-                          image_grads=len(compared), control=_scaled(wrong, want))
+        return ImageProof(model_type, route, getattr(report, "backend", backend),
+                          logits=_scaled(got.float(), want.float()), loss=abs(loss - want_loss),
+                          grads=_grad_measure(grads, want_grads), image_grads=len(compared),
+                          control=_scaled(wrong.float(), want.float()), precision=precision, **tolerances)
     finally:
         unconfigure_packing(model)
         model.zero_grad(set_to_none=True)

@@ -39,9 +39,12 @@ __all__ = ["IMAGE_INPUTS", "block_rule", "image_inputs", "image_refusal", "image
            "probe_samples"]
 
 #: the forward arguments that carry a row's images on the causal route, each concatenated in row order: per image
-#: (``pixel_values`` — on its image axis —, ``image_sizes``, ``pixel_attention_mask``, ``spatial_shapes``) or per
-#: sample (``batch_num_images``, LLaVA-OneVision's count of images in each sample, which decides its anyres tiling)
-IMAGE_INPUTS = frozenset({"pixel_values", "image_sizes", "pixel_attention_mask", "spatial_shapes", "batch_num_images"})
+#: (``pixel_values`` — on its image axis, or its patch axis —, ``image_sizes``, ``pixel_attention_mask``,
+#: ``spatial_shapes``, ``image_grid_thw``: a Qwen-style tower's patch grid beside a language model of 1-D positions)
+#: or per sample (``batch_num_images``, LLaVA-OneVision's count of images in each sample, which decides its anyres
+#: tiling)
+IMAGE_INPUTS = frozenset({"pixel_values", "image_sizes", "pixel_attention_mask", "spatial_shapes", "batch_num_images",
+                          "image_grid_thw"})
 
 # words in the source of a multimodal model's forward (the outer class and the inner model holding the language model)
 # that mean it does more to a packed row than put image features on their tokens: each a reason the causal route
@@ -227,6 +230,8 @@ def _words(model: torch.nn.Module, n: int, g: torch.Generator) -> list[int]:
 def _convention(model: torch.nn.Module) -> str:
     """How the causal-route model takes its images, from its forward's arguments."""
     params = set(_parameters(model))
+    if "image_grid_thw" in params:
+        return "grid"  # (Σ patches, D) patch rows of every image, image_grid_thw (N, 3): Qwen-style towers
     if "spatial_shapes" in params:
         return "patches"  # (N, P, C*p*p) patch rows, spatial_shapes (N, 2), pixel_attention_mask (N, P): LFM2-VL
     if "pixel_attention_mask" in params:
@@ -247,10 +252,66 @@ def _side(vision: Any) -> tuple[int, int]:
     return int(size), int(patch)
 
 
+def _grid_step(vision: Any) -> int:
+    """The patches of a grid side that merge into whole tokens: the product of the tower's merge factors (a spatial
+    merge, an adapter's, a ``(k, k)`` kernel's ``k``), so that any multiple of it tiles."""
+    step = 1
+    for key, value in vision.to_dict().items():
+        if "merge" in key and value:
+            step *= int(value[0] if isinstance(value, (list, tuple)) else value)
+    return step
+
+
+def _patch_rows(model: torch.nn.Module) -> tuple[int, ...] | None:
+    """The shape of one patch row a Qwen-style tower takes (``pixel_values`` is ``(Σ patches, *shape)``): flat, as
+    wide as its patch embedding's input, or — for a tower that convolves each patch as an image — ``(C, kh, kw)``;
+    the first the tower runs on. None: neither."""
+    holder = _holder(model)
+    towers = [getattr(holder, n) for n in ("vision_tower", "visual", "vision_model", "vision_encoder")
+              if isinstance(getattr(holder, n, None), torch.nn.Module)]
+    embed = next((m for t in towers for m in t.modules() if isinstance(m, (torch.nn.Linear, torch.nn.Conv2d,
+                                                                           torch.nn.Conv3d))), None)
+    if embed is None:
+        return None
+    if isinstance(embed, torch.nn.Linear):
+        shapes: list[tuple[int, ...]] = [(embed.in_features,)]
+    else:
+        shapes = [(embed.in_channels * int(torch.tensor(embed.kernel_size).prod()),)]
+        if isinstance(embed, torch.nn.Conv2d):
+            shapes.append((embed.in_channels, *embed.kernel_size))
+    step = _grid_step(model.config.vision_config)
+    for shape in shapes:
+        try:
+            with torch.no_grad():
+                holder.get_image_features(pixel_values=torch.zeros(step * step, *shape),
+                                          image_grid_thw=torch.tensor([[1, step, step]]))
+        except (RuntimeError, ValueError, IndexError, TypeError):  # a shape the tower does not take: the next
+            continue
+        return shape
+    return None
+
+
+def _tile_mask(model: torch.nn.Module, pixels: torch.Tensor) -> torch.Tensor:
+    """The all-real ``pixel_attention_mask`` of tiles ``(1, N, C, H, W)``: per pixel ``(1, N, H, W)`` (Idefics2/3,
+    SmolVLM) or per tile ``(1, N)`` (Granite Docling) — the one the model's image path takes."""
+    per_pixel = torch.ones(pixels.shape[:2] + pixels.shape[3:], dtype=torch.bool)
+    try:
+        with torch.no_grad():
+            _holder(model).get_image_features(pixel_values=pixels, pixel_attention_mask=per_pixel)
+    except (IndexError, RuntimeError, ValueError):  # a mask of another shape
+        return torch.ones(pixels.shape[:2], dtype=torch.bool)
+    return per_pixel
+
+
 def _causal_images(model: torch.nn.Module, shapes: Sequence[tuple[int, int]], g: torch.Generator) -> dict[str, Any]:
     """One sample's image inputs for ``shapes`` (each an image's size in steps), as the model's processor returns."""
     vision = model.config.vision_config
     kind = _convention(model)
+    if kind == "grid":
+        step, row = _grid_step(vision), _patch_rows(model)
+        grids = [(1, h * step, w * step) for h, w in shapes]
+        pixels = [torch.randn(t * h * w, *row, generator=g) for t, h, w in grids]
+        return {"pixel_values": torch.cat(pixels), "image_grid_thw": torch.tensor(grids)}
     n = len(shapes)
     if kind == "patches":
         factor = int(getattr(model.config, "downsample_factor", 1) or 1)
@@ -265,8 +326,8 @@ def _causal_images(model: torch.nn.Module, shapes: Sequence[tuple[int, int]], g:
     side, patch = _side(vision)
     channels = int(getattr(vision, "num_channels", 3))
     if kind == "tiles":
-        return {"pixel_values": torch.randn(1, n, channels, side, side, generator=g),
-                "pixel_attention_mask": torch.ones(1, n, side, side, dtype=torch.bool)}
+        pixels = torch.randn(1, n, channels, side, side, generator=g)
+        return {"pixel_values": pixels, "pixel_attention_mask": _tile_mask(model, pixels)}
     if kind == "anyres":  # image sizes of whole tiles: each image's grid of tiles is exact
         from transformers.models.llava_next.modeling_llava_next import image_size_to_num_patches
 
@@ -298,6 +359,10 @@ def _tokens_per_image(model: torch.nn.Module, images: dict[str, Any], n: int) ->
     holder = _holder(model)
     function = holder.get_image_features
     accepted = set(inspect.signature(function).parameters)
+    if "image_grid_thw" in images and n > 1:  # patch rows of images of different sizes: count each alone
+        rows = images["image_grid_thw"].prod(-1).tolist()
+        parts = zip(images["pixel_values"].split(rows), images["image_grid_thw"].split(1), strict=True)
+        return [_tokens_per_image(model, {"pixel_values": p, "image_grid_thw": grid}, 1)[0] for p, grid in parts]
     with torch.no_grad():
         out = function(**{k: v for k, v in images.items() if k in accepted})
     features = getattr(out, "pooler_output", out)
@@ -337,9 +402,8 @@ def _markers(config: Any) -> tuple[Any, Any]:
 def _rope_sample(model: torch.nn.Module, plan: Sequence[Any], g: torch.Generator) -> dict[str, Any]:
     """Qwen-VL-style: each image a grid of patch rows between the vision start and end tokens, token type 1."""
     config, vision = model.config, model.config.vision_config
-    merge, patch = int(vision.spatial_merge_size), int(vision.patch_size)
-    channels = getattr(vision, "in_channels", None) or getattr(vision, "num_channels", 3)
-    width = int(channels) * int(getattr(vision, "temporal_patch_size", 1) or 1) * patch * patch
+    merge = int(vision.spatial_merge_size)
+    row = _patch_rows(model)
     start, end = _markers(config)
     ids: list[int] = []
     types: list[int] = []
@@ -353,7 +417,7 @@ def _rope_sample(model: torch.nn.Module, plan: Sequence[Any], g: torch.Generator
             count = h * w // (merge * merge)
             ids += [start, *[config.image_token_id] * count, end]
             types += [0, *[1] * count, 0]
-            pixels.append(torch.randn(h * w, width, generator=g))
+            pixels.append(torch.randn(h * w, *row, generator=g))
             grids.append([1, h, w])
     out: dict[str, Any] = {"input_ids": torch.tensor([ids]), "mm_token_type_ids": torch.tensor([types])}
     if pixels:
@@ -449,11 +513,15 @@ def probe_samples(model: torch.nn.Module, seed: int = 0) -> list[dict[str, Any]]
         pinpoints = getattr(config, "image_grid_pinpoints", None)
         if _convention(model) == "anyres" and any(v % _side(config.vision_config)[0] for p in pinpoints for v in p):
             return None  # resolutions that are no whole number of tiles: the model's own tiling does not add up
+        if _convention(model) == "grid" and _patch_rows(model) is None:
+            return None  # a tower whose patch rows padfree cannot shape
         build = _causal_sample
     elif route == "rope":
         ids = [*_markers(config), getattr(config, "image_token_id", None)]
         if None in ids or len(set(ids)) < 3 or max(ids) >= int(_text_config(model).vocab_size):
             return None  # no distinct marker tokens in the vocabulary: no sample the processor could make
+        if _patch_rows(model) is None:
+            return None  # a tower whose patch rows padfree cannot shape
         build = _rope_sample
     elif route == "blocks" and block_rule(model).per_sample:
         build = _prefix_sample

@@ -235,9 +235,15 @@ FAMILY_FIXES: dict[str, dict[str, Any]] = {
     "idefics2": {"vision_config.patch_size": _tiles},
     "idefics3": {"vision_config.patch_size": _tiles},
     "smolvlm": {"vision_config.patch_size": _tiles},
+    # Granite Docling shuffles by its tower's scale_factor (4): 8 x 8 patches, 2 x 2 tokens
+    "granite_docling": {"vision_config.patch_size": lambda d: max(1, d["vision_config"]["image_size"]
+                                                                 // (2 * d["vision_config"]["scale_factor"]))},
     "llava_next": {"image_grid_pinpoints": lambda d: [[2 * d["vision_config"]["image_size"]] * 2]},
     "llava_next_video": {"image_grid_pinpoints": lambda d: [[2 * d["vision_config"]["image_size"]] * 2]},
     "llava_onevision": {"image_grid_pinpoints": lambda d: [[2 * d["vision_config"]["image_size"]] * 2]},
+    # Janus's aligner turns each patch into one token embedding; its class defaults make it half the language model's
+    # width (so every two patches would become one token): tied as the checkpoints tie it
+    "janus": {"vision_config.projection_dim": lambda d: d["text_config"]["hidden_size"]},
     # the input language must be known: the first configured one
     "xmod": {"default_language": _Fill(lambda d: next(iter(d.get("languages") or ["en_XX"])))},
     # the hierarchical stacks repeat their layers H_cycles * (L_cycles + 1) times, stored as num_hidden_layers
@@ -692,15 +698,27 @@ def _other_layer_counts(d: dict[str, Any], out: dict[str, Any]) -> None:
             out[k] = 2
 
 
-def _tie_image_geometry(tiny: dict[str, Any]) -> None:
+def _tie_image_geometry(tiny: dict[str, Any], original: dict[str, Any]) -> None:
     """The sizes a vision tower shares with the rest of the model, made to agree again once shrunk: its output width
-    is the language model's (the features replace token embeddings), and a window counted in pixels (Qwen2.5-VL's
-    ``window_size``) spans whole merged patches."""
+    is the language model's (the features replace token embeddings) — or, where the outer config holds the merged
+    features' width (MuseGlimmer: the tower's width times its merged patches), the same multiple of the tower's —,
+    and a window counted in pixels (Qwen2.5-VL's ``window_size``) spans whole merged patches."""
     vision, text = tiny.get("vision_config"), tiny.get("text_config")
     if not isinstance(vision, dict):
         return
     if isinstance(text, dict) and _is_int(vision.get("out_hidden_size")) and _is_int(text.get("hidden_size")):
         vision["out_hidden_size"] = text["hidden_size"]
+    # a projector built from features of several tower layers (VipLlava: -2, -5, -8, -11, 6 of 24) reads layers the
+    # shrunk tower still has: each index clamped into its hidden states (embeddings + every layer)
+    depth = vision.get("num_hidden_layers")
+    for key in ("vision_feature_layer", "vision_feature_layers"):
+        value = tiny.get(key)
+        if _is_int(depth) and isinstance(value, (list, tuple)) and all(_is_int(v) for v in value):
+            tiny[key] = [max(-depth - 1, min(depth, v)) for v in value]
+    wide, narrow = original.get("out_hidden_size"), (original.get("vision_config") or {}).get("hidden_size")
+    if _is_int(tiny.get("out_hidden_size")) and _is_int(wide) and _is_int(narrow) and wide % narrow == 0 and \
+            _is_int(vision.get("hidden_size")):
+        tiny["out_hidden_size"] = vision["hidden_size"] * (wide // narrow)
     if all(_is_int(vision.get(k)) for k in ("window_size", "patch_size", "spatial_merge_size")):
         vision["window_size"] = vision["patch_size"] * vision["spatial_merge_size"] * 2
 
@@ -739,7 +757,7 @@ def shrink_config(config: Any, **overrides: Any) -> Any:
     _apply_fixes(d, fixes, fills=True)
     tiny = _shrink_dict(d, _Context(d), _LAYOUT.get(model_type, (1, 1)))
     _walk_other_counts(d, tiny)
-    _tie_image_geometry(tiny)
+    _tie_image_geometry(tiny, d)
     _apply_fixes(tiny, fixes, fills=False)
     tiny.update(overrides)
     new = type(config).from_dict(tiny)

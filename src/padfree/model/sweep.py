@@ -277,7 +277,18 @@ def _images(model: torch.nn.Module) -> dict[str, Any]:
         return {"verdict": "refused", "route": None, "reason": images.image_refusal(model) or "no image route"}
     proof = prove_images(model)
     if proof.ok:
-        return {"verdict": "exact", "route": route}
+        # and under bf16 autocast, within what rounding moves each sample alone; a precision whose control rounding
+        # hides, or that differs beyond it, is left out of the proven ones (with the measure)
+        entry: dict[str, Any] = {"verdict": "exact", "route": route, "precisions": ["fp32"]}
+        low = prove_images(model, precision="autocast_bf16")
+        if low.ok:
+            entry["precisions"].append(low.precision)
+        else:
+            entry["unproven"] = {low.precision: low.refused or (
+                f"logits {low.logits:.1e} (bound {low.tolerance:.1e}), loss {low.loss:.1e} (bound "
+                f"{low.loss_tolerance:.1e}), gradients {low.grads:.1e} (bound {low.grad_tolerance:.1e}), control "
+                f"{low.control:.1e}")}
+        return entry
     if proof.logits is None:
         return {"verdict": "not proven", "route": route, "reason": proof.refused}
     return {"verdict": "refused", "route": route, "reason": (
