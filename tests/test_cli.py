@@ -607,10 +607,15 @@ def test_pack_carries_the_per_token_columns_of_token_ids(tmp_path, capsys):
     assert rows[0]["token_type_ids"] == [1, 1, 1, 2, 2, 0]
 
 
-def test_analyze_says_a_file_is_missing_before_it_imports_transformers(tmp_path):
-    script = ("import sys; from padfree.cli import main; code = main(['analyze', sys.argv[1]]); "
-              "print(code, 'transformers' in sys.modules, 'datasets' in sys.modules)")
-    proc = subprocess.run([sys.executable, "-c", script, str(tmp_path / "missing.json")], capture_output=True,
+@pytest.mark.parametrize("command", [["analyze"], ["pack", "-o", "out"], ["demo", "--data"], ["bench", "--data"]])
+def test_a_missing_file_is_said_before_any_heavy_import(tmp_path, command):
+    """A missing DATA is the first check: no numpy, numba (the packing engine), datasets or transformers imported."""
+    heavy = ("numpy", "numba", "pyarrow", "datasets", "transformers", "torch")
+    script = ("import sys; from padfree.cli import main; code = main(sys.argv[1:]); "
+              f"print(code, sorted(m for m in {heavy!r} if m in sys.modules))")
+    missing = str(tmp_path / "missing.json")
+    proc = subprocess.run([sys.executable, "-c", script, *command, missing], capture_output=True,
                           text=True, timeout=300)
-    assert proc.stdout == "2 False False\n"
-    assert proc.stderr == f"padfree: error: DATA {str(tmp_path / 'missing.json')!r}: no such file or directory\n"
+    assert proc.stdout == "2 []\n", proc.stderr
+    flag = "--data" if command[-1] == "--data" else "DATA"
+    assert proc.stderr == f"padfree: error: {flag} {missing!r}: no such file or directory\n"

@@ -15,7 +15,6 @@ module (``padfree.packing``, ``padfree.rows``, ``padfree.samples``, ``padfree.mo
 
 from typing import Any
 
-from padfree import layout
 from padfree.errors import (
     BackendUnavailableError,
     DataLoadError,
@@ -30,13 +29,18 @@ from padfree.errors import (
     StateMismatchError,
     UnsupportedModelError,
 )
-from padfree.layout import get_seqlens_in_batch, get_unpad_data
-from padfree.packing import Packer, PackResult, StreamPacker, pack_sequences
 
 __version__ = "0.1.0"
 
-# name -> module, imported on first access (PEP 562): these need torch or datasets
+# name -> module, imported on first access (PEP 562): these need torch or datasets, or numba (the packing
+# engine), which the command line does not import before its argument checks
 _LAZY = {
+    "Packer": "padfree.packing",
+    "PackResult": "padfree.packing",
+    "StreamPacker": "padfree.packing",
+    "pack_sequences": "padfree.packing",
+    "get_seqlens_in_batch": "padfree.layout",
+    "get_unpad_data": "padfree.layout",
     "PackedBatch": "padfree.data.batch",
     "PaddingFreeCollator": "padfree.data.batch",
     "pack_result_to_tensors": "padfree.data.batch",
@@ -92,6 +96,10 @@ _MOVED = {
 
 
 def __getattr__(name: str) -> Any:
+    if name == "layout":  # the module itself; importing it binds the attribute
+        import importlib
+
+        return importlib.import_module("padfree.layout")
     if name in _LAZY:
         import importlib
 

@@ -43,7 +43,7 @@ from typing import Any
 from padfree import __version__
 from padfree.cli import analyze, bench, demo, pack, verify
 from padfree.cli._optional import install_hint
-from padfree.cli._output import one_line
+from padfree.cli._output import HelpFormatter, one_line
 from padfree.cli.demo import DEMO_PNG
 from padfree.data._scratch import os_error_message
 from padfree.errors import PadfreeError
@@ -125,7 +125,7 @@ def _terminate_as_interrupt() -> Iterator[None]:
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of every subcommand in :data:`COMMANDS`."""
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="padfree",
         description="Exact padding-free (packed-sequence) training: analyze, pack, verify, demo and bench.",
     )
@@ -135,6 +135,14 @@ def build_parser() -> argparse.ArgumentParser:
     for add in COMMANDS.values():
         add(subparsers)
     return parser
+
+
+class _Parser(argparse.ArgumentParser):
+    """The parser of ``padfree`` and of every subcommand (argparse makes the subcommands' parsers of the same class):
+    :class:`~padfree.cli._output.HelpFormatter` by default."""
+
+    def __init__(self, *args: Any, formatter_class: Any = HelpFormatter, **kwargs: Any) -> None:
+        super().__init__(*args, formatter_class=formatter_class, **kwargs)
 
 
 def _configure_logging(verbose: bool) -> None:

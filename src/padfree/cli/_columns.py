@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from typing import Any
-
-import numpy as np
+from typing import TYPE_CHECKING, Any
 
 from padfree.errors import DataLoadError, InvalidArgumentError, InvalidLengthsError
-from padfree.packing.inputs import as_lengths
+
+if TYPE_CHECKING:  # numpy is imported where it is used: a usage error costs no import
+    import numpy as np
 
 
 def describe_columns(table: Any) -> str:
@@ -86,7 +86,10 @@ def join_text(table: Any, columns: Sequence[str]) -> Any:
 
 def lengths_from_column(table: Any, column: str) -> tuple[np.ndarray, int]:
     """``(lengths, skipped)``: the positive lengths of ``--lengths-column``, and how many rows were 0."""
+    import numpy as np
     import pyarrow as pa
+
+    from padfree.packing.inputs import as_lengths
 
     if column not in table.column_names:
         raise DataLoadError(f"--lengths-column {column!r}: no such column; available columns: "
@@ -160,6 +163,7 @@ def _per_token_columns(ds: Any, ids_column: str, names: list[str]) -> list[str]:
     """The columns of ``names`` that hold one integer (or boolean) per token of ``ids_column`` — every row as long as
     its ids, null rows aside — which :func:`padfree.pack_dataset` carries into the packed rows; a per-token column
     of any other values gets a note saying it is not written (the command has no other place to put it)."""
+    import numpy as np
     import pyarrow as pa
     import pyarrow.compute as pc
 

@@ -17,7 +17,6 @@ from typing import Any
 
 from padfree.cli._optional import require
 from padfree.errors import DataLoadError, PadfreeError
-from padfree.packing.inputs import as_positive_int
 
 DATA_FORMATS = ".json (a list of records, or JSON Lines), .jsonl, .parquet, .csv, or a datasets.save_to_disk directory"
 
@@ -33,6 +32,8 @@ _EXPECTED[".ndjson"] = _EXPECTED[".jsonl"]
 
 def optional_positive(value: int | None, flag: str) -> int | None:
     """An option left out is None; one given must be ``>= 1``."""
+    from padfree.packing.inputs import as_positive_int
+
     # the message need not mention None: it cannot be typed
     return None if value is None else as_positive_int(value, flag)
 

@@ -6,17 +6,46 @@ Shared by every command of :mod:`padfree.cli`; the library itself never prints.
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import os
 import sys
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any
-
-import numpy as np
+from typing import TYPE_CHECKING, Any
 
 from padfree.data._scratch import ScratchDir, ScratchFile, os_error_message, remove_stale, with_path
 from padfree.errors import InvalidArgumentError
+
+if TYPE_CHECKING:  # numpy is imported where it is used: a usage error costs no import
+    import numpy as np
+
+
+class HelpFormatter(argparse.HelpFormatter):
+    """argparse's help, with the library's names filled in only when help is shown.
+
+    A help string names them as ``{strategies}``, ``{default_strategy}``, ``{overlong}``, ``{columns}``,
+    ``{default_columns}`` or ``{ignore_index}``; they live in the packing engine, whose import (numba) a usage error
+    or a missing file should not wait for.
+    """
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = super()._get_help_string(action)
+        if text and "{" in text:
+            for key, value in _help_names().items():
+                text = text.replace("{" + key + "}", value)
+        return text
+
+
+def _help_names() -> dict[str, str]:
+    from padfree.data.hf import COLUMNS, DEFAULT_COLUMNS
+    from padfree.layout import IGNORE_INDEX
+    from padfree.packing import DEFAULT_STRATEGY, STRATEGIES
+    from padfree.packing.inputs import OVERLONG_POLICIES
+
+    return {"strategies": ", ".join(STRATEGIES), "default_strategy": DEFAULT_STRATEGY,
+            "overlong": " | ".join(OVERLONG_POLICIES), "columns": ",".join(COLUMNS),
+            "default_columns": ",".join(DEFAULT_COLUMNS), "ignore_index": str(IGNORE_INDEX)}
 
 
 def one_line(exc: BaseException) -> str:
@@ -39,6 +68,7 @@ def size(num_bytes: int) -> str:
     >>> size(512), size(2_500_000)
     ('512 B', '2.5 MB')
     """
+    import numpy as np
     if num_bytes < 1000:
         return f"{num_bytes} B"
     exponent = min(int(np.log10(num_bytes)) // 3, 3)
@@ -104,6 +134,7 @@ class _NoBar:
 
 def log_bins(lengths: np.ndarray) -> np.ndarray:
     """Histogram edges for ``lengths`` on a log axis: about 25 per decade, 15 to 60 in all, on whole numbers."""
+    import numpy as np
     lo, hi = max(1, int(lengths.min())), max(2, int(lengths.max()))
     # narrower log bins over integer lengths hold uneven numbers of integers, which shows up as a comb pattern
     count = int(np.clip(25 * np.log10((hi + 1) / lo), 15, 60))

@@ -11,13 +11,10 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from padfree.cli._columns import join_text
 from padfree.cli._output import bar
 from padfree.data._scratch import with_path
 from padfree.errors import OverlongSequenceError
-from padfree.layout import IGNORE_INDEX
 
 #: how the commands say what ``--overlong`` offers instead of refusing
 OVERLONG_CHOICES = ("--overlong truncate (keep the first CAPACITY tokens), split (cut into pieces of CAPACITY) or "
@@ -84,10 +81,12 @@ def _tokenize_batch(batch: Any, indices: list[int], *, tokenizer: Any, prompt: l
                     add_special_tokens: bool, eos: int | None, refuse_over: tuple[int, str] | None = None) -> Any:
     """One ``datasets.map`` batch (a ``pyarrow.Table``; ``indices``: its records) -> ``input_ids`` (and ``labels``
     with a completion)."""
+    import numpy as np
     import pyarrow as pa
     import pyarrow.compute as pc
 
     from padfree import corpus
+    from padfree.layout import IGNORE_INDEX
 
     boundary = None  # (rows,) — the character where the completion starts; tokens before it are not targets
     if completion is None:

@@ -11,16 +11,16 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
-
-import numpy as np
+from typing import TYPE_CHECKING, Any
 
 from padfree.cli._columns import texts_from_columns
 from padfree.cli._inputs import DATA_FORMATS, check_data_path, optional_positive, read_table
 from padfree.cli._output import Progress, bar
 from padfree.cli._tokens import load_tokenizer, token_ids
 from padfree.errors import DataLoadError, InvalidArgumentError
-from padfree.packing.inputs import as_positive_int, as_seed
+
+if TYPE_CHECKING:  # numpy is imported where it is used: a usage error costs no import
+    import numpy as np
 
 #: The demo's model when no ``--model`` is given: a small Llama with random weights (vocab = the tokenizer's).
 DEMO_MODEL = {"full": dict(hidden_size=128, intermediate_size=344, num_hidden_layers=2, num_attention_heads=4,
@@ -78,6 +78,10 @@ class TrainingOptions:
 
 def training_options(args: argparse.Namespace, command: str) -> TrainingOptions:
     """The ``demo`` / ``bench`` training arguments checked (every cheap check first) with their defaults filled."""
+    if args.data is not None:  # a missing file first of all, before the packing engine (numba) is imported
+        check_data_path(args.data, "--data")
+    from padfree.packing.inputs import as_positive_int, as_seed
+
     defaults = _DEFAULTS[command]["quick" if args.quick else "full"]
     values = []
     for flag, value, default in zip(("--capacity", "--rows", "--tokens", "--repetitions"),
@@ -85,8 +89,6 @@ def training_options(args: argparse.Namespace, command: str) -> TrainingOptions:
         values.append(default if value is None else as_positive_int(value, flag))
     if args.data is None and args.fields:
         raise InvalidArgumentError("--field needs --data: the embedded corpus has no columns")
-    if args.data is not None:
-        check_data_path(args.data, "--data")
     if args.model is not None and not Path(args.model).expanduser().is_dir():
         raise InvalidArgumentError(f"--model {args.model!r} is not a directory; expected a checkpoint written by "
                                    "save_pretrained (config.json and the weights)")

@@ -8,9 +8,7 @@ import json
 import textwrap
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
-
-import numpy as np
+from typing import TYPE_CHECKING, Any
 
 from padfree.cli._columns import lengths_from_column, texts_from_columns
 from padfree.cli._inputs import DATA_FORMATS, check_data_path, optional_positive, read_table
@@ -18,8 +16,9 @@ from padfree.cli._optional import importable, require
 from padfree.cli._output import log_bins, new_figure, num, save_png, table
 from padfree.cli._tokens import load_tokenizer
 from padfree.errors import DataLoadError, InvalidArgumentError
-from padfree.packing import STRATEGIES, as_strategy
-from padfree.packing.inputs import as_positive_int, as_seed
+
+if TYPE_CHECKING:  # numpy is imported where it is used: a usage error costs no import
+    import numpy as np
 
 
 def add_parser(subparsers: Any) -> None:
@@ -45,7 +44,7 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--batch-size", type=int, default=8,
                    help="sequences per naive padded batch to compare against (default: 8)")
     p.add_argument("--strategies", metavar="LIST",
-                   help=f"comma-separated strategies to compare (default: all of {','.join(STRATEGIES)})")
+                   help="comma-separated strategies to compare (default: all of {strategies})")
     p.add_argument("--plot", metavar="PNG", help="write a length histogram with the capacity marked to this PNG")
     p.add_argument("--seed", type=int, default=0, help="seed of the random batch order and of 'ffs' (default: 0)")
     p.add_argument("--limit", type=int, metavar="N", help="analyze only the first N records (or documents)")
@@ -65,7 +64,12 @@ class _Lengths:
 
 def run(args: argparse.Namespace) -> int:
     """Measure the lengths of DATA, analyze them, print the report (or JSON), draw ``--plot``."""
-    # every cheap check first, so a typo fails in milliseconds and not after tokenizing
+    # every cheap check first, so a typo fails in milliseconds and not after tokenizing; a missing DATA first of
+    # all, before the packing engine (numba) is imported
+    if args.data is not None:
+        check_data_path(args.data)
+    from padfree.packing.inputs import as_positive_int, as_seed
+
     capacity = as_positive_int(args.capacity, "--capacity")
     batch_size = as_positive_int(args.batch_size, "--batch-size")
     seed = as_seed(args.seed, "--seed")
@@ -82,8 +86,6 @@ def run(args: argparse.Namespace) -> int:
             raise InvalidArgumentError("--tokenizer is not used with --lengths-column (nothing is tokenized)")
     if args.data is None and args.fields:
         raise InvalidArgumentError("--field needs DATA: the embedded corpus has no columns")
-    if args.data is not None:
-        check_data_path(args.data)
     if plot is not None:
         require("padfree analyze --plot", "matplotlib")
     if args.lengths_column is None:
@@ -115,6 +117,8 @@ def analysis_json(analysis: Any, measured: _Lengths, plot: Path | None) -> dict[
 
 
 def _parse_strategies(text: str | None) -> list[str] | None:
+    from padfree.packing import STRATEGIES, as_strategy
+
     if text is None:
         return None
     names = [name.strip() for name in text.split(",") if name.strip()]

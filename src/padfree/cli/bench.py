@@ -7,8 +7,6 @@ import json
 import time
 from typing import Any
 
-import numpy as np
-
 from padfree.cli._inputs import optional_positive
 from padfree.cli._optional import import_error, install_hint, require
 from padfree.cli._output import Progress, note, num, one_line, table
@@ -40,11 +38,13 @@ def add_parser(subparsers: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Time every strategy on synthetic and real lengths, then (unless ``--no-training``) train every mode."""
+    started = time.perf_counter()
+    opts = training_options(args, "bench")
+    import numpy as np
+
     from padfree.analysis import analyze_lengths
     from padfree.throughput import MODES, sample_sequences
 
-    started = time.perf_counter()
-    opts = training_options(args, "bench")
     n = optional_positive(args.lengths, "--lengths") or (100_000 if opts.quick else 1_000_000)
     if not args.no_training:
         require("padfree bench (its training part; --no-training measures packing alone)", "torch", "transformers")

@@ -9,8 +9,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from padfree.cli._optional import importable, install_hint, require
 from padfree.cli._output import Progress, log_bins, new_figure, note, num, save_png, table
 from padfree.cli._training import Prepared, add_training_args, build_model, prepare, train, training_options
@@ -44,13 +42,13 @@ def add_parser(subparsers: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Prepare the tokens, analyze and pack them, train every mode, report and draw."""
+    started = time.perf_counter()
+    opts = training_options(args, "demo")
+    output = _check_output_dir(args.output)
     from padfree.analysis import analyze_lengths
     from padfree.packing import pack_sequences
     from padfree.throughput import sample_sequences
 
-    started = time.perf_counter()
-    opts = training_options(args, "demo")
-    output = _check_output_dir(args.output)
     require("padfree demo", "torch", "transformers")
     # the picture only illustrates the numbers: without matplotlib the demo runs and says what it left out
     draw = importable("matplotlib")
@@ -140,6 +138,7 @@ def render_demo(summary: dict[str, Any], data: Prepared, analysis: Any, plan: An
 
 def _write_plot(path: Path, data: Prepared, plan: Any, plans: dict[str, Any], report: Any) -> None:
     """Three panels: the lengths (log histogram, capacity marked), how full rows and batches are, the throughput."""
+    import numpy as np
     fig = new_figure(15, 4.8, dpi=100)
     ax1, ax2, ax3 = fig.subplots(1, 3)
     lengths = data.lengths

@@ -19,9 +19,7 @@ import textwrap
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
-
-import numpy as np
+from typing import TYPE_CHECKING, Any
 
 from padfree.cli._columns import describe_columns, is_text, text_columns, token_ids_from_column
 from padfree.cli._inputs import DATA_FORMATS, check_data_path, is_saved_dataset, optional_positive, read_dataset
@@ -30,9 +28,9 @@ from padfree.cli._output import AtomicOutput, Progress, disk_size, num, progress
 from padfree.cli._tokens import load_tokenizer, overlong_error, tokenize_dataset
 from padfree.data._scratch import with_path
 from padfree.errors import DataLoadError, InvalidArgumentError, TokenizerLoadError
-from padfree.layout import IGNORE_INDEX
-from padfree.packing import STRATEGIES, as_strategy
-from padfree.packing.inputs import as_positive_int, as_seed
+
+if TYPE_CHECKING:  # numpy is imported where it is used: a usage error costs no import
+    import numpy as np
 
 PACK_FORMATS = ("arrow", "parquet", "jsonl")
 #: the format an extension of --output asks for ("": a directory)
@@ -44,10 +42,6 @@ _INT32_RANGE = (-(2**31), 2**31 - 1)
 
 def add_parser(subparsers: Any) -> None:
     """Declare ``padfree pack`` and its arguments."""
-    from padfree.data.hf import COLUMNS, DEFAULT_COLUMNS
-    from padfree.packing import DEFAULT_STRATEGY
-    from padfree.packing.inputs import OVERLONG_POLICIES
-
     p = subparsers.add_parser(
         "pack",
         help="pack a dataset into rows of CAPACITY tokens and write them as Arrow, Parquet or JSON Lines",
@@ -90,10 +84,10 @@ def add_parser(subparsers: Any) -> None:
 
     g = p.add_argument_group("packing")
     g.add_argument("--capacity", type=int, default=2048, help="tokens per packed row (default: 2048)")
-    g.add_argument("--strategy", default=DEFAULT_STRATEGY, metavar="NAME",
-                   help=f"packing strategy: {', '.join(STRATEGIES)} (default: %(default)s)")
+    g.add_argument("--strategy", metavar="NAME",
+                   help="packing strategy: {strategies} (default: {default_strategy})")
     g.add_argument("--overlong", default="error", metavar="POLICY",
-                   help=f"sequences longer than CAPACITY: {' | '.join(OVERLONG_POLICIES)} — refuse (default), keep "
+                   help="sequences longer than CAPACITY: {overlong} — refuse (default), keep "
                         "the first CAPACITY tokens, cut into pieces of CAPACITY (each a sequence of its own), or "
                         "leave out; what is cut or left out is counted in the summary")
     g.add_argument("--seed", type=int, default=0, help="seed of the 'ffs' shuffle (default: 0)")
@@ -105,8 +99,8 @@ def add_parser(subparsers: Any) -> None:
                         "(one file) or jsonl (JSON Lines, one row per line); default: from the extension of "
                         "--output (none: arrow, .parquet, .jsonl; any other is refused)")
     g.add_argument("--columns", metavar="LIST",
-                   help=f"comma-separated columns to write, each COL or COL=NAME to rename it, from "
-                        f"{','.join(COLUMNS)} (default: {','.join(DEFAULT_COLUMNS)}); sequence_ids are rows of DATA")
+                   help="comma-separated columns to write, each COL or COL=NAME to rename it, from {columns} "
+                        "(default: {default_columns}); sequence_ids are rows of DATA")
     g.add_argument("--padding", default="capacity", metavar="HOW",
                    help="row length: capacity (default), longest (the longest row), none (each row as long as "
                         "its tokens) or a number of tokens")
@@ -115,8 +109,8 @@ def add_parser(subparsers: Any) -> None:
                         "row, 0 on padding) or none")
     g.add_argument("--padding-value", type=int, default=0, metavar="ID",
                    help="token id written on padding (default: 0)")
-    g.add_argument("--label-padding-value", type=int, default=IGNORE_INDEX, metavar="L",
-                   help="label on padding and on the first token of every sequence (default: -100)")
+    g.add_argument("--label-padding-value", type=int, metavar="L",
+                   help="label on padding and on the first token of every sequence (default: {ignore_index})")
     g.add_argument("--overwrite", action="store_true",
                    help="replace an existing --output (once the new one is complete)")
 
@@ -170,10 +164,12 @@ def run(args: argparse.Namespace) -> int:
     import padfree
 
     started = time.perf_counter()
-    opts = _pack_options(args)  # every cheap check first: a typo fails before anything is read or tokenized
-    _check_input_args(args)
+    # every cheap check first: a typo fails before anything is read or tokenized, a missing DATA before the packing
+    # engine (numba) is imported
     if args.data is not None:
         check_data_path(args.data)
+    opts = _pack_options(args)
+    _check_input_args(args)
     require("padfree pack", "pyarrow", "datasets")
     if args.data is None or (args.input_ids_column is None and _text_flags(args)):
         require("padfree pack (it tokenizes the text)", "transformers")
@@ -209,7 +205,9 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _pack_options(args: argparse.Namespace) -> _PackOptions:
-    from padfree.packing.inputs import OVERLONG_POLICIES, as_capacity, as_choice
+    from padfree.layout import IGNORE_INDEX
+    from padfree.packing import DEFAULT_STRATEGY, as_strategy
+    from padfree.packing.inputs import OVERLONG_POLICIES, as_capacity, as_choice, as_positive_int, as_seed
 
     padding: str | int | None = args.padding
     if isinstance(padding, str) and padding.strip().isdigit():
@@ -220,14 +218,15 @@ def _pack_options(args: argparse.Namespace) -> _PackOptions:
     mask = as_choice(args.attention_mask, "--attention-mask", _MASKS)
     columns = _parse_columns(args.columns, mask)
     output = _check_output(args.output, args.format, args.overwrite, args.data)
-    for value, name in ((args.padding_value, "--padding-value"), (args.label_padding_value, "--label-padding-value")):
+    label_padding = IGNORE_INDEX if args.label_padding_value is None else args.label_padding_value
+    for value, name in ((args.padding_value, "--padding-value"), (label_padding, "--label-padding-value")):
         if not _INT32_RANGE[0] <= value <= _INT32_RANGE[1]:
             raise InvalidArgumentError(f"{name} must fit int32 ({_INT32_RANGE[0]} to {_INT32_RANGE[1]}), got {value}")
     return _PackOptions(
         output=output[0],
         format=output[1],
         capacity=as_capacity(args.capacity, "--capacity"),
-        strategy=as_strategy(args.strategy, "--strategy"),
+        strategy=DEFAULT_STRATEGY if args.strategy is None else as_strategy(args.strategy, "--strategy"),
         overlong=as_choice(args.overlong, "--overlong", OVERLONG_POLICIES),
         seed=as_seed(args.seed, "--seed"),
         max_sequences_per_bin=optional_positive(args.max_sequences_per_bin, "--max-sequences-per-bin"),
@@ -235,7 +234,7 @@ def _pack_options(args: argparse.Namespace) -> _PackOptions:
         attention_mask=None if mask == "none" else mask,
         columns=columns,
         padding_value=args.padding_value,
-        label_padding_value=args.label_padding_value,
+        label_padding_value=label_padding,
         limit=optional_positive(args.limit, "--limit"),
         num_proc=optional_positive(args.num_proc, "--num-proc"),
     )
@@ -368,6 +367,7 @@ def _pack_input(args: argparse.Namespace, opts: _PackOptions, cache: Path, say: 
 def _refuse_overlong(packing: _PackInput, opts: _PackOptions, data: str | None) -> None:
     """Refuse a sequence longer than ``--capacity`` (``--overlong error``) naming its record and the flags, before
     the library would refuse it in its own terms (``capacity=``, ``overlong='truncate'``)."""
+    import numpy as np
     import pyarrow.compute as pc
 
     lengths = pc.list_value_length(packing.dataset.with_format("arrow")["input_ids"]).to_numpy(zero_copy_only=False)
@@ -437,6 +437,7 @@ def _tokenize(ds: Any, args: argparse.Namespace, opts: _PackOptions, cache: Path
 
 def _drop_empty(ds: Any) -> tuple[Any, np.ndarray | None]:
     """``ds`` without its rows of no tokens (nothing to pack or train on), and the rows kept (None: all)."""
+    import numpy as np
     import pyarrow.compute as pc
 
     lengths = pc.fill_null(pc.list_value_length(ds.with_format("arrow")["input_ids"]), 0)
