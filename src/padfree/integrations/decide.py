@@ -4,7 +4,9 @@ Shared by padfree's TRL trainers (SFT, DPO, reward, GRPO): :func:`skip_reason` s
 batching is skipped (an environment opt-out, a custom collator, a model padfree does not support; for the trainers
 that pack text only, a processor or a vision-language model; for SFT, images padfree does not lay out per sample:
 :func:`image_reason`), :func:`refuse_unsafe` raises for an explicit setting that cannot be exact, :func:`configure_for`
-runs :func:`padfree.configure_packing` and words its refusal for the mode that asked.
+runs :func:`padfree.configure_packing` and words its refusal for the mode that asked. A :class:`Decision` carries
+its :class:`Cause` (the user's setting, the model's limits, the data, or none), which is what decides whether a
+skip is worth a warning — never the wording of its reason.
 
 >>> from padfree.model.sweep import build_tiny
 >>> support_reason(build_tiny("llama")) is None
@@ -14,13 +16,13 @@ True
 from __future__ import annotations
 
 import dataclasses
+import enum
 import logging
 import os
-from typing import Any
+from typing import Any, NamedTuple
 
 from padfree.errors import InvalidArgumentError, UnsupportedModelError, describe
 from padfree.integrations.status import PADDING_FREE, STANDARD
-from padfree.integrations.trainer import configure_model
 from padfree.model.wrappers import unwrap_model
 from padfree.packing.strategies import DEFAULT_STRATEGY
 
@@ -35,10 +37,13 @@ __all__ = [
     "ENV_DISABLE_AUTO",
     "ENV_RETURN_LOGITS",
     "PROMPT_LEARNING_SKIP",
+    "Cause",
     "Decision",
+    "Skip",
     "as_tri_state",
     "auto_decision",
     "configure_for",
+    "configure_model",
     "default_output_dir",
     "env_flag",
     "first_sample",
@@ -109,13 +114,48 @@ def env_flag(name: str) -> bool:
                                f"{', '.join(map(repr, _TRUE))} (on) or {', '.join(map(repr, _FALSE))} (off)")
 
 
+class Cause(enum.Enum):
+    """What made a trainer's choice of mode: what a trainer does with a skip (warn or not) reads this, never the
+    reason's text."""
+
+    USER = "user"  # an explicit setting, an opt-out, an argument the user passed (a collator, a processor)
+    MODEL = "model"  # the model's own limits: padfree cannot make it exact for this trainer
+    DATA = "data"  # the data: images padfree does not lay out for this model
+    NONE = "none"  # nothing stood in the way: the automatic choice is on
+
+
+class Skip(NamedTuple):
+    """Why the automatic choice is skipped: the reason (for people) and its :class:`Cause` (for code)."""
+
+    reason: str
+    cause: Cause
+
+
 @dataclasses.dataclass
 class Decision:
+    """A trainer's mode (:data:`~padfree.integrations.status.MODES`), why, whether padfree chose it, and how it packs.
+
+    >>> d = auto_decision(Skip("the config sets auto_padding_free=False", Cause.USER), None)
+    >>> d.mode, d.cause.value, d.warns
+    ('standard batching', 'user', False)
+    """
+
     mode: str
     reason: str
     auto: bool
     strategy: str = DEFAULT_STRATEGY
     overlong: str = "error"
+    cause: Cause = Cause.USER
+
+    @property
+    def on(self) -> bool:
+        """A padfree mode runs (packed or padding-free rows reach the model)."""
+        return self.mode != STANDARD
+
+    @property
+    def warns(self) -> bool:
+        """An automatic skip for the model's own limits: worth a warning (an opt-out or the data's is not)."""
+        return self.auto and self.mode == STANDARD and self.cause is Cause.MODEL
 
 
 def model_config(model: Any, args: Any) -> Any:
@@ -188,12 +228,12 @@ def as_tri_state(value: Any, name: str) -> bool | None:
     return value
 
 
-def auto_decision(skip: str | None, config: Any) -> Decision:
+def auto_decision(skip: Skip | None, config: Any) -> Decision:
     """The automatic choice once the skip reasons are in: standard batching naming ``skip``, else padding-free."""
     if skip is not None:
-        return Decision(STANDARD, f"auto padding-free skipped: {skip}", auto=True)
+        return Decision(STANDARD, f"auto padding-free skipped: {skip.reason}", auto=True, cause=skip.cause)
     return Decision(PADDING_FREE, f"auto: model type {config.model_type!r} is packing-exact under configure_packing",
-                    auto=True)
+                    auto=True, cause=Cause.NONE)
 
 
 def default_output_dir(model: Any, suffix: str) -> str:
@@ -210,7 +250,8 @@ def prompt_learning(model: Any) -> bool:
     return isinstance(config, dict) and any(getattr(c, "is_prompt_learning", False) for c in config.values())
 
 
-PROMPT_LEARNING_SKIP = "the model has a prompt-learning PEFT adapter (its virtual tokens belong to every sequence)"
+PROMPT_LEARNING_SKIP = Skip(
+    "the model has a prompt-learning PEFT adapter (its virtual tokens belong to every sequence)", Cause.MODEL)
 
 
 def refuse_prompt_learning(setting: str, model: Any, instead: str) -> None:
@@ -255,36 +296,55 @@ def refuse_unsafe(setting: str, model: Any, config: Any, processing_class: Any, 
 
 
 def skip_reason(args: Any, model: Any, config: Any, processing_class: Any, data_collator: Any, sample: Any, *,
-                returns_logits: bool = True, vision: bool = False) -> str | None:
-    """Why automatic padding-free batching is skipped (None: it is not). ``returns_logits=False`` for trainers whose
-    padding-free forward hands outputs back in the padded layout (DPO, reward, GRPO), so the environment's request
-    for returned logits does not concern them. ``vision=True`` for a trainer that packs vision-language data (SFT): a
-    processor or a vision-language model is no reason, images are where :func:`image_reason` has one."""
+                returns_logits: bool = True, vision: bool = False) -> Skip | None:
+    """Why automatic padding-free batching is skipped, with its :class:`Cause` (None: it is not).
+    ``returns_logits=False`` for trainers whose padding-free forward hands outputs back in the padded layout (DPO,
+    reward, GRPO), so the environment's request for returned logits does not concern them. ``vision=True`` for a
+    trainer that packs vision-language data (SFT): a processor or a vision-language model is no reason, images are
+    where :func:`image_reason` has one."""
     if env_flag(ENV_DISABLE_AUTO):
-        return f"{ENV_DISABLE_AUTO}={os.environ[ENV_DISABLE_AUTO]} is set"
+        return Skip(f"{ENV_DISABLE_AUTO}={os.environ[ENV_DISABLE_AUTO]} is set", Cause.USER)
     if getattr(args, "auto_padding_free", True) is False:
-        return "the config sets auto_padding_free=False"
+        return Skip("the config sets auto_padding_free=False", Cause.USER)
     for name in ENV_RETURN_LOGITS if returns_logits else ():
         if env_flag(name):
-            return (f"{name}={os.environ[name]} asks for logits to be returned, and a padding-free forward returns "
-                    f"one flattened row of logits instead of one per sample")
+            return Skip(f"{name}={os.environ[name]} asks for logits to be returned, and a padding-free forward returns "
+                        f"one flattened row of logits instead of one per sample", Cause.USER)
     if data_collator is not None:
-        return f"a custom data_collator ({type(data_collator).__name__}) was given"
+        return Skip(f"a custom data_collator ({type(data_collator).__name__}) was given", Cause.USER)
     if vision:
         if holds_images(sample) and not isinstance(model, str):
             why = image_reason(model)
             if why is not None:
-                return why
+                return Skip(why, Cause.DATA)
     else:
         if isinstance(processing_class, transformers.ProcessorMixin):
-            return (f"processing_class is a ProcessorMixin ({type(processing_class).__name__}), i.e. a multimodal "
-                    f"processor")
-        vlm = vlm_reason(model, config, sample)
+            return Skip(f"processing_class is a ProcessorMixin ({type(processing_class).__name__}), i.e. a multimodal "
+                        f"processor", Cause.USER)
+        vlm = vlm_reason(model, config, None)  # the model alone, then the data
         if vlm is not None:
-            return vlm
+            return Skip(vlm, Cause.MODEL)
+        if holds_images(sample):
+            return Skip(vlm_reason(model, None, sample), Cause.DATA)
     if config is None:
-        return "the model's config could not be read"
-    return support_reason(model, config)
+        return Skip("the model's config could not be read", Cause.MODEL)
+    why = support_reason(model, config)
+    return None if why is None else Skip(why, Cause.MODEL)
+
+
+def configure_model(model: Any, sequence_parallel: int | None = None) -> Any:
+    """``configure_packing`` on the transformers model inside ``model`` (kept if already configured — configured
+    again if PEFT changed it since, :func:`~padfree.model.configure.refresh_packing` — unless
+    ``sequence_parallel`` asks for a group size it was not configured with): its
+    :class:`~padfree.model.configure.PackingReport`, or :class:`~padfree.errors.UnsupportedModelError`."""
+    from padfree.model.configure import configure_packing, packing_state, refresh_packing
+
+    base = unwrap_model(model)
+    state = packing_state(base)
+    wanted = sequence_parallel if sequence_parallel is not None and sequence_parallel > 1 else None
+    if state is not None and (wanted is None or (state.sp is not None and state.sp.size == wanted)):
+        return refresh_packing(model)  # configured again if PEFT wrapped it since (adapters, modules_to_save copies)
+    return configure_packing(base, sequence_parallel=wanted)
 
 
 def configure_for(model: Any, decision: Decision, sequence_parallel: int | None = None) -> None:

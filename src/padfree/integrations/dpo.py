@@ -61,6 +61,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import functools
 import logging
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -68,21 +69,19 @@ from typing import Any
 import numpy as np
 
 from padfree.errors import BackendUnavailableError, InvalidArgumentError, describe
+from padfree.integrations.base import Construction, TrainerProtocol, as_config, plan_fields
 from padfree.integrations.decide import (
     PROMPT_LEARNING_SKIP,
     Decision,
+    Skip,
     as_tri_state,
     auto_decision,
-    configure_for,
-    default_output_dir,
     first_sample,
     holds_images,
-    model_config,
     prompt_learning,
     refuse_prompt_learning,
     refuse_unsafe,
     skip_reason,
-    warn_once,
 )
 from padfree.integrations.preference_data import (
     DPO_DATA,
@@ -93,8 +92,7 @@ from padfree.integrations.preference_data import (
     drop_counted,
     refuse_long_pairs,
 )
-from padfree.integrations.status import PACKING, PADDING_FREE, STANDARD, PackingStatus, model_facts
-from padfree.integrations.telemetry import PackingTelemetryCallback, attach_telemetry, is_train_log
+from padfree.integrations.status import PACKING, PADDING_FREE, STANDARD
 from padfree.integrations.trainer import SamplerEpoch, batch_sampler_dataloader
 from padfree.integrations.unpadded import unpadded_forwards
 from padfree.packing.inputs import as_capacity, as_flag
@@ -300,7 +298,7 @@ def _decide(args: Any, model: Any, ref_model: Any, config: Any, processing_class
         if skip is None and ref_model is not None and not isinstance(ref_model, str):
             skip = skip_reason(args, ref_model, getattr(ref_model, "config", None), processing_class, None, sample,
                                returns_logits=False, vision=True)
-            skip = None if skip is None else f"the reference model: {skip}"
+            skip = None if skip is None else Skip(f"the reference model: {skip.reason}", skip.cause)
         return auto_decision(skip, config)
     refuse_unsafe(setting, model, config, processing_class, data_collator, sample, vision=True)
     if ref_model is not None and not isinstance(ref_model, str):
@@ -309,14 +307,6 @@ def _decide(args: Any, model: Any, ref_model: Any, config: Any, processing_class
     refuse_prompt_learning(setting, model, f"unset {setting}")
     reason = setting if mode == PADDING_FREE else f"{setting}: pairs packed across the train set"
     return Decision(mode, reason, auto=False)
-
-
-def _as_config(args: Any, model: Any) -> Any:
-    if args is None:
-        return DPOConfig(default_output_dir(model, "DPO"))
-    if isinstance(args, trl.DPOConfig):
-        return args
-    raise InvalidArgumentError(f"args must be a DPOConfig (padfree's or trl's), got {describe(args)}")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -350,58 +340,42 @@ def _uneven_gathers(accelerator: Any, on: bool) -> Iterator[None]:
         del accelerator.gather  # the instance attribute goes; the class's method is back
 
 
-class DPOMixin:
+class DPOMixin(TrainerProtocol):
     """What :class:`DPOTrainer` adds to ``trl.DPOTrainer``: the decision, the unpadded forwards, packed pairs."""
 
-    _padfree_decision: Decision | None = None
     _padfree_step_pairs: torch.Tensor | None = None
-    _padfree_telemetry: PackingTelemetryCallback | None = None
     _padfree_sampler: Any = None
     _padfree_checked: tuple[int, ...] = ()
+    _padfree_hidden = ("padding_free",)  # TRL warns and falls back for True; padfree runs the forwards instead
 
     def __init__(self, model: Any, ref_model: Any = None, args: Any = None, data_collator: Any = None,
                  train_dataset: Any = None, eval_dataset: Any = None, processing_class: Any = None, *rest: Any,
                  **kwargs: Any) -> None:
-        args = _as_config(args, model)
+        args = as_config(args, model, DPOConfig, trl.DPOConfig, "DPO")
+        given = Construction(model, args, train_dataset, eval_dataset, processing_class, data_collator, ref_model)
+        self._padfree_construct(given, functools.partial(super().__init__, model, ref_model, args, data_collator,
+                                                         train_dataset, eval_dataset, processing_class, *rest,
+                                                         **kwargs))
+
+    # ---- the construction's hooks (padfree.integrations.base) ---------------------------------------------
+
+    def _padfree_check(self, given: Construction, config: Any) -> None:
         # before TRL reads a row: each fault of the data is one error naming the column and the row
-        self._padfree_checked = tuple(map(id, check_datasets(DPO_DATA, train_dataset, eval_dataset)))
+        self._padfree_checked = tuple(map(id, check_datasets(DPO_DATA, given.train_dataset, given.eval_dataset)))
         self._padfree_dropped: dict[str, int] = {}
         self._padfree_kept: np.ndarray | None = None  # train rows kept by TRL's rule (None: all)
-        config = model_config(model, args)
-        decision = _decide(args, model, ref_model, config, processing_class, data_collator, train_dataset)
-        self._padfree_decision = decision
         self._padfree_pairs: dict[str, list[int]] = {"train": [], "eval": []}
-        on = decision.mode != STANDARD
-        if on:  # fail before tokenizing anything
-            for m in (model, ref_model):
-                if m is not None and not isinstance(m, str):
-                    configure_for(m, decision)
-        requested = args.padding_free
-        args.padding_free = False  # TRL warns and falls back for True; padfree runs the forwards instead
-        try:
-            super().__init__(model, ref_model, args, data_collator, train_dataset, eval_dataset, processing_class,
-                             *rest, **kwargs)
-        finally:
-            args.padding_free = on if requested is not None or on else requested
-        plan = None
-        if on:
-            for m in (self.model, self.ref_model):  # a model given by name was loaded by TRL
-                if m is not None:
-                    configure_for(m, decision)
-        if decision.mode == PACKING:
-            plan = self._padfree_pack_train()
-        if on and as_flag(getattr(args, "padfree_telemetry", True), "padfree_telemetry"):
-            self._padfree_telemetry = attach_telemetry(self)
-        self._padfree_status = PackingStatus(
-            mode=decision.mode, reason=decision.reason, auto=decision.auto, packing=decision.mode == PACKING,
-            padding_free=on, loss="pair" if decision.mode == PACKING else None,
-            efficiency=None if plan is None else float(plan.efficiency),
-            rows=None if plan is None else int(plan.num_bins),
-            sequences=None if plan is None else 2 * int(plan.num_pieces), balance=self._padfree_balance_note(),
-            dropped=self._padfree_dropped, **model_facts(self.model))
-        logger.info("%s", self._padfree_status)
-        if decision.auto and decision.mode == STANDARD and "not supported because" in decision.reason:
-            warn_once(f"padfree: {decision.reason}; training with standard batching")
+
+    def _padfree_decide(self, given: Construction, config: Any) -> Decision:
+        return _decide(given.args, given.model, given.ref_model, config, given.processing_class,
+                       given.data_collator, given.train_dataset)
+
+    def _padfree_finish(self, given: Construction, decision: Decision) -> Any:
+        return self._padfree_pack_train() if decision.mode == PACKING else None
+
+    def _padfree_report(self, decision: Decision, plan: Any) -> dict[str, Any]:
+        return {"loss": "pair" if decision.mode == PACKING else None, **plan_fields(plan, sequences_per_piece=2),
+                "balance": self._padfree_balance_note(), "dropped": self._padfree_dropped}
 
     def _padfree_balance_note(self) -> str | None:
         sampler = self._padfree_balanced_sampler()
@@ -410,10 +384,6 @@ class DPOMixin:
         steps = sampler.schedule
         return (f"balanced across {steps.num_ranks} ranks: {steps.num_steps} steps, token idle "
                 f"{100 * steps.token_imbalance:.1f}%, attention-cost idle {100 * steps.cost_imbalance:.1f}%")
-
-    @property
-    def _padfree_on(self) -> bool:
-        return self._padfree_decision is not None and self._padfree_decision.mode != STANDARD
 
     def _padfree_pack_train(self) -> Any:
         args = self.args
@@ -555,9 +525,7 @@ class DPOMixin:
                 if values and len(values) == len(weights):
                     metrics[key] = [float(np.average(values, weights=weights))]
         weights.clear()
-        if self._padfree_telemetry is not None and is_train_log(logs):
-            logs.update(self._padfree_telemetry.pop_metrics())
-        super().log(logs, start_time)
+        super().log(logs, start_time)  # the telemetry's metrics join there (TelemetryLogMixin)
 
 
 class DPOTrainer(DPOMixin, trl.DPOTrainer):

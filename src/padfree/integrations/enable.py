@@ -22,12 +22,13 @@ except ImportError as exc:  # pragma: no cover - transformers is installed where
 
 __all__ = ["enable"]
 
-# TRL's trainer -> (padfree module, its mixin, its trainer); the most derived TRL classes first
+# the registry: TRL's trainer ``<Name>Trainer`` -> the padfree module that holds ``<Name>Mixin`` (what padfree adds,
+# on padfree.integrations.base's protocol) and ``<Name>Trainer`` (the mixin on TRL's class); most derived TRL first
 _TRL_TRAINERS = {
-    "SFTTrainer": ("padfree.integrations.trl", "SFTMixin", "SFTTrainer"),
-    "DPOTrainer": ("padfree.integrations.dpo", "DPOMixin", "DPOTrainer"),
-    "RewardTrainer": ("padfree.integrations.reward", "RewardMixin", "RewardTrainer"),
-    "GRPOTrainer": ("padfree.integrations.grpo", "GRPOMixin", "GRPOTrainer"),
+    "SFTTrainer": "padfree.integrations.trl",
+    "DPOTrainer": "padfree.integrations.dpo",
+    "RewardTrainer": "padfree.integrations.reward",
+    "GRPOTrainer": "padfree.integrations.grpo",
 }
 
 
@@ -44,8 +45,9 @@ def enable(trainer_class: type) -> type:
     ('Trainer', True)
     >>> class Mine(transformers.Trainer):
     ...     pass
-    >>> [c.__name__ for c in enable(Mine).__mro__[:4]]
-    ['PadfreeMine', 'TrainerMixin', 'PadfreeTrainerMixin', 'Mine']
+    >>> names = [c.__name__ for c in enable(Mine).__mro__]
+    >>> names[:3], names[names.index("Mine") + 1]
+    (['PadfreeMine', 'TrainerMixin', 'PadfreeTrainerMixin'], 'Trainer')
     """
     if not isinstance(trainer_class, type):
         raise InvalidArgumentError(
@@ -56,12 +58,13 @@ def enable(trainer_class: type) -> type:
     trl = sys.modules.get("trl")
     if trl is None and any(name in _TRL_TRAINERS for name in names):
         import trl
-    for name, (module, mixin_name, padfree_name) in _TRL_TRAINERS.items():
+    for name, module in _TRL_TRAINERS.items():
         trl_class = getattr(trl, name, None) if trl is not None else None
         if trl_class is None or not issubclass(trainer_class, trl_class):
             continue
         padfree_module = importlib.import_module(module)
-        mixin, padfree_class = getattr(padfree_module, mixin_name), getattr(padfree_module, padfree_name)
+        mixin = getattr(padfree_module, f"{name.removesuffix('Trainer')}Mixin")
+        padfree_class = getattr(padfree_module, name)
         if trainer_class is trl_class:
             return padfree_class
         if issubclass(trainer_class, mixin):

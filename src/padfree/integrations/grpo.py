@@ -38,28 +38,25 @@ empty prompt or no rows is one :class:`~padfree.errors.InvalidSampleError` namin
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 from typing import Any
 
-from padfree.errors import BackendUnavailableError, InvalidArgumentError, describe
+from padfree.errors import BackendUnavailableError, InvalidArgumentError
+from padfree.integrations.base import Construction, TrainerProtocol, as_config
 from padfree.integrations.decide import (
     PROMPT_LEARNING_SKIP,
     Decision,
     as_tri_state,
     auto_decision,
-    configure_for,
-    default_output_dir,
     first_sample,
-    model_config,
     prompt_learning,
     refuse_prompt_learning,
     refuse_unsafe,
     skip_reason,
-    warn_once,
 )
 from padfree.integrations.preference_data import GRPO_DATA, check_datasets
-from padfree.integrations.status import PADDING_FREE, STANDARD, PackingStatus, model_facts
-from padfree.integrations.telemetry import PackingTelemetryCallback, attach_telemetry, is_train_log
+from padfree.integrations.status import PADDING_FREE, STANDARD
 from padfree.integrations.unpadded import unpadded_forwards
 
 try:
@@ -121,7 +118,7 @@ def _decide(args: Any, model: Any, config: Any, processing_class: Any, train_dat
     return auto_decision(skip, config)
 
 
-class GRPOMixin:
+class GRPOMixin(TrainerProtocol):
     """What :class:`GRPOTrainer` adds to ``trl.GRPOTrainer`` (and :func:`padfree.enable` to its subclasses).
 
     ``trl.GRPOTrainer`` whose per-token log-probs (policy, old policy, reference) run padding-free: one packed
@@ -140,37 +137,26 @@ class GRPOMixin:
     """
 
     padding_free = False
-    _padfree_telemetry: PackingTelemetryCallback | None = None
+    _padfree_fallback = "GRPO scores completions with TRL's padded forward"
 
     def __init__(self, model: Any, reward_funcs: Any = None, args: Any = None, train_dataset: Any = None,
                  eval_dataset: Any = None, processing_class: Any = None, *rest: Any, **kwargs: Any) -> None:
-        if args is None:
-            args = GRPOConfig(default_output_dir(model, "GRPO"))
-        elif not isinstance(args, trl.GRPOConfig):
-            raise InvalidArgumentError(f"args must be a GRPOConfig (padfree's or trl's), got {describe(args)}")
+        args = as_config(args, model, GRPOConfig, trl.GRPOConfig, "GRPO")
+        given = Construction(model, args, train_dataset, eval_dataset, processing_class, rest=rest, kwargs=kwargs)
+        self._padfree_construct(given, functools.partial(super().__init__, model, reward_funcs, args, train_dataset,
+                                                         eval_dataset, processing_class, *rest, **kwargs))
+
+    def _padfree_check(self, given: Construction, config: Any) -> None:
         # an environment_factory (keyword, or TRL's 8th argument after processing_class) supplies the prompts
-        environment = kwargs.get("environment_factory", rest[7] if len(rest) > 7 else None)
-        check_datasets(GRPO_DATA, train_dataset, eval_dataset, require=environment is None)
-        decision = _decide(args, model, model_config(model, args), processing_class, train_dataset)
-        on = decision.mode == PADDING_FREE
-        if on and not isinstance(model, str):
-            configure_for(model, decision)  # fail before TRL loads a reference model or builds anything
-        super().__init__(model, reward_funcs, args, train_dataset, eval_dataset, processing_class, *rest, **kwargs)
-        if on:
-            configure_for(self.model, decision)  # a model given by name was loaded by TRL; else already configured
-            if self.ref_model is not None:
-                configure_for(self.ref_model, decision)
-        self.padding_free = on
+        environment = given.kwargs.get("environment_factory", given.rest[7] if len(given.rest) > 7 else None)
+        check_datasets(GRPO_DATA, given.train_dataset, given.eval_dataset, require=environment is None)
+
+    def _padfree_decide(self, given: Construction, config: Any) -> Decision:
+        return _decide(given.args, given.model, config, given.processing_class, given.train_dataset)
+
+    def _padfree_finish(self, given: Construction, decision: Decision) -> Any:
+        self.padding_free = decision.on  # the switch the scoring reads
         self.padfree_forwards = {"rows": 0, "tokens": 0, "padded_positions": 0}
-        args.padding_free = on
-        self._padfree_status = PackingStatus(
-            mode=decision.mode, reason=decision.reason, auto=decision.auto, packing=False, padding_free=on,
-            **model_facts(self.model))
-        logger.info("%s", self._padfree_status)
-        if on and getattr(args, "padfree_telemetry", True):
-            self._padfree_telemetry = attach_telemetry(self)
-        if decision.auto and not on and "not supported because" in decision.reason:
-            warn_once(f"padfree: {decision.reason}; GRPO scores completions with TRL's padded forward")
 
     def _get_per_token_logps_and_entropies(self, model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                                            logits_to_keep: int, batch_size: int | None = None, *args: Any,
@@ -206,10 +192,6 @@ class GRPOMixin:
         counts["tokens"] += int(attention_mask.sum())
         counts["padded_positions"] += attention_mask.numel()
 
-    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
-        if self._padfree_telemetry is not None and is_train_log(logs):
-            logs.update(self._padfree_telemetry.pop_metrics())
-        super().log(logs, start_time)
 
 
 class GRPOTrainer(GRPOMixin, trl.GRPOTrainer):

@@ -56,6 +56,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import functools
 import logging
 from collections.abc import Iterator
 from typing import Any
@@ -63,19 +64,19 @@ from typing import Any
 import numpy as np
 
 from padfree.errors import BackendUnavailableError, InvalidArgumentError, UnsupportedModelError, describe
+from padfree.integrations.base import Construction, TrainerProtocol, as_config
 from padfree.integrations.decide import (
     PROMPT_LEARNING_SKIP,
+    Cause,
     Decision,
+    Skip,
     as_tri_state,
     auto_decision,
-    configure_for,
-    default_output_dir,
+    configure_model,
     first_sample,
-    model_config,
     prompt_learning,
     refuse_unsafe,
     skip_reason,
-    warn_once,
 )
 from padfree.integrations.preference_data import (
     REWARD_DATA,
@@ -85,9 +86,7 @@ from padfree.integrations.preference_data import (
     dataset_label,
     drop_counted,
 )
-from padfree.integrations.status import PADDING_FREE, STANDARD, PackingStatus, model_facts
-from padfree.integrations.telemetry import PackingTelemetryCallback, attach_telemetry, is_train_log
-from padfree.integrations.trainer import configure_model
+from padfree.integrations.status import PADDING_FREE, STANDARD, model_facts
 from padfree.integrations.unpadded import Unpadded
 from padfree.model.wrappers import unwrap_model
 
@@ -279,12 +278,15 @@ def unpadded_scores(model: Any, ignore: tuple[str, ...] = ()) -> Iterator[None]:
 # --------------------------------------------------------------------------------------------------
 
 
-def _head_or_adapter(model: Any) -> str | None:
+def _head_or_adapter(model: Any) -> Skip | None:
+    """Why the model's own make-up keeps padfree from scoring it packed (a head it cannot feed, a prompt-learning
+    adapter), or None."""
     if isinstance(model, str):  # judged once TRL has loaded it
         return None
     if prompt_learning(model):
         return PROMPT_LEARNING_SKIP
-    return score_head_reason(model)
+    why = score_head_reason(model)
+    return None if why is None else Skip(why, Cause.MODEL)
 
 
 def _decide(args: Any, model: Any, config: Any, processing_class: Any, data_collator: Any, train_dataset: Any
@@ -299,20 +301,12 @@ def _decide(args: Any, model: Any, config: Any, processing_class: Any, data_coll
     target = model if isinstance(model, str) or head is not None else _backbone(model)
     if padding_free:
         if head is not None:
-            raise UnsupportedModelError(f"padding_free=True: {head}; unset padding_free to train with standard "
-                                        f"batching")
+            raise UnsupportedModelError(f"padding_free=True: {head.reason}; unset padding_free to train with "
+                                        f"standard batching")
         refuse_unsafe("padding_free=True", target, config, processing_class, data_collator, sample)
         return Decision(PADDING_FREE, "padding_free=True", auto=False)
     skip = skip_reason(args, target, config, processing_class, data_collator, sample, returns_logits=False) or head
     return auto_decision(skip, config)
-
-
-def _as_config(args: Any, model: Any) -> Any:
-    if args is None:
-        return RewardConfig(default_output_dir(model, "Reward"))
-    if isinstance(args, trl.RewardConfig):
-        return args
-    raise InvalidArgumentError(f"args must be a RewardConfig (padfree's or trl's), got {describe(args)}")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -320,59 +314,54 @@ def _as_config(args: Any, model: Any) -> Any:
 # --------------------------------------------------------------------------------------------------
 
 
-def _model_reason(reason: str) -> bool:
-    """A skip the user did not ask for (the model's own limits) is worth a warning; an opt-out is not."""
-    return "not supported because" in reason or "sequence-classification" in reason or "PEFT" in reason
-
-
-class RewardMixin:
+class RewardMixin(TrainerProtocol):
     """What :class:`RewardTrainer` adds to ``trl.RewardTrainer``: the decision and the packed scoring forward."""
 
-    _padfree_decision: Decision | None = None
-    _padfree_telemetry: PackingTelemetryCallback | None = None
     _padfree_checked: tuple[int, ...] = ()
     _padfree_vocab: int | None = None
+    _padfree_fallback = "training the reward model with standard batching"
 
     def __init__(self, model: Any, args: Any = None, data_collator: Any = None, train_dataset: Any = None,
                  eval_dataset: Any = None, processing_class: Any = None, *rest: Any, **kwargs: Any) -> None:
-        args = _as_config(args, model)
-        config = model_config(model, args)
+        args = as_config(args, model, RewardConfig, trl.RewardConfig, "Reward")
+        given = Construction(model, args, train_dataset, eval_dataset, processing_class, data_collator)
+        self._padfree_construct(given, functools.partial(super().__init__, model, args, data_collator, train_dataset,
+                                                         eval_dataset, processing_class, *rest, **kwargs))
+
+    # ---- the construction's hooks (padfree.integrations.base) ---------------------------------------------
+
+    def _padfree_check(self, given: Construction, config: Any) -> None:
         text = config.get_text_config() if hasattr(config, "get_text_config") else config
         # tokenized pairs' ids must fit the embedding (which a cloned chat template may still grow)
-        self._padfree_vocab = None if getattr(args, "chat_template_path", None) else getattr(text, "vocab_size", None)
+        self._padfree_vocab = (None if getattr(given.args, "chat_template_path", None)
+                               else getattr(text, "vocab_size", None))
         # before TRL reads a row: each fault of the data is one error naming the column and the row
-        self._padfree_checked = tuple(map(id, check_datasets(REWARD_DATA, train_dataset, eval_dataset,
+        self._padfree_checked = tuple(map(id, check_datasets(REWARD_DATA, given.train_dataset, given.eval_dataset,
                                                              vocab_size=self._padfree_vocab)))
         self._padfree_dropped: dict[str, int] = {}
-        decision = _decide(args, model, config, processing_class, data_collator, train_dataset)
-        if decision.mode != STANDARD and not isinstance(model, str):
-            configure_for(_backbone(model), decision)  # fail before tokenizing anything
-        super().__init__(model, args, data_collator, train_dataset, eval_dataset, processing_class, *rest, **kwargs)
-        if decision.mode != STANDARD:  # a model given by name is judged now that TRL has loaded it
-            head = _head_or_adapter(self.model)
-            if head is not None and not decision.auto:
-                raise UnsupportedModelError(f"padding_free=True: {head}; unset padding_free to train with standard "
-                                            f"batching")
-            if head is not None:
-                decision = auto_decision(head, self.model.config)
-            else:
-                configure_for(_backbone(self.model), decision)
-        self._padfree_decision = decision
-        on = decision.mode != STANDARD
-        if hasattr(args, "padding_free") or on:
-            args.padding_free = on
-        facts = model_facts(_backbone(self.model) if on else self.model)
-        self._padfree_status = PackingStatus(mode=decision.mode, reason=decision.reason, auto=decision.auto,
-                                             packing=False, padding_free=on, dropped=self._padfree_dropped, **facts)
-        logger.info("%s", self._padfree_status)
-        if on and getattr(args, "padfree_telemetry", True):
-            self._padfree_telemetry = attach_telemetry(self)
-        if decision.auto and decision.mode == STANDARD and _model_reason(decision.reason):
-            warn_once(f"padfree: {decision.reason}; training the reward model with standard batching")
 
-    @property
-    def _padfree_on(self) -> bool:
-        return self._padfree_decision is not None and self._padfree_decision.mode != STANDARD
+    def _padfree_decide(self, given: Construction, config: Any) -> Decision:
+        return _decide(given.args, given.model, config, given.processing_class, given.data_collator,
+                       given.train_dataset)
+
+    def _padfree_modules(self, model: Any, ref_model: Any) -> list[Any]:
+        # configure_packing refuses classification heads as such: the backbone is what runs packed
+        return [model if isinstance(model, str) else _backbone(model)]
+
+    def _padfree_settle(self, given: Construction, decision: Decision) -> Decision:
+        if not decision.on:  # a model given by name is judged now that TRL has loaded it
+            return decision
+        head = _head_or_adapter(self.model)
+        if head is None:
+            return decision
+        if not decision.auto:
+            raise UnsupportedModelError(f"padding_free=True: {head.reason}; unset padding_free to train with "
+                                        f"standard batching")
+        return auto_decision(head, self.model.config)
+
+    def _padfree_report(self, decision: Decision, plan: Any) -> dict[str, Any]:
+        facts = model_facts(_backbone(self.model)) if decision.on else {}
+        return {**facts, "dropped": self._padfree_dropped}
 
     def _prepare_dataset(self, dataset: Any, processing_class: Any, args: Any, dataset_name: str) -> Any:
         """TRL's preparation (EOS, tokenization), the data checked first and the pairs TRL drops counted: a pair
@@ -404,10 +393,6 @@ class RewardMixin:
             return super().compute_loss(model, inputs, return_outputs=return_outputs,
                                         num_items_in_batch=num_items_in_batch)
 
-    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
-        if self._padfree_telemetry is not None and is_train_log(logs):
-            logs.update(self._padfree_telemetry.pop_metrics())
-        super().log(logs, start_time)
 
 
 class RewardTrainer(RewardMixin, trl.RewardTrainer):

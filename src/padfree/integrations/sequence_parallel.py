@@ -19,12 +19,13 @@ from collections.abc import Iterator
 from typing import Any
 
 from padfree.errors import InvalidArgumentError
+from padfree.integrations.decide import configure_model
 from padfree.model.state import packing_state
 from padfree.model.wrappers import unwrap_model
 from padfree.packing.inputs import as_int
 from padfree.sequence_parallel import SequenceParallel
 
-__all__ = ["group_of", "loaders_for_group", "sequence_parallel_size"]
+__all__ = ["group_of", "loaders_for_group", "sequence_parallel_size", "setup_sequence_parallel"]
 
 
 def group_of(model: Any) -> SequenceParallel | None:
@@ -82,3 +83,17 @@ def loaders_for_group(accelerator: Any, sp: SequenceParallel | None) -> Iterator
         yield
     finally:
         del accelerator.prepare_data_loader
+
+
+def setup_sequence_parallel(model: Any, args: Any, size: int, loss: str | None) -> None:
+    """Configure ``model`` to split every forward across groups of ``size`` ranks (nothing for 1): the process
+    group is set up from the launcher's environment through ``args`` first, as the Trainer would."""
+    if size <= 1:
+        return
+    import transformers
+
+    if not isinstance(args, transformers.TrainingArguments):
+        raise InvalidArgumentError(f"sequence parallelism needs the trainer's args (TrainingArguments) to set up "
+                                   f"torch.distributed, got {type(args).__name__}")
+    _ = args.device  # transformers initialises the process group from the launcher's variables here
+    configure_model(model, sequence_parallel=size)

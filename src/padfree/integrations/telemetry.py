@@ -29,7 +29,7 @@ except ImportError as exc:  # pragma: no cover - transformers is installed where
         "padfree.integrations.telemetry needs torch and transformers; pip install 'padfree[torch,hf]'"
     ) from exc
 
-__all__ = ["PackingTelemetryCallback", "attach_telemetry", "is_train_log"]
+__all__ = ["PackingTelemetryCallback", "TelemetryLogMixin", "attach_telemetry", "is_train_log"]
 
 logger = logging.getLogger("padfree")
 
@@ -159,6 +159,28 @@ def attach_telemetry(trainer: Any, **kwargs: Any) -> PackingTelemetryCallback:
     callback = PackingTelemetryCallback(**kwargs)
     trainer.callback_handler.callbacks.insert(0, callback)
     return callback
+
+
+class TelemetryLogMixin:
+    """For a ``transformers.Trainer`` subclass (before it in the bases): the telemetry's metrics merged into the
+    training log in ``log``, so that they reach ``log_history`` and every reporting callback.
+
+    ``_padfree_attach_telemetry`` adds the callback (its arguments from ``_padfree_telemetry_options``); a trainer
+    feeds it its micro-batches (``observe`` / ``observe_unpadded``)."""
+
+    _padfree_telemetry: PackingTelemetryCallback | None = None
+
+    def _padfree_telemetry_options(self) -> dict[str, Any]:
+        """Keyword arguments of the :class:`PackingTelemetryCallback` this trainer attaches."""
+        return {}
+
+    def _padfree_attach_telemetry(self) -> None:
+        self._padfree_telemetry = attach_telemetry(self, **self._padfree_telemetry_options())
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        if self._padfree_telemetry is not None and is_train_log(logs):
+            logs.update(self._padfree_telemetry.pop_metrics())
+        super().log(logs, start_time)
 
 
 def _batch_stats(inputs: Mapping[str, Any], pad_ids: tuple[int, ...]) -> torch.Tensor:

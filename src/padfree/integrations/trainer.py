@@ -21,6 +21,8 @@ from typing import Any
 
 from padfree.data.batch import PackedCollator, PaddingFreeCollator
 from padfree.errors import BackendUnavailableError, InvalidArgumentError
+from padfree.integrations.decide import configure_model
+from padfree.integrations.sequence_parallel import sequence_parallel_size, setup_sequence_parallel
 from padfree.integrations.status import PACKING, PADDING_FREE, STANDARD, PackingStatus, model_facts
 from padfree.integrations.step_loss import (
     LOSS_MODES,
@@ -31,7 +33,7 @@ from padfree.integrations.step_loss import (
     sequence_weights,
     token_losses,
 )
-from padfree.integrations.telemetry import PackingTelemetryCallback, attach_telemetry, is_train_log
+from padfree.integrations.telemetry import PackingTelemetryCallback, TelemetryLogMixin
 from padfree.model.wrappers import unwrap_model
 from padfree.packing.inputs import as_choice, as_flag
 
@@ -45,14 +47,13 @@ except ImportError as exc:  # pragma: no cover - transformers is installed where
     ) from exc
 
 __all__ = [
-    "PadfreeTrainerMixin", "SamplerEpoch", "Trainer", "TrainerMixin", "batch_sampler_dataloader", "configure_model",
-    "setup_sequence_parallel",
+    "PadfreeTrainerMixin", "SamplerEpoch", "Trainer", "TrainerMixin", "batch_sampler_dataloader",
 ]
 
 logger = logging.getLogger("padfree")
 
 
-class PadfreeTrainerMixin:
+class PadfreeTrainerMixin(TelemetryLogMixin):
     """The loss rule and the telemetry for a ``transformers.Trainer`` subclass (put it first in the bases).
 
     Set up by :meth:`_padfree_setup` (padfree's trainers call it from ``__init__``). Overrides
@@ -100,7 +101,10 @@ class PadfreeTrainerMixin:
             # accumulation steps again
             self.loss_is_scaled_for_ga = True
         if telemetry:
-            self._padfree_telemetry = attach_telemetry(self, pad_token_ids=_pad_ids(self))
+            self._padfree_attach_telemetry()
+
+    def _padfree_telemetry_options(self) -> dict[str, Any]:
+        return {"pad_token_ids": _pad_ids(self)}  # packed rows may end in a padding tail
 
     # ---- counting the step ---------------------------------------------------------------------------
 
@@ -430,11 +434,6 @@ class PadfreeTrainerMixin:
             self._padfree_telemetry.observe(inputs)
         return super().training_step(model, inputs, num_items_in_batch)
 
-    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
-        if self._padfree_telemetry is not None and is_train_log(logs):
-            logs.update(self._padfree_telemetry.pop_metrics())
-        super().log(logs, start_time)
-
 
 def batch_sampler_dataloader(trainer: Any, sampler: Any) -> Any:
     """The train ``DataLoader`` the ``Trainer`` would build, with ``sampler`` as its ``batch_sampler`` (a balanced
@@ -510,33 +509,6 @@ def _pad_ids(trainer: Any) -> tuple[int, ...]:
 # --------------------------------------------------------------------------------------------------
 
 
-def configure_model(model: Any, sequence_parallel: int | None = None) -> Any:
-    """``configure_packing`` on the transformers model inside ``model`` (kept if already configured — configured
-    again if PEFT changed it since, :func:`~padfree.model.configure.refresh_packing` — unless
-    ``sequence_parallel`` asks for a group size it was not configured with): its
-    :class:`~padfree.model.configure.PackingReport`, or :class:`~padfree.errors.UnsupportedModelError`."""
-    from padfree.model.configure import configure_packing, packing_state, refresh_packing
-
-    base = unwrap_model(model)
-    state = packing_state(base)
-    wanted = sequence_parallel if sequence_parallel is not None and sequence_parallel > 1 else None
-    if state is not None and (wanted is None or (state.sp is not None and state.sp.size == wanted)):
-        return refresh_packing(model)  # configured again if PEFT wrapped it since (adapters, modules_to_save copies)
-    return configure_packing(base, sequence_parallel=wanted)
-
-
-def setup_sequence_parallel(model: Any, args: Any, size: int, loss: str | None) -> None:
-    """Configure ``model`` to split every forward across groups of ``size`` ranks (nothing for 1): the process
-    group is set up from the launcher's environment through ``args`` first, as the Trainer would."""
-    if size <= 1:
-        return
-    if not isinstance(args, transformers.TrainingArguments):
-        raise InvalidArgumentError(f"sequence parallelism needs the trainer's args (TrainingArguments) to set up "
-                                   f"torch.distributed, got {type(args).__name__}")
-    _ = args.device  # transformers initialises the process group from the launcher's variables here
-    configure_model(model, sequence_parallel=size)
-
-
 def _is_padfree_collator(collator: Any) -> bool:
     return isinstance(collator, (PackedCollator, PaddingFreeCollator))
 
@@ -549,8 +521,6 @@ class TrainerMixin(PadfreeTrainerMixin):
     def __init__(self, *args: Any, padfree_loss: str = "token", padfree_telemetry: bool = True,
                  padfree_balance: bool = True, padfree_fused_loss: bool = False,
                  padfree_sequence_parallel: int | None = None, **kwargs: Any) -> None:
-        from padfree.integrations.sequence_parallel import sequence_parallel_size
-
         as_choice(padfree_loss, "padfree_loss", LOSS_MODES)
         sp_size = sequence_parallel_size(padfree_sequence_parallel, "padfree_sequence_parallel")
         self.padfree_balance = as_flag(padfree_balance, "padfree_balance")

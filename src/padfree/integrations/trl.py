@@ -80,6 +80,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import logging
 from collections.abc import Mapping
 from typing import Any
@@ -91,27 +92,26 @@ from padfree.errors import (
     UnsupportedModelError,
     describe,
 )
+from padfree.integrations.base import Construction, TrainerProtocol, as_config, plan_fields
 from padfree.integrations.decide import (
     ENV_DISABLE_AUTO,
     ENV_RETURN_LOGITS,
+    Cause,
     Decision,
+    Skip,
     as_tri_state,
     auto_decision,
-    configure_for,
-    default_output_dir,
     first_sample,
     holds_images,
     image_reason,
-    model_config,
     refuse_unsafe,
     skip_reason,
     support_reason,
-    warn_once,
 )
-from padfree.integrations.sequence_parallel import sequence_parallel_size
-from padfree.integrations.status import PACKING, PADDING_FREE, STANDARD, PackingStatus, model_facts
+from padfree.integrations.sequence_parallel import sequence_parallel_size, setup_sequence_parallel
+from padfree.integrations.status import PACKING, PADDING_FREE, STANDARD
 from padfree.integrations.step_loss import LOSS_MODES, reduce_loss, refuse_with_own_nll, scored_labels, token_losses
-from padfree.integrations.trainer import PadfreeTrainerMixin, setup_sequence_parallel
+from padfree.integrations.trainer import PadfreeTrainerMixin
 from padfree.integrations.trainer_data import (
     PackedRowsCollator,
     PackedVisionCollator,
@@ -124,7 +124,6 @@ from padfree.packing.strategies import DEFAULT_STRATEGY, STRATEGIES, as_strategy
 try:
     import datasets
     import torch
-    import transformers
     import trl
 except ImportError as exc:  # pragma: no cover - trl is installed wherever this module is used
     raise BackendUnavailableError(
@@ -282,81 +281,68 @@ def _decide(args: Any, model: Any, config: Any, processing_class: Any, data_coll
 # --------------------------------------------------------------------------------------------------
 
 
-def _as_config(args: Any, model: Any) -> Any:
-    """``args`` as a TRL config, built the way ``trl.SFTTrainer`` builds it (a padfree :class:`SFTConfig` when
-    none is given, so that padfree decides)."""
-    if args is None:
-        return SFTConfig(default_output_dir(model, "SFT"))
-    if isinstance(args, trl.SFTConfig):
-        return args
-    if isinstance(args, transformers.TrainingArguments):
-        values = args.to_dict()
-        values["hub_token"] = args.hub_token
-        return SFTConfig(**values)
-    raise InvalidArgumentError(f"args must be an SFTConfig (padfree's or trl's) or TrainingArguments, got "
-                               f"{describe(args)}")
-
-
-class SFTMixin(PadfreeTrainerMixin):
+class SFTMixin(TrainerProtocol, PadfreeTrainerMixin):
     """What :class:`SFTTrainer` adds to ``trl.SFTTrainer`` (and :func:`padfree.enable` to its subclasses)."""
 
-    _padfree_decision: Decision | None = None
     _padfree_train_prepared = False
+    _padfree_hidden = ("packing", "padding_free")  # TRL tokenizes and pads; padfree packs and swaps the collator
 
     def __init__(self, model: Any, args: Any = None, data_collator: Any = None, train_dataset: Any = None,
                  eval_dataset: Any = None, processing_class: Any = None, *rest: Any, **kwargs: Any) -> None:
-        args = _as_config(args, model)
-        loss = as_choice(getattr(args, "padfree_loss", "token"), "padfree_loss", LOSS_MODES)
-        sp_size = sequence_parallel_size(getattr(args, "padfree_sequence_parallel", 1), "padfree_sequence_parallel")
+        args = as_config(args, model, SFTConfig, trl.SFTConfig, "SFT", from_training_arguments=True)
+        given = Construction(model, args, train_dataset, eval_dataset, processing_class, data_collator, kwargs=kwargs)
+        self._padfree_construct(given, functools.partial(super().__init__, model, args, data_collator, train_dataset,
+                                                         eval_dataset, processing_class, *rest, **kwargs))
+
+    # ---- the construction's hooks (padfree.integrations.base) ---------------------------------------------
+
+    def _padfree_check(self, given: Construction, config: Any) -> None:
+        args = given.args
+        self._padfree_loss_choice = as_choice(getattr(args, "padfree_loss", "token"), "padfree_loss", LOSS_MODES)
+        self._padfree_sp_size = sequence_parallel_size(getattr(args, "padfree_sequence_parallel", 1),
+                                                       "padfree_sequence_parallel")
         self.padfree_balance = as_flag(getattr(args, "padfree_balance", True), "padfree_balance")
         self.padfree_fused_loss = as_flag(getattr(args, "padfree_fused_loss", False), "padfree_fused_loss")
-        for flag, what in ((loss == "sequence", "padfree_loss='sequence'"),
+        for flag, what in ((self._padfree_loss_choice == "sequence", "padfree_loss='sequence'"),
                            (self.padfree_fused_loss, "padfree_fused_loss=True")):
             if flag:
-                refuse_with_own_nll(what, args, kwargs.get("compute_loss_func"))
-        config = model_config(model, args)
-        decision = _decide(args, model, config, processing_class, data_collator, train_dataset,
-                           kwargs.get("formatting_func"))
-        self._padfree_decision = decision
+                refuse_with_own_nll(what, args, given.kwargs.get("compute_loss_func"))
         self._padfree_plans: dict[str, Any] = {}
-        on = decision.mode != STANDARD
-        if not isinstance(model, str):  # fail before tokenizing anything
-            setup_sequence_parallel(model, args, sp_size, loss)
-            if on:
-                configure_for(model, decision, sp_size)
-        # TRL tokenizes and builds its padded pipeline; padfree packs the tokenized data and swaps the collator
-        args.packing, args.padding_free = False, False
-        try:
-            super().__init__(model, args, data_collator, train_dataset, eval_dataset, processing_class, *rest,
-                             **kwargs)
-        finally:
-            args.packing, args.padding_free = decision.mode == PACKING, on
-        vision = bool(getattr(self, "_is_vision_dataset", False))
-        if isinstance(model, str):  # loaded by TRL; a model instance is configured already
-            if on and vision:
+
+    def _padfree_decide(self, given: Construction, config: Any) -> Decision:
+        return _decide(given.args, given.model, config, given.processing_class, given.data_collator,
+                       given.train_dataset, given.kwargs.get("formatting_func"))
+
+    def _padfree_modules(self, model: Any, ref_model: Any) -> list[Any]:
+        return [model]
+
+    def _padfree_configure_given(self, given: Construction, decision: Decision) -> None:
+        if not isinstance(given.model, str):  # the group first: configure_packing then splits every forward
+            setup_sequence_parallel(given.model, given.args, self._padfree_sp_size, self._padfree_loss_choice)
+        super()._padfree_configure_given(given, decision)
+
+    def _padfree_settle(self, given: Construction, decision: Decision) -> Decision:
+        if isinstance(given.model, str):  # loaded by TRL; a model instance is configured already
+            if decision.on and getattr(self, "_is_vision_dataset", False):
                 decision = self._padfree_images_checked(decision)
-                on = decision.mode != STANDARD
-            setup_sequence_parallel(self.model, args, sp_size, loss)
-        if on:
-            configure_for(self.model, decision, sp_size)
+            setup_sequence_parallel(self.model, given.args, self._padfree_sp_size, self._padfree_loss_choice)
+        return decision
+
+    def _padfree_finish(self, given: Construction, decision: Decision) -> Any:
+        if decision.on:
             self.padding_free = True
-            if vision:  # TRL's collator runs the processor per loader batch; padfree makes its batch one row
+            if getattr(self, "_is_vision_dataset", False):  # TRL's collator runs the processor per loader batch;
+                # padfree makes its batch one row
                 self.data_collator = PackedVisionCollator(self.data_collator)
                 if decision.mode == PACKING:
                     self.train_dataset = self._padfree_vision_rows(self.train_dataset, decision)
             else:
                 self.data_collator = PackedRowsCollator()
-        self._padfree_setup(loss, telemetry=on and bool(getattr(args, "padfree_telemetry", True)))
-        plan = self._padfree_plans.get("train")
-        self._padfree_status = PackingStatus(
-            mode=decision.mode, reason=decision.reason, auto=decision.auto, packing=decision.mode == PACKING,
-            padding_free=on, loss=loss, efficiency=None if plan is None else float(plan.efficiency),
-            rows=None if plan is None else int(plan.num_bins),
-            sequences=None if plan is None else int(plan.num_pieces), balance=self._padfree_balance_note(),
-            **model_facts(self.model))
-        logger.info("%s", self._padfree_status)
-        if decision.auto and decision.mode == STANDARD and "not supported because" in decision.reason:
-            warn_once(f"padfree: {decision.reason}; training with standard batching")
+        self._padfree_setup(self._padfree_loss_choice, telemetry=False)  # the protocol attaches the telemetry
+        return self._padfree_plans.get("train")
+
+    def _padfree_report(self, decision: Decision, plan: Any) -> dict[str, Any]:
+        return {"loss": self.padfree_loss, **plan_fields(plan), "balance": self._padfree_balance_note()}
 
     # ---- data ------------------------------------------------------------------------------------------
 
@@ -367,9 +353,7 @@ class SFTMixin(PadfreeTrainerMixin):
         if why is None:
             return decision
         if decision.auto:
-            self._padfree_decision = Decision(STANDARD, f"auto padding-free skipped: {why}", auto=True)
-            self.args.packing, self.args.padding_free = False, False
-            return self._padfree_decision
+            return auto_decision(Skip(why, Cause.DATA), None)
         raise UnsupportedModelError(f"{decision.reason} with images: {why}; unset packing / padding_free to train "
                                     f"with TRL's padded batches")
 
