@@ -19,7 +19,7 @@ test: setup
 # gloo): about 13 minutes on a 2-core machine
 FLOOR_TESTS = tests/test_model_sweep.py tests/test_model_certify.py tests/test_integrations_bf16.py \
 	tests/test_model_matrix.py tests/test_model_mixers.py tests/test_model_configure.py \
-	tests/test_integrations_trainer.py tests/test_integrations_trl.py tests/test_data_hf.py \
+	tests/test_integrations_trainer.py tests/test_integrations_sft.py tests/test_data_hf.py \
 	tests/test_data_datasets.py tests/test_cli.py tests/test_packing.py tests/test_rows.py \
 	tests/test_sequence_parallel.py tests/test_model_sharded.py tests/test_integrations_sequence_parallel.py \
 	tests/test_integrations_balanced_trainer.py tests/test_families_depth.py tests/test_model_attention.py

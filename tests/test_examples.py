@@ -24,7 +24,7 @@ TIMEOUT = 600
 
 # what every example imports, imported once here so that the forked scripts start warm
 pytest.importorskip("trl")
-import padfree.integrations.trl  # noqa: E402, F401
+import padfree.integrations.sft  # noqa: E402, F401
 
 # one torch thread in this process before it forks: a child of a process whose OpenMP pool has run stalls in it
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -281,7 +281,7 @@ def test_sft_config_opt_out(tmp_path, monkeypatch):
 
     pytest.importorskip("mistral_common")
     pytest.importorskip("trl")
-    from padfree.integrations.trl import SFTConfig, SFTTrainer
+    from padfree.integrations.sft import SFTConfig, SFTTrainer
 
     tok = mistral_tokenizer(tmp_path)
     monkeypatch.setattr(transformers.TrainingArguments, "world_size", property(lambda self: 2))

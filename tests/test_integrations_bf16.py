@@ -19,7 +19,7 @@ transformers = pytest.importorskip("transformers")
 datasets = pytest.importorskip("datasets")
 trl = pytest.importorskip("trl")
 
-import padfree.integrations.trl as ptrl  # noqa: E402
+import padfree.integrations.sft as psft  # noqa: E402
 from padfree.integrations.status import packing_status  # noqa: E402
 from padfree.integrations.step_loss import token_losses  # noqa: E402
 from padfree.integrations.trainer import Trainer  # noqa: E402
@@ -144,9 +144,9 @@ def test_sft_trainer_bf16_padding_free_update_equals_unpacked_autocast(tok, reco
     model = build(model_type, len(tok))
     reference = copy.deepcopy(model)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
-    args = ptrl.SFTConfig(output_dir=str(tmp_path), per_device_train_batch_size=3, max_length=96,
+    args = psft.SFTConfig(output_dir=str(tmp_path), per_device_train_batch_size=3, max_length=96,
                           activation_checkpointing=False, logging_steps=1, **sgd())
-    trainer = ptrl.SFTTrainer(model=model, args=args, train_dataset=ds, processing_class=tok)
+    trainer = psft.SFTTrainer(model=model, args=args, train_dataset=ds, processing_class=tok)
     assert packing_status(trainer).mode == "padding-free batching"
     dtypes = record_dtypes(model)
     trainer.train()

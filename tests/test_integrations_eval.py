@@ -18,7 +18,7 @@ trl = pytest.importorskip("trl")
 datasets = pytest.importorskip("datasets")
 mistral_common = pytest.importorskip("mistral_common")
 
-import padfree.integrations.trl as ptrl  # noqa: E402
+import padfree.integrations.sft as psft  # noqa: E402
 from padfree.errors import InvalidArgumentError  # noqa: E402
 from padfree.integrations.step_loss import token_losses  # noqa: E402
 from realdata import gsm8k_records  # noqa: E402
@@ -37,7 +37,7 @@ SHORT, LONG = 22, (9, 17)
 
 @pytest.fixture(autouse=True)
 def _clean_env(monkeypatch):
-    for name in (ptrl.ENV_DISABLE_AUTO, *ptrl.ENV_RETURN_LOGITS):
+    for name in (psft.ENV_DISABLE_AUTO, *psft.ENV_RETURN_LOGITS):
         monkeypatch.delenv(name, raising=False)
 
 
@@ -92,8 +92,8 @@ def build(tok, data, out, mode, eval_dataset=True, compute_metrics=None, **kwarg
                 save_strategy="no", disable_tqdm=True, max_length=MAX_LENGTH, per_device_eval_batch_size=EVAL_BATCH,
                 seed=0)
     setting = {"padding_free": False} if mode == "standard" else {mode: True}
-    args = ptrl.SFTConfig(**{**base, **setting, **kwargs})
-    return ptrl.SFTTrainer(model=model_for(tok), args=args, train_dataset=data[0],
+    args = psft.SFTConfig(**{**base, **setting, **kwargs})
+    return psft.SFTTrainer(model=model_for(tok), args=args, train_dataset=data[0],
                            eval_dataset=data[1] if eval_dataset else None, processing_class=tok,
                            compute_metrics=compute_metrics)
 
@@ -181,7 +181,7 @@ def test_an_eval_set_named_train_is_not_the_train_set(tok, data, reference, tmp_
     base = dict(output_dir=str(tmp_path / "dict"), report_to="none", use_cpu=True, bf16=False,
                 activation_checkpointing=False, save_strategy="no", disable_tqdm=True, max_length=MAX_LENGTH,
                 per_device_eval_batch_size=EVAL_BATCH, seed=0, packing=True, eval_packing=False)
-    trainer = ptrl.SFTTrainer(model=model_for(tok), args=ptrl.SFTConfig(**base), train_dataset=data[0],
+    trainer = psft.SFTTrainer(model=model_for(tok), args=psft.SFTConfig(**base), train_dataset=data[0],
                               eval_dataset={"train": data[1], "other": data[1]}, processing_class=tok)
     assert packing_status(trainer).rows == packing_status(plain).rows  # the train plan, not the eval set's
     assert "seq_lens" in trainer.train_dataset.column_names

@@ -24,7 +24,7 @@ np = pytest.importorskip("numpy")
 Image = pytest.importorskip("PIL.Image")
 tokenizers = pytest.importorskip("tokenizers")
 
-import padfree.integrations.trl as ptrl  # noqa: E402
+import padfree.integrations.sft as psft  # noqa: E402
 from padfree.errors import UnsupportedModelError  # noqa: E402
 from padfree.integrations.status import packing_status  # noqa: E402
 from padfree.integrations.trainer_data import PackedRowsCollator, PackedVisionCollator  # noqa: E402
@@ -164,7 +164,7 @@ class _Gradients(transformers.TrainerCallback):
         self.grads = {n: p.grad.detach().clone() for n, p in self.model.named_parameters() if p.grad is not None}
 
 
-def config(out, cls=ptrl.SFTConfig, **kwargs):
+def config(out, cls=psft.SFTConfig, **kwargs):
     # SGD without clipping: the update is -lr times these gradients
     base = dict(output_dir=str(out), max_steps=1, per_device_train_batch_size=4, bf16=False, report_to="none",
                 save_strategy="no", use_cpu=True, disable_tqdm=True, seed=0, optim="sgd", learning_rate=1e-2,
@@ -208,7 +208,7 @@ def test_padding_free_and_packing_equal_trls_padded_step(model_type, fmt, tmp_pa
                                train_dataset=ds, processing_class=processor))
     assert any("vision" in name or "visual" in name for name in want)  # the tower's gradients compared too
     for setting in (dict(padding_free=True), dict(packing=True, max_length=512)):
-        trainer = ptrl.SFTTrainer(model=copy.deepcopy(base), args=config(tmp_path / "padfree", **setting),
+        trainer = psft.SFTTrainer(model=copy.deepcopy(base), args=config(tmp_path / "padfree", **setting),
                                   train_dataset=ds, processing_class=processor)
         status = packing_status(trainer)
         assert status.enabled and not status.auto, status
@@ -217,7 +217,7 @@ def test_padding_free_and_packing_equal_trls_padded_step(model_type, fmt, tmp_pa
         assert batch["input_ids"].shape[0] == 1 and "attention_mask" not in batch
         assert int((batch["position_ids"][0] == 0).sum()) == len(ds)  # every sample in the one row
         assert relative(step(trainer), want) <= RTOL, setting
-    control = ptrl.SFTTrainer(model=copy.deepcopy(base), args=config(tmp_path / "control", padding_free=True),
+    control = psft.SFTTrainer(model=copy.deepcopy(base), args=config(tmp_path / "control", padding_free=True),
                               train_dataset=ds, processing_class=processor)
     control.data_collator = zero_token_types(control.data_collator)
     assert relative(step(control), want) > 1e-3
@@ -225,7 +225,7 @@ def test_padding_free_and_packing_equal_trls_padded_step(model_type, fmt, tmp_pa
 
 def test_automatic_padding_free_turns_on_for_images_padfree_lays_out(tmp_path):
     processor = qwen_processor()
-    trainer = ptrl.SFTTrainer(model=tiny_qwen2_vl(len(processor.tokenizer)), args=config(tmp_path),
+    trainer = psft.SFTTrainer(model=tiny_qwen2_vl(len(processor.tokenizer)), args=config(tmp_path),
                               train_dataset=vision_dataset("messages"), processing_class=processor)
     status = packing_status(trainer)
     assert (status.mode, status.auto) == ("padding-free batching", True), status
@@ -239,23 +239,23 @@ def test_images_padfree_cannot_lay_out_are_skipped_or_refused(tmp_path):
     processor = qwen_processor()
     mllama = build_tiny("mllama", multimodal=True)
     ds = vision_dataset("messages")
-    skipped = ptrl.SFTTrainer(model=mllama, args=config(tmp_path), train_dataset=ds, processing_class=processor)
+    skipped = psft.SFTTrainer(model=mllama, args=config(tmp_path), train_dataset=ds, processing_class=processor)
     status = packing_status(skipped)
     assert (status.mode, status.auto) == ("standard batching", True)
     assert "the images of MllamaForConditionalGeneration in packed rows: MllamaTextCrossAttention" in status.reason
     assert not isinstance(skipped.data_collator, PackedVisionCollator)
     for setting in (dict(padding_free=True), dict(packing=True, max_length=512)):
         with pytest.raises(UnsupportedModelError, match="with images: padfree does not put the images of Mllama"):
-            ptrl.SFTTrainer(model=mllama, args=config(tmp_path, **setting), train_dataset=ds,
+            psft.SFTTrainer(model=mllama, args=config(tmp_path, **setting), train_dataset=ds,
                             processing_class=processor)
     # a model TRL loads by name is judged once loaded
     mllama.save_pretrained(tmp_path / "mllama")
-    by_name = ptrl.SFTTrainer(model=str(tmp_path / "mllama"), args=config(tmp_path), train_dataset=ds,
+    by_name = psft.SFTTrainer(model=str(tmp_path / "mllama"), args=config(tmp_path), train_dataset=ds,
                               processing_class=processor)
     assert "MllamaTextCrossAttention" in packing_status(by_name).reason
     assert not packing_status(by_name).enabled and not isinstance(by_name.data_collator, PackedVisionCollator)
     with pytest.raises(UnsupportedModelError, match="padding_free=True with images: padfree does not put"):
-        ptrl.SFTTrainer(model=str(tmp_path / "mllama"), args=config(tmp_path, padding_free=True), train_dataset=ds,
+        psft.SFTTrainer(model=str(tmp_path / "mllama"), args=config(tmp_path, padding_free=True), train_dataset=ds,
                         processing_class=processor)
 
 
@@ -268,7 +268,7 @@ def test_a_vision_language_model_on_text_trains_padding_free(tmp_path):
                                      [("2 + 2 =", " 4"), ("the sky is", " blue, mostly"), ("hi", " there, friend")]])
     want = step(trl.SFTTrainer(model=copy.deepcopy(base), args=config(tmp_path / "trl", trl.SFTConfig),
                                train_dataset=ds, processing_class=processor))
-    trainer = ptrl.SFTTrainer(model=copy.deepcopy(base), args=config(tmp_path / "padfree"), train_dataset=ds,
+    trainer = psft.SFTTrainer(model=copy.deepcopy(base), args=config(tmp_path / "padfree"), train_dataset=ds,
                               processing_class=processor)
     status = packing_status(trainer)
     assert (status.mode, status.auto) == ("padding-free batching", True), status

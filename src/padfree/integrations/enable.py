@@ -2,7 +2,7 @@
 GRPO trainer class.
 
 Every trainer module is below this one: :mod:`padfree.integrations.trainer` for ``Trainer`` subclasses and, only
-when the class is TRL's, the module of that TRL trainer (:mod:`~padfree.integrations.trl`,
+when the class is TRL's, the module of that TRL trainer (:mod:`~padfree.integrations.sft`,
 :mod:`~padfree.integrations.dpo`, :mod:`~padfree.integrations.reward`, :mod:`~padfree.integrations.grpo`) — so TRL
 is imported only for a class that already needs it, and no trainer module has to know another.
 """
@@ -25,7 +25,7 @@ __all__ = ["enable"]
 # the registry: TRL's trainer ``<Name>Trainer`` -> the padfree module that holds ``<Name>Mixin`` (what padfree adds,
 # on padfree.integrations.base's protocol) and ``<Name>Trainer`` (the mixin on TRL's class); most derived TRL first
 _TRL_TRAINERS = {
-    "SFTTrainer": "padfree.integrations.trl",
+    "SFTTrainer": "padfree.integrations.sft",
     "DPOTrainer": "padfree.integrations.dpo",
     "RewardTrainer": "padfree.integrations.reward",
     "GRPOTrainer": "padfree.integrations.grpo",

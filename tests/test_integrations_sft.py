@@ -20,7 +20,7 @@ trl = pytest.importorskip("trl")
 datasets = pytest.importorskip("datasets")
 mistral_common = pytest.importorskip("mistral_common")
 
-import padfree.integrations.trl as ptrl  # noqa: E402
+import padfree.integrations.sft as psft  # noqa: E402
 from padfree.errors import DataLoadError, InvalidArgumentError, UnsupportedModelError  # noqa: E402
 from padfree.integrations.enable import enable  # noqa: E402
 from padfree.integrations.status import packing_status  # noqa: E402
@@ -38,7 +38,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 @pytest.fixture(autouse=True)
 def _clean_env(monkeypatch):
-    for name in (ptrl.ENV_DISABLE_AUTO, *ptrl.ENV_RETURN_LOGITS):
+    for name in (psft.ENV_DISABLE_AUTO, *psft.ENV_RETURN_LOGITS):
         monkeypatch.delenv(name, raising=False)
 
 
@@ -73,7 +73,7 @@ def config(out, **kwargs):
     base = dict(output_dir=str(out), max_steps=1, per_device_train_batch_size=2, bf16=False,
                 activation_checkpointing=False, report_to="none", save_strategy="no", max_length=128, use_cpu=True,
                 disable_tqdm=True, logging_steps=1, seed=0)
-    cls = kwargs.pop("cls", ptrl.SFTConfig)
+    cls = kwargs.pop("cls", psft.SFTConfig)
     return cls(**{**base, **kwargs})
 
 
@@ -102,7 +102,7 @@ def unpacked_loss(model, batches):
 
 def test_auto_padding_free_on_llama(tok, records, tmp_path, caplog):
     caplog.set_level(logging.INFO, logger="padfree")
-    trainer = ptrl.SFTTrainer(model=llama(tok), args=config(tmp_path, cls=trl.SFTConfig),
+    trainer = psft.SFTTrainer(model=llama(tok), args=config(tmp_path, cls=trl.SFTConfig),
                               train_dataset=prompt_completion(records, 32), processing_class=tok)
     status = packing_status(trainer)
     assert status.mode == "padding-free batching" and status.auto and status.enabled
@@ -133,7 +133,7 @@ def test_skip_reasons(tok, records, tmp_path, monkeypatch, caplog):
     }
     for name, (kwargs, message) in cases.items():
         kwargs = {"model": llama(tok), "processing_class": tok, **kwargs}
-        trainer = ptrl.SFTTrainer(args=config(tmp_path / name), train_dataset=ds, **kwargs)
+        trainer = psft.SFTTrainer(args=config(tmp_path / name), train_dataset=ds, **kwargs)
         status = packing_status(trainer)
         assert status.mode == "standard batching" and status.auto, name
         assert message in status.reason, (name, status.reason)
@@ -141,10 +141,10 @@ def test_skip_reasons(tok, records, tmp_path, monkeypatch, caplog):
         assert trainer.args.padding_free is False and trainer.args.packing is False
         assert not isinstance(trainer.data_collator, PackedRowsCollator)
         assert not any(isinstance(cb, PackingTelemetryCallback) for cb in trainer.callback_handler.callbacks)
-    for env, message in ((ptrl.ENV_DISABLE_AUTO, "PADFREE_DISABLE_AUTO_PADDING_FREE=1 is set"),
+    for env, message in ((psft.ENV_DISABLE_AUTO, "PADFREE_DISABLE_AUTO_PADDING_FREE=1 is set"),
                          ("PADFREE_RETURN_LOGITS", "PADFREE_RETURN_LOGITS=1 asks for logits to be returned")):
         monkeypatch.setenv(env, "1")
-        trainer = ptrl.SFTTrainer(model=llama(tok), args=config(tmp_path / env), train_dataset=ds,
+        trainer = psft.SFTTrainer(model=llama(tok), args=config(tmp_path / env), train_dataset=ds,
                                   processing_class=tok)
         assert packing_status(trainer).mode == "standard batching"
         assert message in packing_status(trainer).reason
@@ -155,7 +155,7 @@ def test_config_opt_out_and_explicit_settings_win(tok, records, tmp_path, monkey
     ds = prompt_completion(records, 8)
 
     def build(args):
-        return packing_status(ptrl.SFTTrainer(model=llama(tok), args=args, train_dataset=ds, processing_class=tok))
+        return packing_status(psft.SFTTrainer(model=llama(tok), args=args, train_dataset=ds, processing_class=tok))
 
     assert "auto_padding_free=False" in build(config(tmp_path / "a", auto_padding_free=False)).reason
     plain = config(tmp_path / "b", cls=trl.SFTConfig)
@@ -164,12 +164,12 @@ def test_config_opt_out_and_explicit_settings_win(tok, records, tmp_path, monkey
     explicit_off = build(config(tmp_path / "c", padding_free=False))
     assert (explicit_off.mode, explicit_off.reason, explicit_off.auto) == ("standard batching", "padding_free=False",
                                                                             False)
-    monkeypatch.setenv(ptrl.ENV_DISABLE_AUTO, "1")
+    monkeypatch.setenv(psft.ENV_DISABLE_AUTO, "1")
     on = build(config(tmp_path / "d", cls=trl.SFTConfig, padding_free=True))  # TRL would refuse max_length here
     assert (on.mode, on.reason, on.auto) == ("padding-free batching", "padding_free=True", False)
     packed = build(config(tmp_path / "e", packing=True))
     assert packed.mode == "sample packing" and packed.packing and packed.rows >= 4
-    monkeypatch.setenv(ptrl.ENV_DISABLE_AUTO, "maybe")
+    monkeypatch.setenv(psft.ENV_DISABLE_AUTO, "maybe")
     with pytest.raises(InvalidArgumentError, match="PADFREE_DISABLE_AUTO_PADDING_FREE='maybe' is not a flag"):
         build(config(tmp_path / "f"))
 
@@ -195,7 +195,7 @@ def test_packing_first_step_loss_equals_unpacked_and_20_steps(tok, records, tmp_
     model = llama(tok)
     reference = copy.deepcopy(model)  # never configured: runs transformers' own code on one sequence at a time
     cls = enable(RecordingSFT)
-    assert issubclass(cls, RecordingSFT) and issubclass(cls, ptrl.SFTMixin)
+    assert issubclass(cls, RecordingSFT) and issubclass(cls, psft.SFTMixin)
     trainer = cls(model=model, args=config(tmp_path, packing=True, max_length=256, max_steps=20, logging_steps=5,
                                             per_device_train_batch_size=1, learning_rate=1e-3),
                   train_dataset=ds, processing_class=tok)
@@ -240,7 +240,7 @@ def test_assistant_masks_and_split_strategy_survive_packing(tok, tmp_path):
         ids = [(7 * k + n) % 30000 + 100 for k in range(n)]
         rows.append({"input_ids": ids, "assistant_masks": [0] * (n // 2) + [1] * (n - n // 2)})
     ds = datasets.Dataset.from_list(rows)
-    trainer = ptrl.SFTTrainer(model=llama(tok), args=config(tmp_path, packing=True, max_length=64,
+    trainer = psft.SFTTrainer(model=llama(tok), args=config(tmp_path, packing=True, max_length=64,
                                                             packing_strategy="bfd_split"),
                               train_dataset=ds, processing_class=tok)
     status = packing_status(trainer)
@@ -269,7 +269,7 @@ def test_gradient_accumulation_update_equals_unpacked(tok, records, tmp_path):
                       gradient_accumulation_steps=4, max_length=96, learning_rate=1.0, lr_scheduler_type="constant",
                       optim="sgd", max_grad_norm=0.0, weight_decay=0.0, padfree_loss=loss_mode,
                       padfree_fused_loss=fused, **mode)
-        trainer = ptrl.SFTTrainer(model=model, args=args, train_dataset=prompt_completion(records, 12),
+        trainer = psft.SFTTrainer(model=model, args=args, train_dataset=prompt_completion(records, 12),
                                   processing_class=tok)
         assert packing_status(trainer).loss == loss_mode
         trainer.train()
@@ -290,7 +290,7 @@ def test_gradient_accumulation_update_equals_unpacked(tok, records, tmp_path):
     for key in ("loss", "entropy", "mean_token_accuracy"):
         assert metrics["token", True, ()][key] == pytest.approx(metrics["token", False, ()][key], rel=1e-4), key
     with pytest.raises(InvalidArgumentError, match="padfree_fused_loss must be True or False"):
-        ptrl.SFTTrainer(model=llama(tok), args=config(tmp_path / "bad", padfree_fused_loss="yes"),
+        psft.SFTTrainer(model=llama(tok), args=config(tmp_path / "bad", padfree_fused_loss="yes"),
                         train_dataset=prompt_completion(records, 4), processing_class=tok)
 
 
@@ -298,7 +298,7 @@ def test_qwen3_5_text_hybrid(tok, records, tmp_path, caplog):
     """The hybrid GatedDeltaNet model: auto padding-free on, packing exact (first-step loss = unpacked loss)."""
     caplog.set_level(logging.INFO, logger="padfree")
     ds = prompt_completion(records, 24)
-    auto = ptrl.SFTTrainer(model=qwen35(tok), args=config(tmp_path / "auto"), train_dataset=ds,
+    auto = psft.SFTTrainer(model=qwen35(tok), args=config(tmp_path / "auto"), train_dataset=ds,
                            processing_class=tok)
     status = packing_status(auto)
     assert status.mode == "padding-free batching" and "qwen3_5_text" in status.reason
@@ -326,7 +326,7 @@ def test_bad_input(tok, records, tmp_path):
 
     def build(model=None, dataset=ds, **kwargs):
         extra = {k: kwargs.pop(k) for k in ("data_collator", "processing_class") if k in kwargs}
-        return ptrl.SFTTrainer(model=model or llama(tok), args=config(tmp_path, **kwargs), train_dataset=dataset,
+        return psft.SFTTrainer(model=model or llama(tok), args=config(tmp_path, **kwargs), train_dataset=dataset,
                                 **{"processing_class": tok, **extra})
 
     with pytest.raises(InvalidArgumentError, match="packing=True needs padfree's exact collator, but a custom "
@@ -357,7 +357,7 @@ def test_bad_input(tok, records, tmp_path):
     with pytest.raises(InvalidArgumentError, match=r"padfree_fused_loss=True computes.*label_smoothing_factor=0.1"):
         build(padfree_fused_loss=True, label_smoothing_factor=0.1)
     with pytest.raises(InvalidArgumentError, match=r"padfree_fused_loss=True computes.*a compute_loss_func"):
-        ptrl.SFTTrainer(model=llama(tok), args=config(tmp_path, padfree_fused_loss=True), train_dataset=ds,
+        psft.SFTTrainer(model=llama(tok), args=config(tmp_path, padfree_fused_loss=True), train_dataset=ds,
                         processing_class=tok, compute_loss_func=lambda outputs, labels, **kw: outputs.loss)
     with pytest.raises(InvalidArgumentError, match=r"packing=True packs the whole dataset at once.*IterableDataset"):
         build(packing=True, dataset=ds.to_iterable_dataset())
@@ -370,7 +370,7 @@ def test_wrapped_packing_cuts_full_rows_whose_pieces_are_sequences_of_their_own(
     sequence is a sequence of its own, so the configured model computes on each piece what the piece computes
     alone; the same row read as one sequence (what TRL's wrapped rows, which carry no boundaries, are) is not."""
     ds = prompt_completion(records, 40)
-    trainer = ptrl.SFTTrainer(model=llama(tok), args=config(tmp_path, packing=True, packing_strategy="wrapped"),
+    trainer = psft.SFTTrainer(model=llama(tok), args=config(tmp_path, packing=True, packing_strategy="wrapped"),
                               train_dataset=ds, processing_class=tok)
     assert packing_status(trainer).mode == "sample packing"
     rows = trainer.train_dataset

@@ -127,7 +127,7 @@ try:
     import trl
 except ImportError as exc:  # pragma: no cover - trl is installed wherever this module is used
     raise BackendUnavailableError(
-        "padfree.integrations.trl needs trl, transformers and datasets; pip install 'padfree[trl]'"
+        "padfree.integrations.sft needs trl, transformers and datasets; pip install 'padfree[trl]'"
     ) from exc
 
 __all__ = [
