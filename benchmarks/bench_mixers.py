@@ -15,8 +15,8 @@ many-tiny-sequences case where the other exact formulation wins):
   same arithmetic as the exact paths minus the boundary handling, so that the ratio to it is the cost of exactness
   alone (transformers' function is slower on the CPU: its chunk loop writes into a slice of one output tensor, which
   autograd turns into a full-size copy per chunk in the backward, and its decays can reach denormal floats);
-- *exact, per-segment*: ``padfree.model.mixers`` with every segment its own row (segments of the same padded
-  length batched: whole 64-token chunks, or one chunk rounded up to 16 tokens for a segment no longer than 64);
+- *exact, per-segment*: ``padfree.model.families.scan_mixers`` with every segment its own row (segments of the same
+  padded length batched: whole 64-token chunks, or one chunk rounded up to 16 tokens for a segment no longer than 64);
 - *exact, decay-reset*: one call over the row with per-segment masks inside the chunks (the decay between two tokens
   of different segments is exactly 0, the carried state is read and written only by its own segment);
 - *exact, auto*: the formulation ``configure_packing`` picks per batch (per-segment unless padding every segment to

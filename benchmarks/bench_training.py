@@ -427,8 +427,8 @@ def render(args: argparse.Namespace, info: dict[str, str], before: str, after: s
         "transformers refuses TRL's packed batch outright unless the CUDA kernels are installed.",
         "- The hybrid's modes also differ in their GatedDeltaNet code: the stock modes run transformers' "
         "pure-PyTorch fallback (`torch_chunk_gated_delta_rule`, `torch_causal_conv1d_update`), `packed` runs "
-        "padfree's boundary-resetting torch implementation (`padfree.model.mixers`), so its ratios include that "
-        "difference, not only padding.",
+        "padfree's boundary-resetting torch implementation (`padfree.model.families.scan_mixers`), so its ratios "
+        "include that difference, not only padding.",
         "- `<mode>+fused` computes the same positions with the same decoder; what it drops is the logits: the head "
         "and the loss run in chunks of about a thousand positions, in place, and only over positions that have a "
         "target. That helps padded batches most (their padding never reaches the head, so only the decoder still "

@@ -19,7 +19,7 @@ transformers = pytest.importorskip("transformers")
 
 from padfree.errors import PackingDisabledError, UnsupportedModelError  # noqa: E402
 from padfree.model import configure, install  # noqa: E402
-from padfree.model.families import kda, lightning, linear  # noqa: E402
+from padfree.model.families import kda, lightning, scan_mixers  # noqa: E402
 from padfree.model.flight import forward_of  # noqa: E402
 from padfree.model.packed import PackedLayout  # noqa: E402
 from padfree.model.proof import prove  # noqa: E402
@@ -215,7 +215,7 @@ def test_kda_primitive_matches_transformers_rule_on_every_segment_alone(rule):
         torch.testing.assert_close(out[row:row + 1, start:start + n], alone, rtol=1e-5, atol=1e-5)
 
 
-def test_linear_family_installs_mixers_gated_delta_net_on_lara_mini():
+def test_the_scan_mixers_gated_delta_net_runs_lara_minis_under_its_own_name():
     _installed("lara_mini")
     model = build_tiny("lara_mini")
     report = configure.install_packing(model)
@@ -223,4 +223,4 @@ def test_linear_family_installs_mixers_gated_delta_net_on_lara_mini():
     assert report.mixers["model.layers.0.linear_attn"].startswith("GatedDeltaNet: scan: exact torch chunked")
     layer = model.model.layers[0].linear_attn
     assert isinstance(layer.forward, types.MethodType) and layer._padfree_mixer.kind == "gated-delta-net"
-    assert linear.uninstall(model) and "forward" not in layer.__dict__
+    assert scan_mixers.uninstall(model) and "forward" not in layer.__dict__

@@ -409,3 +409,25 @@ def test_the_public_surface_is_at_most_47_names_and_every_one_resolves():
         padfree.balance_bins  # noqa: B018
     with pytest.raises(AttributeError, match="has no attribute 'no_such_name'"):
         padfree.no_such_name  # noqa: B018
+
+
+def test_every_family_module_keeps_the_family_contract():
+    """Adding a family is one module in padfree/model/families: found by discovery (no list to edit), it must define
+    what configure_packing calls — and no two families may claim one class."""
+    import inspect
+
+    from padfree.model import install
+    from padfree.model.families import Family, discover
+
+    found = discover()
+    assert {"scan_mixers", "convs", "kda", "indexers", "rwkv", "xlstm"} <= set(found)
+    for name, module in found.items():
+        assert isinstance(module, Family), name
+        assert module.CLASSES and all(isinstance(k, str) and isinstance(v, str) and v for k, v in
+                                      module.CLASSES.items()), name
+        assert list(inspect.signature(module.install).parameters)[:2] == ["module", "state"], name
+        assert list(inspect.signature(module.uninstall).parameters) == ["model"], name
+        shards = getattr(module, "SEQUENCE_PARALLEL", frozenset())
+        assert set(shards) <= set(module.CLASSES), name
+    claimed = install.families()  # raises when two families claim one class
+    assert len(claimed) == sum(len(m.CLASSES) for m in found.values())

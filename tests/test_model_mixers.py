@@ -1,4 +1,5 @@
-"""Boundary-exact sequence mixers (padfree.model.mixers): the pieces behind the support matrix's hybrid rows.
+"""Boundary-exact sequence mixers (padfree.model.families.scan_mixers): the pieces behind the support matrix's hybrid
+rows.
 
 Every whole-model packed-vs-separate proof per type and backend lives in tests/test_model_matrix.py (it generates the
 README table); this module covers what the matrix does not: both GatedDeltaNet formulations inside a model,
@@ -24,7 +25,8 @@ transformers = pytest.importorskip("transformers")
 
 from padfree import configure_packing  # noqa: E402
 from padfree.errors import PackingDisabledError, UnsupportedModelError  # noqa: E402
-from padfree.model import configure, install, kernels, mixers, scans  # noqa: E402
+from padfree.model import configure, install, kernels, scans  # noqa: E402
+from padfree.model.families import scan_mixers as mixers  # noqa: E402
 from padfree.model.flight import forward_of, layout_in_flight  # noqa: E402
 from padfree.model.packed import PackedLayout  # noqa: E402
 from padfree.model.state import PackingState  # noqa: E402

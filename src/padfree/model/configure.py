@@ -1,7 +1,7 @@
 """``configure_packing(model)``: make one Hugging Face causal LM packing-exact, or refuse.
 
 The call identifies the model type and every sequence-mixing module — attention layers, and the recurrent /
-convolutional mixers of hybrid and state-space models (:mod:`padfree.model.mixers`) — switches attention to a padfree
+convolutional mixers of hybrid and state-space models (:mod:`padfree.model.families`) — switches attention to a padfree
 backend (:mod:`padfree.model.attention`, registered through transformers' own interfaces), turns the cache off for
 training and installs a forward hook on the model's decoder (on the model itself for state-space models, whose
 forwards take no ``position_ids``) that, for every call,
@@ -47,7 +47,6 @@ from padfree.errors import UnsupportedModelError
 from padfree.model import certify, registry, versions
 from padfree.model.install import (
     BACKEND_CHOICES,
-    FAMILY_MODULES,
     PackingReport,
     families,
     install_packing,
@@ -65,7 +64,6 @@ from padfree.model.wrappers import (
 
 __all__ = [
     "BACKEND_CHOICES",
-    "FAMILY_MODULES",
     "PackingReport",
     "check_packing_support",
     "configure_packing",

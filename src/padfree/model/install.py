@@ -1,8 +1,8 @@
 """The machinery of :func:`padfree.configure_packing`, without the decision: scan a model, install the padfree
 attention backend, the boundary-aware families and the forward hooks, or take them out again.
 
-:func:`install_packing` finds every attention layer, every module a family claims (:data:`FAMILY_MODULES`) and every
-sequence mixer padfree does not know (refused by name); switches attention to a padfree backend
+:func:`install_packing` finds every attention layer, every module a family claims (:mod:`padfree.model.families`)
+and every sequence mixer padfree does not know (refused by name); switches attention to a padfree backend
 (:mod:`padfree.model.attention`); turns the cache off for training; and hooks the decoder so that, for every call,
 it reads the boundaries into a :class:`~padfree.model.packed.PackedLayout`, refuses what would let packed sequences
 see each other (a cache, a 0/1 or prepared mask: :mod:`padfree.model.guards`) and hands the layout on. Unpacked
@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import importlib
 import importlib.util
 import inspect
 import logging
@@ -55,6 +54,7 @@ from padfree.model.attention import (
     SHARDED_CALLS,
     register_backends,
 )
+from padfree.model.families import discover
 from padfree.model.packed import BlockRule, PackedLayout
 from padfree.model.sharded import ShardedLayout, gather_boundaries, refuse_together
 from padfree.model.state import PackingState, current_layout, packing_state
@@ -63,7 +63,6 @@ from padfree.sequence_parallel.groups import sequence_parallel_group
 
 __all__ = [
     "BACKEND_CHOICES",
-    "FAMILY_MODULES",
     "PackingReport",
     "current_layout",
     "install_packing",
@@ -74,28 +73,6 @@ __all__ = [
 log = logging.getLogger("padfree")
 
 _State = PackingState  # the name the rest of the package grew up with
-
-# Modules that make a kind of sequence mixer boundary-exact beyond the attention interface. Each defines
-# ``CLASSES`` (module class name -> what it makes exact), ``install(module, state) -> description`` and
-# ``uninstall(model)``; configure_packing imports them (they never import it) and routes every instance of a
-# listed class to its installer. A module of this list that is not present is skipped.
-FAMILY_MODULES = (
-    "padfree.model.mixers",  # GatedDeltaNet, Mamba-1 / Mamba-2 scans, short convolutions
-    "padfree.model.families.alibi",  # ALiBi attention biases
-    "padfree.model.families.attention_variants",  # attention that computes more than the interface sees
-    "padfree.model.families.positions",  # learned absolute positions, encoder-decoder decoders
-    "padfree.model.families.encoders",  # bidirectional-encoder families used as causal decoders
-    "padfree.model.families.indexers",  # top-k key indexers of sparse attention (DSA)
-    "padfree.model.families.lightning",  # lightning attention (MiniMax)
-    "padfree.model.families.linear",  # GatedDeltaNet variants on the mixers' primitives
-    "padfree.model.families.kda",  # Kimi delta attention
-    "padfree.model.families.rglru",  # RG-LRU (RecurrentGemma)
-    "padfree.model.families.rwkv",  # RWKV time and channel mixing
-    "padfree.model.families.xlstm",  # xLSTM
-    "padfree.model.families.convs",  # short convolutions of newer hybrids, Zamba's Mamba-1
-    "padfree.model.families.zaya",  # ZAYA's convolutional attention projection
-    "padfree.model.families.depth",  # attention across a token's own blocks (Inkling2)
-)
 
 # Class-name fragments of sequence mixers other than attention: recurrent state, a short causal convolution or a
 # token shift that runs across packed boundaries unless it is told where sequences start. Linear-attention classes
@@ -117,16 +94,13 @@ _ALIASES = {"sdpa": "padfree_sdpa", "eager": "padfree_eager", "flex_attention": 
 
 @functools.cache
 def families() -> Mapping[str, types.ModuleType]:
-    """Module class name -> the family module that makes it boundary-exact (see :data:`FAMILY_MODULES`)."""
+    """Module class name -> the family module that makes it boundary-exact (:func:`padfree.model.families.discover`);
+    a class two families claim is an error of the package, caught here."""
     found: dict[str, types.ModuleType] = {}
-    for name in FAMILY_MODULES:
-        try:
-            module = importlib.import_module(name)
-        except ModuleNotFoundError as exc:
-            if exc.name is not None and name.startswith(exc.name):
-                continue
-            raise
+    for module in discover().values():
         for cls in module.CLASSES:
+            if cls in found:
+                raise RuntimeError(f"{cls} is claimed by both {found[cls].__name__} and {module.__name__}")
             found[cls] = module
     return types.MappingProxyType(found)
 

@@ -39,14 +39,12 @@ True
 from __future__ import annotations
 
 import dataclasses
-import functools
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from padfree.errors import InvalidLayoutError, UnsupportedModelError
-from padfree.model import mixers
 from padfree.model.families import replay
 from padfree.model.packed import PackedLayout
 from padfree.model.state import unpatch
@@ -117,15 +115,8 @@ SPECS: dict[str, Spec] = {
         "of sequences)", selects=_never, tokens=("input_ids", "conv_mask")),
 }
 
-# GatedDeltaNets of the same hybrids, on the primitives mixers.py makes boundary-exact
-_GDN_CLASSES: dict[str, str] = {"Qwen4ExpTextGatedDeltaNet": "gated-delta-net"}
-
 #: module class name -> what this family makes exact (read by :func:`padfree.configure_packing`)
-CLASSES: dict[str, str] = {
-    **{name: spec.description for name, spec in SPECS.items()},
-    "Qwen4ExpTextGatedDeltaNet": "GatedDeltaNet (Qwen3.5's): conv taps and delta-rule state reset at every segment "
-                                 "start",
-}
+CLASSES: dict[str, str] = {name: spec.description for name, spec in SPECS.items()}
 
 
 def _patched_forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
@@ -171,31 +162,10 @@ def _stitch_selection(per_group: list[Any], lay: PackedLayout, by: str) -> Any:
 # ---- installation ------------------------------------------------------------------------------------------------
 
 
-@functools.cache
-def _gdn_forward(cls: type) -> Callable:
-    from padfree.model.families import linear
-
-    family = mixers.FAMILIES[_GDN_CLASSES[cls.__name__]]
-    return linear.packed_forward(cls, family.replace, family.signatures, family.required)
-
-
-def _install_gdn(module: torch.nn.Module, state: Any) -> str:
-    from padfree.model.families import linear
-
-    key = _GDN_CLASSES[type(module).__name__]
-    on_cuda = any(p.is_cuda for p in module.parameters())
-    conv_on, scan_on, description = mixers.describe_mixer(key, "auto", on_cuda)
-    return linear.install_mixer(module, state, kind=key, family=mixers.FAMILIES[key],
-                                packed=_gdn_forward(type(module)), description=description, conv_kernel=conv_on,
-                                scan_kernel=scan_on)
-
-
 def install(module: torch.nn.Module, state: Any) -> str:
     """Make one instance of :data:`CLASSES` boundary-exact for packed batches of the model ``state`` belongs to;
     returns the one-line description of its packed forward. Idempotent."""
     name = type(module).__name__
-    if name in _GDN_CLASSES:
-        return _install_gdn(module, state)
     spec = SPECS.get(name)
     if spec is None:
         raise UnsupportedModelError(f"{name} is not a sparse-attention module padfree knows how to run per sequence")
@@ -212,8 +182,4 @@ def install(module: torch.nn.Module, state: Any) -> str:
 
 def uninstall(model: torch.nn.Module) -> bool:
     """Undo :func:`install` on every module of ``model``; False if nothing was installed."""
-    done = unpatch(model, "_padfree_indexed")
-    for sub in model.modules():
-        if type(sub).__name__ in _GDN_CLASSES and "_padfree_mixer" in sub.__dict__:
-            done |= mixers.uninstall(sub)
-    return done
+    return unpatch(model, "_padfree_indexed")

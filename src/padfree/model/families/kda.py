@@ -36,8 +36,8 @@ from typing import Any
 import torch
 
 from padfree.errors import PackingDisabledError, UnsupportedModelError
-from padfree.model import mixers, scans, versions
-from padfree.model.families import linear
+from padfree.model import rebind, scans, versions
+from padfree.model.families import scan_mixers
 from padfree.model.packed import PackedLayout
 
 __all__ = ["CLASSES", "install", "segment_kimi_delta_attention", "uninstall"]
@@ -79,7 +79,7 @@ def segment_kimi_delta_attention(
         g: ``(B, T, H, Dk)`` per-channel log-decay (``<= 0``); beta: ``(B, T, H)``.
         lay: the batch's :class:`~padfree.model.packed.PackedLayout`.
         chunk_size: the chunk of segments longer than it (64, as transformers); a shorter segment runs as one chunk
-            of its length rounded up to :data:`padfree.model.mixers.SHORT_STEP` (the chunked rule is exact for any
+            of its length rounded up to :data:`padfree.model.scans.SHORT_STEP` (the chunked rule is exact for any
             chunk, and a short one costs a fraction of a 64-token one).
         use_qk_l2norm_in_kernel: L2-normalise queries and keys first, in fp32, as the models ask.
         chunk_rule: the model's ``chunk_kimi_delta_attention`` (default: kimi_linear's).
@@ -112,7 +112,7 @@ def segment_kimi_delta_attention(
 @torch.compiler.disable
 def _packed_chunk_rule(rule: Callable, query, key, value, g, beta, chunk_size=64, initial_state=None,
                        output_final_state=False, use_qk_l2norm_in_kernel=False, **kwargs):
-    call = mixers.current_call(_CHUNK_RULE)
+    call = rebind.current_call(_CHUNK_RULE)
     if initial_state is not None or output_final_state:
         raise PackingDisabledError("a packed batch reached a Kimi delta attention with a recurrent state from a "
                                    "cache; packed training never uses a cache (pass use_cache=False)")
@@ -124,19 +124,19 @@ def _packed_chunk_rule(rule: Callable, query, key, value, g, beta, chunk_size=64
 def _packed(cls: type) -> tuple[Any, Callable]:
     """``(family, packed forward)`` of KDA class ``cls``: its forward, primitives replaced (the chunked rule by the
     per-segment run of the class's own rule)."""
-    module_globals = sys.modules[mixers.unwrap_function(cls.forward).__module__].__dict__
+    module_globals = sys.modules[rebind.unwrap_function(cls.forward).__module__].__dict__
     if _CHUNK_RULE not in module_globals:
         raise UnsupportedModelError(f"{cls.__name__}: its module has no {_CHUNK_RULE} (transformers "
                                     f"{versions.installed()}); refusing rather than guessing")
     replace = {
-        "causal_conv1d_fn": mixers.packed_conv1d,
-        "causal_conv1d_update": mixers.no_decode,
+        "causal_conv1d_fn": scan_mixers.packed_conv1d,
+        "causal_conv1d_update": rebind.no_decode,
         _CHUNK_RULE: functools.partial(_packed_chunk_rule, module_globals[_CHUNK_RULE]),
-        "recurrent_kimi_delta_attention": mixers.no_decode,
+        "recurrent_kimi_delta_attention": rebind.no_decode,
     }
     required = ("causal_conv1d_fn", _CHUNK_RULE)
-    family = mixers.Family("Kimi delta attention", replace, _SIGNATURES, required, None, None)
-    return family, linear.packed_forward(cls, replace, _SIGNATURES, required)
+    family = rebind.Primitives("Kimi delta attention", replace, _SIGNATURES, required)
+    return family, rebind.packed_forward(cls, replace, _SIGNATURES, required)
 
 
 def install(module: torch.nn.Module, state: Any) -> str:
@@ -146,9 +146,9 @@ def install(module: torch.nn.Module, state: Any) -> str:
     if name not in CLASSES:
         raise UnsupportedModelError(f"{name} is not a Kimi delta attention padfree knows how to make packing-exact")
     family, packed = _packed(type(module))
-    return linear.install_mixer(module, state, kind="kda", family=family, packed=packed, description=_DESCRIPTION)
+    return rebind.install_mixer(module, state, kind="kda", family=family, packed=packed, description=_DESCRIPTION)
 
 
 def uninstall(model: torch.nn.Module) -> bool:
     """Undo :func:`install` on every module of ``model``; False if nothing was installed."""
-    return mixers.uninstall(model)
+    return rebind.uninstall(model)

@@ -38,7 +38,7 @@ import torch
 import torch.nn.functional as F
 
 from padfree.errors import PackingDisabledError, UnsupportedModelError
-from padfree.model import guards, mixers, versions
+from padfree.model import guards, rebind, versions
 from padfree.model.packed import PackedLayout
 from padfree.model.state import current_layout, hooks_live, unpatch
 
@@ -116,7 +116,7 @@ def segment_lightning_attention(
 @functools.cache
 def _check_forward(cls: type) -> None:
     """Refuse a forward that reads other names than the proven one (transformers changed its shape)."""
-    names = set(mixers.unwrap_function(cls.forward).__code__.co_names)
+    names = set(rebind.unwrap_function(cls.forward).__code__.co_names)
     extra, missing = sorted(names - _PROVEN_NAMES), sorted(_PROVEN_NAMES - names)
     if extra or missing:
         raise UnsupportedModelError(
@@ -129,7 +129,7 @@ def _packed_forward(self: torch.nn.Module, hidden_states: torch.Tensor, attentio
                     lay: PackedLayout) -> tuple[torch.Tensor, None]:
     """The module's own projections, gate and norm around :func:`segment_lightning_attention`."""
     batch, seq_len, _ = hidden_states.shape
-    module_globals = sys.modules[mixers.unwrap_function(type(self).forward).__module__].__dict__
+    module_globals = sys.modules[rebind.unwrap_function(type(self).forward).__module__].__dict__
     qkv = self.act_fn(self.qkv_proj(hidden_states))
     qkv = module_globals["apply_mask_to_padding_states"](qkv, attention_mask)
     qkv = qkv.reshape(batch, seq_len, self.num_attention_heads, 3 * self.head_dim)

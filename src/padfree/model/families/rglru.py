@@ -104,7 +104,7 @@ def _conv_forward(self: torch.nn.Conv1d, x: torch.Tensor) -> torch.Tensor:
     return _segment_conv(x, self.weight, self.bias, lay)
 
 
-@torch.compiler.disable  # host-side boundaries (see padfree.model.mixers)
+@torch.compiler.disable  # host-side boundaries (see padfree.model.rebind)
 def _segment_conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, lay: PackedLayout
                   ) -> torch.Tensor:
     # (B, C, T); the block keeps [..., :seq_len] of it, which is all of it

@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from padfree.errors import PackingDisabledError, UnsupportedModelError
-from padfree.model import guards, mixers
+from padfree.model import guards, rebind
 from padfree.model.families.rglru import segment_positions
 from padfree.model.packed import PackedLayout
 from padfree.model.state import current_layout, hooks_live
@@ -105,7 +105,7 @@ def _current(what: str) -> PackedLayout:
     return lay
 
 
-@torch.compiler.disable  # host-side boundaries (see padfree.model.mixers)
+@torch.compiler.disable  # host-side boundaries (see padfree.model.rebind)
 def _packed_wkv(time_decay: torch.Tensor, time_first: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 state: Any = None, return_state: bool = False) -> tuple[torch.Tensor, None]:
     if state is not None or return_state:
@@ -126,9 +126,9 @@ def _packed_forward(cls: type) -> Any:
     """``cls.forward`` with ``rwkv_linear_attention`` resolved to :func:`_packed_wkv` (time mixing), or the class's
     own forward (channel mixing: its token shift is the instance's ``time_shift``)."""
     forward = cls.forward
-    used = mixers.globals_used(forward)
+    used = rebind.globals_used(forward)
     expected = {"rwkv_linear_attention", "tuple"} if cls.__name__ == "RwkvSelfAttention" else {"torch"}
-    if used != expected or mixers.globals_used(getattr(cls, "extract_key_value", forward)) != {"torch"}:
+    if used != expected or rebind.globals_used(getattr(cls, "extract_key_value", forward)) != {"torch"}:
         raise UnsupportedModelError(
             f"{cls.__name__}.forward calls {sorted(used)}, not the {sorted(expected)} padfree proved exact; it "
             f"cannot be made packing-exact until it is proven again")
@@ -136,7 +136,7 @@ def _packed_forward(cls: type) -> Any:
         return forward
     scope = dict(sys.modules[forward.__module__].__dict__)
     scope["rwkv_linear_attention"] = _packed_wkv
-    return mixers.rebind(forward, scope)
+    return rebind.rebind(forward, scope)
 
 
 @torch.compiler.disable

@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 
 from padfree.errors import PackingDisabledError, UnsupportedModelError
-from padfree.model import mixers
+from padfree.model import rebind
 from padfree.model.packed import PackedLayout
 from padfree.model.state import current_layout, hooks_live
 
@@ -155,7 +155,7 @@ def segment_mlstm(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, i
     return h.view(batch, seq_len, heads, -1).movedim(2, 1)
 
 
-@torch.compiler.disable  # host-side boundaries (see padfree.model.mixers)
+@torch.compiler.disable  # host-side boundaries (see padfree.model.rebind)
 def _backend_forward(self: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                      igate: torch.Tensor, fgate: torch.Tensor, c_initial: torch.Tensor | None = None,
                      n_initial: torch.Tensor | None = None, m_initial: torch.Tensor | None = None,
@@ -225,8 +225,8 @@ def install(module: torch.nn.Module, state: Any) -> str:
     docstring), or accept an ``xLSTMFeedForward`` as per-token; returns what runs for packed batches. Idempotent."""
     name = type(module).__name__
     if name == "xLSTMFeedForward":
-        if mixers.globals_used(type(module).forward) - {"torch"}:
-            raise UnsupportedModelError(f"{name}.forward calls {sorted(mixers.globals_used(type(module).forward))}; "
+        if rebind.globals_used(type(module).forward) - {"torch"}:
+            raise UnsupportedModelError(f"{name}.forward calls {sorted(rebind.globals_used(type(module).forward))}; "
                                         f"padfree proved it per-token only when it calls torch alone")
         return "per-token feed-forward (nothing crosses tokens)"
     if name != "xLSTMLayer":

@@ -2,9 +2,8 @@
 
 Linear-attention and state-space layers carry a recurrent state and a short causal convolution from token to token.
 In a packed row both run straight across the boundary between two sequences unless every layer is told where the
-sequences start. :func:`padfree.configure_packing` reads :data:`CLASSES` and calls :func:`install` on every instance
-of those classes; the installer patches that module *instance* (never its class, never transformers' module
-globals) so that
+sequences start. This family patches every instance of :data:`CLASSES` (never its class, never transformers' module
+globals; :mod:`padfree.model.rebind`) so that
 
 - an ordinary batch runs transformers' own forward, unchanged;
 - a packed batch runs the *same forward code* with its sequence primitives (``causal_conv1d_fn``,
@@ -15,9 +14,8 @@ globals) so that
 
 Only the token-mixing primitives are replaced: projections, gates, norms and every model-specific multiplier stay
 transformers' code, so a packed forward computes, per sequence, what the model computes for that sequence alone.
-Recognised classes (class name -> family): see :data:`MIXER_CLASSES`. ``configure_packing`` finds them by scanning
-the model (decoder layers and the model itself are containers it looks inside); a stateful class it finds and this
-module does not know is refused by name.
+The other linear-attention families (:mod:`padfree.model.families.kda`) build on :func:`packed_conv1d` and the
+:data:`PRIMITIVES` here.
 
 >>> sorted(MIXER_CLASSES)[:3]
 ['BambaMixer', 'FalconH1Mixer', 'FalconMambaMixer']
@@ -25,23 +23,16 @@ module does not know is refused by name.
 
 from __future__ import annotations
 
-import dataclasses
-import dis
 import functools
-import inspect
 import logging
-import sys
-import types
-from collections.abc import Callable
-from contextvars import ContextVar
 from typing import Any
 
 import torch
 
 from padfree.errors import PackingDisabledError, UnsupportedModelError
-from padfree.model import guards, kernels, versions
+from padfree.model import kernels, rebind
 from padfree.model.kernels import kernel_status
-from padfree.model.packed import PackedLayout
+from padfree.model.rebind import Mixer, Primitives, current_call, no_decode, no_fused_path
 from padfree.model.scans import (
     segment_causal_conv1d,
     segment_gated_delta_rule,
@@ -49,40 +40,17 @@ from padfree.model.scans import (
     segment_ssd_scan,
 )
 from padfree.model.sharded import ShardedLayout, conv_window, selective_scan_channels
-from padfree.model.state import current_layout, hooks_live, unpatch
 
-__all__ = [
-    "CLASSES",
-    "MIXER_CLASSES",
-    "SEQUENCE_PARALLEL",
-    "install",
-    "sharding_problem",
-    "uninstall",
-]
+__all__ = ["CLASSES", "MIXER_CLASSES", "PRIMITIVES", "SEQUENCE_PARALLEL", "describe_mixer", "install",
+           "packed_conv1d", "sharding_problem", "uninstall"]
 
 log = logging.getLogger("padfree")
 
 # ---- the packed primitives (transformers' signatures), reading the layout of the call in flight ------------------
 
 
-# The primitives below run outside torch.compile's graphs (torch.compiler.disable): they read the boundaries on the
-# host, and traced, every new set of lengths would be a recompile. The projections around them still compile.
-
-
-@dataclasses.dataclass
-class _Call:
-    lay: PackedLayout
-    mixer: Mixer
-
-
-_CALL: ContextVar[_Call | None] = ContextVar("padfree_mixer_call", default=None)
-
-
-def current_call(what: str) -> _Call:
-    call = _CALL.get()
-    if call is None:  # only reachable if someone calls the rebound forward by hand
-        raise PackingDisabledError(f"{what} ran for a packed batch outside a configured mixer's forward")
-    return call
+# The primitives run outside torch.compile's graphs (torch.compiler.disable): they read the boundaries on the host,
+# and traced, every new set of lengths would be a recompile. The projections around them still compile.
 
 
 @torch.compiler.disable
@@ -175,44 +143,14 @@ def _packed_selective_scan(hidden_states, dt, A, B, C, D=None, z=None, delta_bia
     return call.lay.to_tokens(out, seq_dim=2, head_dim=1) if sharded else out
 
 
-def _no_fused_path(*args, **kwargs):
-    """The fused conv+scan kernels take no boundaries here: report "unavailable" so the model runs its unfused path
-    (conv and scan separately, each boundary-exact)."""
-    return None
-
-
-def no_decode(*args, **kwargs):
-    raise PackingDisabledError("a packed batch reached a one-token cached decode step; packed training never uses a "
-                               "cache (pass use_cache=False)")
-
-
 # ---- families: which primitives a mixer's forward calls, and their packed replacements -------------------------
 
 
-@dataclasses.dataclass(frozen=True)
-class Family:
-    """One kind of mixer: the packed replacement of each sequence primitive its forward may call (``replace``), the
-    leading parameter names transformers' primitive must have for the replacement to be a drop-in (``signatures``),
-    the primitives its forward must call (``required``), and the kernels that may serve its conv and its scan.
-    Any other global function the forward calls must be a per-token helper (``PER_TOKEN_GLOBALS``) or a class."""
-
-    name: str
-    replace: dict[str, Callable]
-    signatures: dict[str, tuple[str, ...]]
-    required: tuple[str, ...]
-    conv_kernel: str | None
-    scan_kernel: str | None
-
-
-PER_TOKEN_GLOBALS = frozenset({
-    "apply_mask_to_padding_states", "torch", "F", "nn", "hasattr", "getattr", "isinstance", "len", "int", "float",
-    "min", "max", "tuple", "list", "super", "ACT2FN", "logger", "math", "is_torchdynamo_compiling",
-})
 _CONV = ("hidden_states", "weight", "bias", "activation")
 _CONV_REPLACE = {"causal_conv1d_fn": packed_conv1d, "causal_conv1d_update": no_decode}
 
-FAMILIES = {
-    "gated-delta-net": Family(
+PRIMITIVES = {
+    "gated-delta-net": Primitives(
         "GatedDeltaNet",
         {**_CONV_REPLACE, "torch_chunk_gated_delta_rule": _packed_gated_delta_rule,
          "torch_recurrent_gated_delta_rule": no_decode},
@@ -220,22 +158,22 @@ FAMILIES = {
             "query", "key", "value", "g", "beta", "chunk_size", "initial_state", "output_final_state",
             "use_qk_l2norm_in_kernel")},
         ("causal_conv1d_fn", "torch_chunk_gated_delta_rule"), "causal_conv1d", "fla"),
-    "mamba2": Family(
+    "mamba2": Primitives(
         "Mamba-2 (SSD)",
         {**_CONV_REPLACE, "mamba2_chunk_scan": _packed_ssd, "mamba2_selective_state_update": no_decode,
-         "mamba2_split_conv1d_scan_combined": _no_fused_path},
+         "mamba2_split_conv1d_scan_combined": no_fused_path},
         {"causal_conv1d_fn": _CONV, "mamba2_chunk_scan": (
             "hidden_states", "dt", "A", "B", "C", "chunk_size", "D", "dt_bias", "initial_states", "dt_softplus",
             "dt_limit", "return_final_states")},
         ("causal_conv1d_fn", "mamba2_chunk_scan"), "causal_conv1d", "mamba_ssm"),
-    "mamba": Family(
+    "mamba": Primitives(
         "Mamba-1 (selective scan)",
         {**_CONV_REPLACE, "mamba_selective_scan": _packed_selective_scan, "mamba_selective_state_update": no_decode,
-         "mamba_inner_fn": _no_fused_path},
+         "mamba_inner_fn": no_fused_path},
         {"causal_conv1d_fn": _CONV, "mamba_selective_scan": (
             "hidden_states", "dt", "A", "B", "C", "D", "z", "delta_bias", "delta_softplus", "return_last_state")},
         ("causal_conv1d_fn", "mamba_selective_scan"), "causal_conv1d", None),
-    "short-conv": Family(
+    "short-conv": Primitives(
         "short convolution", dict(_CONV_REPLACE), {"causal_conv1d_fn": _CONV}, ("causal_conv1d_fn",),
         "causal_conv1d", None),
 }
@@ -246,6 +184,8 @@ MIXER_CLASSES: dict[str, str] = {
     "Qwen3_5GatedDeltaNet": "gated-delta-net",
     "Qwen3_5MoeGatedDeltaNet": "gated-delta-net",
     "OlmoHybridGatedDeltaNet": "gated-delta-net",
+    "LaraMiniGatedDeltaNet": "gated-delta-net",  # Qwen3.5's under another name
+    "Qwen4ExpTextGatedDeltaNet": "gated-delta-net",
     "BambaMixer": "mamba2",
     "FalconH1Mixer": "mamba2",
     "GraniteMoeHybridMambaLayer": "mamba2",
@@ -255,8 +195,13 @@ MIXER_CLASSES: dict[str, str] = {
     "JambaMambaMixer": "mamba",
     "MambaMixer": "mamba",
     "FalconMambaMixer": "mamba",
+    "ZambaMambaMixer": "mamba",  # a short convolution, then Mamba-1 selective scans per head
     "Lfm2ShortConv": "short-conv",
     "Lfm2MoeShortConv": "short-conv",
+    "Lfm3ShortConv": "short-conv",
+    "InklingShortConvolution": "short-conv",
+    "Inkling2ShortConvolution": "short-conv",  # on keys, values and after every attention and MLP block
+    "Inkling2LoopShortConvolution": "short-conv",
 }
 #: the classes this module makes boundary-exact (read by :func:`padfree.configure_packing`)
 CLASSES = MIXER_CLASSES
@@ -264,143 +209,30 @@ CLASSES = MIXER_CLASSES
 #: primitives above, each of which exchanges a slice of tokens for heads (or reads a convolution's history)
 SEQUENCE_PARALLEL = frozenset(MIXER_CLASSES)
 
-# family -> (the module attribute holding what the scan splits across ranks, what it is)
+# family, or class -> (the module attribute holding what the scan splits across ranks, what it is): Zamba runs one
+# selective scan per Mamba head, each over that head's channels
 _SHARDED_BY = {"gated-delta-net": ("num_v_heads", "value heads"), "mamba2": ("num_heads", "SSM heads"),
-               "mamba": ("intermediate_size", "channels")}
+               "mamba": ("intermediate_size", "channels"),
+               "ZambaMambaMixer": ("mamba_head_dim", "channels per Mamba head")}
 
 
-def sharding_problem(module: torch.nn.Module, size: int, key: str | None = None) -> str | None:
+def sharding_problem(module: torch.nn.Module, size: int) -> str | None:
     """Why ``module`` cannot run split across ``size`` ranks (None: it can): the heads its scan splits are not a
     multiple of ``size``. Read from the module where it says (the scan checks again on every call)."""
-    key = key or MIXER_CLASSES[type(module).__name__]
-    attr, what = _SHARDED_BY.get(key, (None, None))
+    name = type(module).__name__
+    attr, what = _SHARDED_BY.get(name, _SHARDED_BY.get(MIXER_CLASSES[name], (None, None)))
     count = getattr(module, attr, None) if attr else None
     if isinstance(count, int) and count % size:
         return (f"{type(module).__name__} has {count} {what}, which sequence parallelism over {size} ranks cannot "
                 f"split evenly; use a group size that divides {count}")
     return None
 
-def unwrap_function(fn: Callable) -> Callable:
-    """The function inside ``fn``'s decorators (``functools.wraps`` chains, followed through ``__wrapped__``)."""
-    while hasattr(fn, "__wrapped__"):
-        fn = fn.__wrapped__
-    return fn
-
-
-def globals_used(fn: Callable) -> set[str]:
-    return {ins.argval for ins in dis.get_instructions(unwrap_function(fn)) if ins.opname == "LOAD_GLOBAL"}
-
-
-def rebind(fn: Callable, scope: dict[str, Any]) -> Callable:
-    """A copy of ``fn`` (and of the decorator wrappers around it) whose innermost function resolves globals in
-    ``scope`` instead of its module: the same code, other primitives, nothing shared mutated."""
-    inner = getattr(fn, "__wrapped__", None)
-    if inner is None:
-        new = types.FunctionType(fn.__code__, scope, fn.__name__, fn.__defaults__, fn.__closure__)
-        new.__kwdefaults__ = fn.__kwdefaults__
-        new.__qualname__, new.__doc__, new.__module__ = fn.__qualname__, fn.__doc__, fn.__module__
-        return new
-    rebound = rebind(inner, scope)
-    cells, swapped = [], False
-    for cell in fn.__closure__ or ():
-        try:
-            hit = cell.cell_contents is inner
-        except ValueError:
-            hit = False
-        cells.append(types.CellType(rebound) if hit else cell)
-        swapped |= hit
-    if not swapped:
-        raise UnsupportedModelError(f"cannot rebuild the decorated forward {fn.__qualname__}: its wrapper does not "
-                                    f"hold the wrapped function in a closure")
-    new = types.FunctionType(fn.__code__, fn.__globals__, fn.__name__, fn.__defaults__, tuple(cells))
-    new.__kwdefaults__ = fn.__kwdefaults__
-    functools.update_wrapper(new, rebound)
-    return new
-
 
 @functools.cache
-def _packed_forward(cls: type) -> Callable:
-    """The packed forward of mixer class ``cls``: its own forward, primitives replaced; refuses a forward that calls
-    something padfree does not know (a new transformers version must be proven again before it is trusted)."""
-    family = FAMILIES[MIXER_CLASSES[cls.__name__]]
-    forward = cls.forward
-    module_globals = sys.modules[unwrap_function(forward).__module__].__dict__
-    used = globals_used(forward)
-    missing = [name for name in family.required if name not in used]
-    unknown = sorted(used - set(family.replace) - PER_TOKEN_GLOBALS - {k for k, v in module_globals.items()
-                                                                          if isinstance(v, type)})
-    if missing or unknown:
-        raise UnsupportedModelError(
-            f"{cls.__name__}.forward (transformers {versions.installed()}) does not have the shape padfree proved "
-            f"exact: missing calls {missing}, unknown global functions {unknown}; it cannot be made packing-exact "
-            f"until tests/test_model_mixers.py covers this version"
-        )
-    for name, params in family.signatures.items():
-        have = tuple(inspect.signature(unwrap_function(module_globals[name])).parameters)
-        if have[:len(params)] != params:
-            raise UnsupportedModelError(
-                f"{cls.__name__}: transformers' {name} now takes {have}, padfree's boundary-exact replacement "
-                f"expects {params}; refusing rather than guessing"
-            )
-    scope = dict(module_globals)
-    scope.update(family.replace)
-    return rebind(forward, scope)
-
-
-# ---- installation ------------------------------------------------------------------------------------------------
-
-
-@dataclasses.dataclass(eq=False)
-class Mixer:
-    """What a patched instance carries: the configured model's state, the packed forward and the choices made."""
-
-    state: Any
-    packed: Callable
-    kind: str
-    family: Family
-    use_conv_kernel: bool
-    use_scan_kernel: bool
-    formulation: str
-    description: str
-    on_cuda: bool
-    owner: str = "a mixer"
-
-
-_TRIVIAL_BOUNDARY_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx")
-
-
-@torch.compiler.disable
-def _layout_of(info: Mixer, hidden: Any, who: str) -> tuple[bool, PackedLayout | None]:
-    """``(hooks live, layout of the forward in flight or None)`` for one mixer call."""
-    live = hooks_live(info.state)
-    if live and isinstance(hidden, torch.Tensor) and hidden.dim() >= 2:
-        return live, current_layout(info.state, hidden, who)
-    return live, None
-
-
-def mixer_forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
-    """Installed as ``module.forward``: transformers' forward for an ordinary batch, the packed one otherwise."""
-    info: Mixer = self._padfree_mixer
-    hidden = args[0] if args else kwargs.get("hidden_states", kwargs.get("input_states"))
-    live, lay = _layout_of(info, hidden, type(self).__name__)
-    if lay is None:
-        if live:
-            # An ordinary batch (one sequence per row): boundary kwargs a collator sent describe nothing to reset,
-            # and transformers' own mixer refuses any of them without its CUDA kernels. Dropping them is exact.
-            for key in _TRIVIAL_BOUNDARY_KWARGS:
-                kwargs.pop(key, None)
-        return type(self).forward(self, *args, **kwargs)
-    named = guards.bind(type(self).forward, (self, *args), kwargs)
-    cache = None if named is None else guards.find_cache(
-        {k: v for k, v in named.items() if v is not self}, type(self).forward)
-    if cache is not None:
-        raise PackingDisabledError(f"{type(self).__name__} got {cache} with a packed batch; packed training never "
-                                   f"uses a cache (pass use_cache=False)")
-    token = _CALL.set(_Call(lay, info))
-    try:
-        return info.packed(self, *args, **kwargs)
-    finally:
-        _CALL.reset(token)
+def _packed_forward(cls: type) -> Any:
+    """The packed forward of mixer class ``cls``: its own forward, its family's primitives replaced."""
+    family = PRIMITIVES[MIXER_CLASSES[cls.__name__]]
+    return rebind.packed_forward(cls, family.replace, family.signatures, family.required)
 
 
 _REFERENCE = {
@@ -430,7 +262,7 @@ def _choice(kernel: str | None, reference: str, on_cuda: bool) -> tuple[bool, st
 
 def describe_mixer(key: str, formulation: str, on_cuda: bool) -> tuple[bool, bool, str]:
     """``(conv kernel on, scan kernel on, one-line description)`` of family ``key`` as it would be installed now."""
-    family = FAMILIES[key]
+    family = PRIMITIVES[key]
     conv_on, conv_doc = _choice(family.conv_kernel, "exact torch conv, taps reset at segment starts", on_cuda)
     reference = _REFERENCE.get(key, "").format(
         formulation=formulation if formulation != "auto" else "masked or per-segment, the cheaper per batch")
@@ -452,14 +284,11 @@ def install(module: torch.nn.Module, state: Any, *, formulation: str = "auto") -
     if name not in MIXER_CLASSES:
         raise UnsupportedModelError(f"{name} is not a mixer padfree knows how to make packing-exact")
     key = MIXER_CLASSES[name]
-    packed = _packed_forward(type(module))
     on_cuda = any(p.is_cuda for p in module.parameters())
     conv_on, scan_on, description = describe_mixer(key, formulation, on_cuda)
-    module._padfree_mixer = Mixer(state=state, packed=packed, kind=key, family=FAMILIES[key], use_conv_kernel=conv_on,
-                                   use_scan_kernel=scan_on, formulation=formulation, description=description,
-                                   on_cuda=on_cuda, owner=name)
-    module.forward = types.MethodType(mixer_forward, module)
-    return description
+    return rebind.install_mixer(module, state, kind=key, packed=_packed_forward(type(module)), description=description,
+                                family=PRIMITIVES[key], conv_kernel=conv_on, scan_kernel=scan_on,
+                                formulation=formulation)
 
 
 def _fall_back(info: Mixer, kernel: str) -> None:
@@ -478,6 +307,6 @@ def _fall_back(info: Mixer, kernel: str) -> None:
                 report.mixers[qual] = info.description
 
 
-def uninstall(module: torch.nn.Module) -> bool:
-    """Undo :func:`install` on ``module`` and every mixer inside it; False if nothing was installed."""
-    return unpatch(module, "_padfree_mixer")
+def uninstall(model: torch.nn.Module) -> bool:
+    """Undo :func:`install` on ``model`` and every mixer inside it; False if nothing was installed."""
+    return rebind.uninstall(model)
