@@ -41,7 +41,7 @@ import torch
 from padfree.errors import PackingDisabledError, UnsupportedModelError
 from padfree.model import guards, versions
 from padfree.model.packed import PackedLayout
-from padfree.model.state import current_layout, hooks_live, unpatch
+from padfree.model.state import current_layout, hooks_live, patch, unpatch
 
 __all__ = ["PER_TOKEN_GLOBALS", "Mixer", "Primitives", "current_call", "globals_used", "install_mixer",
            "mixer_forward", "no_decode", "no_fused_path", "packed_forward", "rebind", "run_packed", "uninstall",
@@ -240,11 +240,10 @@ def install_mixer(module: torch.nn.Module, state: Any, *, kind: str, packed: Cal
     """Patch one mixer instance: ``module.forward`` becomes :func:`mixer_forward`, which runs ``packed`` (a forward
     taking the module first) for a packed batch with the layout in flight. Idempotent (a new ``configure_packing``
     rebinds the state). Returns ``description``."""
-    module._padfree_mixer = Mixer(
+    patch(module, "_padfree_mixer", Mixer(
         state=state, packed=packed, kind=kind, family=family, use_conv_kernel=conv_kernel, use_scan_kernel=scan_kernel,
         formulation=formulation, description=description, on_cuda=any(p.is_cuda for p in module.parameters()),
-        owner=type(module).__name__)
-    module.forward = types.MethodType(mixer_forward, module)
+        owner=type(module).__name__), mixer_forward)
     return description
 
 

@@ -7,6 +7,8 @@ the layout of the call in flight for it, :mod:`padfree.model.flight`), so that n
 from __future__ import annotations
 
 import dataclasses
+import types
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -14,7 +16,7 @@ import torch
 from padfree.model.flight import layout_in_flight
 from padfree.model.packed import PackedLayout
 
-__all__ = ["PackingState", "current_layout", "packing_state", "unpatch"]
+__all__ = ["PackingState", "current_layout", "packing_state", "patch", "unpatch"]
 
 
 @dataclasses.dataclass(eq=False)
@@ -73,13 +75,31 @@ def hooks_live(state: Any) -> bool:
     return True
 
 
-def unpatch(model: torch.nn.Module, attr: str) -> bool:
-    """Undo a family's patch on every module of ``model`` that carries ``attr``: the attribute and the instance's
-    own ``forward`` go, the class's comes back. False if no module carried it."""
+def patch(module: torch.nn.Module, attr: str, value: Any, forward: Callable[..., Any],
+          children: Mapping[str, Callable[..., Any]] | None = None) -> None:
+    """A family's patch on one *instance*: ``value`` (what its forward reads: the configured model's state, a plan)
+    under ``attr``, ``forward`` as the instance's own forward (the class's stays untouched), and, for each name of
+    ``children``, that submodule's forward too (RWKV's token shift, RecurrentGemma's convolution). Undone by
+    :func:`unpatch` with the same ``attr`` and children."""
+    module.__dict__[attr] = value
+    module.forward = types.MethodType(forward, module)
+    for name, child_forward in (children or {}).items():
+        child = getattr(module, name)
+        child.forward = types.MethodType(child_forward, child)
+
+
+def unpatch(model: torch.nn.Module, attr: str, children: tuple[str, ...] = (), extra: tuple[str, ...] = ()) -> bool:
+    """Undo a family's patch on every module of ``model`` that carries ``attr``: the attribute (and the ``extra``
+    ones) and the instance's own ``forward`` go — its ``children``'s too —, the class's comes back. False if no
+    module carried it."""
     done = False
     for sub in model.modules():
         if attr in sub.__dict__:
             del sub.__dict__[attr]
             sub.__dict__.pop("forward", None)
+            for name in extra:
+                sub.__dict__.pop(name, None)
+            for name in children:
+                getattr(sub, name).__dict__.pop("forward", None)
             done = True
     return done

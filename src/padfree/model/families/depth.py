@@ -12,7 +12,6 @@ the row's layout in it. Under sequence parallelism each rank runs it on its own 
 
 from __future__ import annotations
 
-import types
 from typing import Any
 
 import torch
@@ -20,7 +19,7 @@ import torch
 from padfree.errors import UnsupportedModelError
 from padfree.model import guards
 from padfree.model.attention import PACKED_FORWARD
-from padfree.model.state import unpatch
+from padfree.model.state import patch, unpatch
 
 __all__ = ["CLASSES", "SEQUENCE_PARALLEL", "install", "uninstall"]
 
@@ -56,8 +55,7 @@ def install(module: torch.nn.Module, state: Any) -> str:
     if params != _PARAMETERS[name]:
         raise UnsupportedModelError(f"{name}.forward takes {params}, not the {_PARAMETERS[name]} padfree proved; "
                                     f"refusing rather than guessing")
-    module._padfree_depth = state
-    module.forward = types.MethodType(_forward, module)
+    patch(module, "_padfree_depth", state, _forward)
     return CLASSES[name]
 
 

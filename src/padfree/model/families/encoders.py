@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-import types
 from collections.abc import Callable
 from typing import Any
 
@@ -43,7 +42,7 @@ from padfree.errors import InvalidLayoutError, PackingDisabledError, Unsupported
 from padfree.model import guards
 from padfree.model.flight import layout_in_flight
 from padfree.model.packed import PackedLayout
-from padfree.model.state import current_layout, hooks_live, unpatch
+from padfree.model.state import current_layout, hooks_live, patch, unpatch
 
 __all__ = ["CLASSES", "bucket_masks", "install", "per_segment", "uninstall"]
 
@@ -554,8 +553,7 @@ def _check_shape(module: torch.nn.Module, params: tuple[str, ...]) -> None:
 
 
 def _patch(module: torch.nn.Module, forward: Callable, info: _Installed) -> None:
-    setattr(module, _ATTR, info)
-    module.forward = types.MethodType(forward, module)
+    patch(module, _ATTR, info, forward)
 
 
 def install(module: torch.nn.Module, state: Any) -> str:

@@ -31,7 +31,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import sys
-import types
 from typing import Any
 
 import torch
@@ -40,7 +39,7 @@ import torch.nn.functional as F
 from padfree.errors import PackingDisabledError, UnsupportedModelError
 from padfree.model import guards, rebind, versions
 from padfree.model.packed import PackedLayout
-from padfree.model.state import current_layout, hooks_live, unpatch
+from padfree.model.state import current_layout, hooks_live, patch, unpatch
 
 __all__ = ["CLASSES", "install", "segment_lightning_attention", "uninstall"]
 
@@ -183,8 +182,7 @@ def install(module: torch.nn.Module, state: Any) -> str:
     if name not in CLASSES:
         raise UnsupportedModelError(f"{name} is not a lightning attention padfree knows how to make packing-exact")
     _check_forward(type(module))
-    module._padfree_lightning = _Lightning(state)
-    module.forward = types.MethodType(_forward, module)
+    patch(module, "_padfree_lightning", _Lightning(state), _forward)
     return _DESCRIPTION
 
 

@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-import types
 from collections.abc import Callable
 from typing import Any
 
@@ -46,7 +45,7 @@ from padfree.errors import InvalidLayoutError, PackingDisabledError, Unsupported
 from padfree.model import guards
 from padfree.model.flight import layout_in_flight
 from padfree.model.packed import Buckets, PackedLayout, bucket_length
-from padfree.model.state import hooks_live
+from padfree.model.state import hooks_live, patch, unpatch
 
 __all__ = ["CLASSES", "SEQUENCE_PARALLEL", "bucketed", "install", "uninstall"]
 
@@ -452,8 +451,7 @@ def _check_reformer(module: torch.nn.Module) -> None:
 
 
 def _patch(module: torch.nn.Module, state: Any, packed: Callable[..., Any]) -> None:
-    module._padfree_positions = _Installed(state, packed)
-    module.forward = types.MethodType(_patched_forward, module)
+    patch(module, "_padfree_positions", _Installed(state, packed), _patched_forward)
 
 
 def install(module: torch.nn.Module, state: Any) -> str:
@@ -491,11 +489,4 @@ def install(module: torch.nn.Module, state: Any) -> str:
 
 def uninstall(model: torch.nn.Module) -> bool:
     """Undo :func:`install` on every module of ``model``; False if nothing was installed."""
-    done = False
-    for sub in model.modules():
-        if "_padfree_positions" in sub.__dict__:
-            del sub._padfree_positions
-            sub.__dict__.pop("forward", None)
-            sub.__dict__.pop("_padfree_cap", None)
-            done = True
-    return done
+    return unpatch(model, "_padfree_positions", extra=("_padfree_cap",))

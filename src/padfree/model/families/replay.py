@@ -27,7 +27,6 @@ torch.Size([2, 1, 3, 3])
 from __future__ import annotations
 
 import dataclasses
-import types
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -36,7 +35,7 @@ import torch
 from padfree.errors import InvalidLayoutError, PackingDisabledError, UnsupportedModelError
 from padfree.model import guards
 from padfree.model.packed import PackedLayout, per_bucket
-from padfree.model.state import current_layout, hooks_live
+from padfree.model.state import current_layout, hooks_live, patch
 
 __all__ = ["Plan", "check", "cut_heads", "cut_mask", "cut_rows", "cut_table", "record", "run", "shared"]
 
@@ -112,8 +111,7 @@ def check(module: torch.nn.Module, state: Any, needed: Sequence[str], reads: str
 def record(module: torch.nn.Module, attr: str, plan: Plan, forward: Callable[..., Any]) -> None:
     """Patch the instance (never its class): ``plan`` under ``attr``, ``forward`` (which calls :func:`run` with it)
     as its ``forward``. Idempotent; :func:`padfree.model.state.unpatch` with ``attr`` undoes it."""
-    setattr(module, attr, plan)
-    module.forward = types.MethodType(forward, module)
+    patch(module, attr, plan, forward)
 
 
 def run(module: torch.nn.Module, plan: Plan, args: tuple, kwargs: dict[str, Any]) -> Any:

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import inspect
 import re
-import types
 from contextvars import ContextVar
 from typing import Any
 
@@ -41,7 +40,7 @@ from padfree.errors import PackingDisabledError, UnsupportedModelError
 from padfree.model import guards
 from padfree.model.packed import PackedLayout
 from padfree.model.scans import segment_causal_conv1d
-from padfree.model.state import current_layout, hooks_live
+from padfree.model.state import current_layout, hooks_live, patch, unpatch
 
 __all__ = ["CLASSES", "install", "segment_positions", "uninstall"]
 
@@ -148,19 +147,10 @@ def install(module: torch.nn.Module, state: Any) -> str:
         raise UnsupportedModelError(f"{type(module).__name__} is not a recurrent block padfree knows how to make "
                                     f"packing-exact")
     _check(module)
-    module._padfree_rglru = state
-    module.forward = types.MethodType(_block_forward, module)
-    module.conv_1d.forward = types.MethodType(_conv_forward, module.conv_1d)
+    patch(module, "_padfree_rglru", state, _block_forward, {"conv_1d": _conv_forward})
     return _DESCRIPTION
 
 
 def uninstall(model: torch.nn.Module) -> bool:
     """Undo :func:`install` on every module of ``model``; False if nothing was installed."""
-    done = False
-    for sub in model.modules():
-        if "_padfree_rglru" in sub.__dict__:
-            del sub._padfree_rglru
-            sub.__dict__.pop("forward", None)
-            sub.conv_1d.__dict__.pop("forward", None)
-            done = True
-    return done
+    return unpatch(model, "_padfree_rglru", children=("conv_1d",))

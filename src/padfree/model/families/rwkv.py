@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import functools
 import sys
-import types
 from contextvars import ContextVar
 from typing import Any
 
@@ -37,7 +36,7 @@ from padfree.errors import PackingDisabledError, UnsupportedModelError
 from padfree.model import guards, rebind
 from padfree.model.families.rglru import segment_positions
 from padfree.model.packed import PackedLayout
-from padfree.model.state import current_layout, hooks_live
+from padfree.model.state import current_layout, hooks_live, patch, unpatch
 
 __all__ = ["CLASSES", "install", "segment_wkv", "uninstall"]
 
@@ -175,9 +174,7 @@ def install(module: torch.nn.Module, state: Any) -> str:
         raise UnsupportedModelError(f"{name}.time_shift is not the one-token shift nn.ZeroPad2d((0, 0, 1, -1)) padfree "
                                     f"proved exact")
     _packed_forward(type(module))  # refuses a forward of another shape now, not at the first packed batch
-    module._padfree_rwkv = state
-    module.forward = types.MethodType(_forward, module)
-    shift.forward = types.MethodType(_shift_forward, shift)
+    patch(module, "_padfree_rwkv", state, _forward, {"time_shift": _shift_forward})
     if name == "RwkvSelfAttention":
         return ("RWKV time mixing: token shift zeroed at segment starts; WKV: transformers' recurrence over the "
                 "tokens (its CPU path), state restarted at segment starts")
@@ -186,11 +183,4 @@ def install(module: torch.nn.Module, state: Any) -> str:
 
 def uninstall(model: torch.nn.Module) -> bool:
     """Undo :func:`install` on every module of ``model``; False if nothing was installed."""
-    done = False
-    for sub in model.modules():
-        if "_padfree_rwkv" in sub.__dict__:
-            del sub._padfree_rwkv
-            sub.__dict__.pop("forward", None)
-            sub.time_shift.__dict__.pop("forward", None)
-            done = True
-    return done
+    return unpatch(model, "_padfree_rwkv", children=("time_shift",))

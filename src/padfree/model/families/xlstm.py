@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import inspect
 import sys
-import types
 from contextvars import ContextVar
 from typing import Any
 
@@ -38,7 +37,7 @@ import torch.nn.functional as F
 from padfree.errors import PackingDisabledError, UnsupportedModelError
 from padfree.model import rebind
 from padfree.model.packed import PackedLayout
-from padfree.model.state import current_layout, hooks_live
+from padfree.model.state import current_layout, hooks_live, patch, unpatch
 
 __all__ = ["CLASSES", "chunk_plan", "install", "segment_mlstm", "uninstall"]
 
@@ -232,20 +231,11 @@ def install(module: torch.nn.Module, state: Any) -> str:
     if name != "xLSTMLayer":
         raise UnsupportedModelError(f"{name} is not an xLSTM module padfree knows how to make packing-exact")
     _check_layer(module)
-    module._padfree_xlstm = state
-    module.forward = types.MethodType(_layer_forward, module)
-    module.mlstm_backend.forward = types.MethodType(_backend_forward, module.mlstm_backend)
+    patch(module, "_padfree_xlstm", state, _layer_forward, {"mlstm_backend": _backend_forward})
     return ("mLSTM: transformers' chunkwise kernel with every sequence on chunks of its own, state restarted at "
             "sequence starts")
 
 
 def uninstall(model: torch.nn.Module) -> bool:
     """Undo :func:`install` on every module of ``model``; False if nothing was installed."""
-    done = False
-    for sub in model.modules():
-        if "_padfree_xlstm" in sub.__dict__:
-            del sub._padfree_xlstm
-            sub.__dict__.pop("forward", None)
-            sub.mlstm_backend.__dict__.pop("forward", None)
-            done = True
-    return done
+    return unpatch(model, "_padfree_xlstm", children=("mlstm_backend",))

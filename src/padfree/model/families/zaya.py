@@ -15,7 +15,6 @@ backends.
 
 from __future__ import annotations
 
-import types
 from typing import Any
 
 import torch
@@ -23,7 +22,7 @@ import torch
 from padfree.errors import PackingDisabledError, UnsupportedModelError
 from padfree.model import guards
 from padfree.model.packed import per_bucket
-from padfree.model.state import current_layout, hooks_live, unpatch
+from padfree.model.state import current_layout, hooks_live, patch, unpatch
 
 __all__ = ["CLASSES", "install", "uninstall"]
 
@@ -77,8 +76,7 @@ def install(module: torch.nn.Module, state: Any) -> str:
     if params != _PARAMETERS:
         raise UnsupportedModelError(f"{name}.forward takes {params}, not the {_PARAMETERS} padfree proved; refusing "
                                     f"rather than guessing")
-    module._padfree_zaya = state
-    module.forward = types.MethodType(_packed_forward, module)
+    patch(module, "_padfree_zaya", state, _packed_forward)
     return CLASSES[name]
 
 
