@@ -9,7 +9,10 @@ and a tokenizer on a machine with no network. Both already sit on disk:
   and it needs no download;
 - the **default tokenizer** is the 32k SentencePiece model that ``mistral-common`` ships
   (``mistral_common/data/tokenizer.model.v1``, the vocabulary of Mistral 7B v0.1), converted once by
-  ``transformers`` into a fast tokenizer and cached on disk.
+  ``transformers`` into a fast tokenizer and cached on disk. It carries :data:`CHAT_TEMPLATE`, padfree's own
+  Jinja chat template in Mistral v0.1's ``[INST] ... [/INST]`` format, so that chat data (a ``messages`` column,
+  conversational prompt-completion) works offline too: ``tokenizer.apply_chat_template``, TRL's
+  ``assistant_only_loss=True`` and :func:`encode_chat`.
 
 >>> docs = embedded_corpus()
 >>> len(docs) > 500, all(isinstance(d, str) for d in docs)
@@ -19,6 +22,9 @@ and a tokenizer on a machine with no network. Both already sit on disk:
 32000
 >>> token_lengths(["def f(x):\n    return x", "hello world"], tokenizer).tolist()
 [9, 3]
+>>> tokenizer.apply_chat_template([{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"}],
+...                               tokenize=False)
+'<s>[INST] 2+2? [/INST] 4</s>'
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ from __future__ import annotations
 import importlib.resources
 import logging
 import os
+import re
 import shutil
 import sysconfig
 import tempfile
@@ -37,15 +44,17 @@ import numpy as np
 
 from padfree import cachedir
 from padfree.data._scratch import umask
-from padfree.errors import InvalidArgumentError, TokenizerLoadError
+from padfree.errors import InvalidArgumentError, InvalidSampleError, TokenizerLoadError
 
 __all__ = [
+    "CHAT_TEMPLATE",
     "DEFAULT_TOKENIZER_NAME",
     "EXCLUDED_STDLIB_DIRS",
     "cache_dir",
     "embedded_corpus",
     "embedded_corpus_description",
     "encode",
+    "encode_chat",
     "load_tokenizer",
     "stdlib_source_paths",
     "token_lengths",
@@ -65,6 +74,32 @@ _EXCLUDED_STDLIB_FILES = frozenset({"pydoc_data/topics.py"})
 
 DEFAULT_TOKENIZER_NAME = "mistral-common tokenizer.model.v1 (32k SentencePiece, Mistral 7B v0.1)"
 _DEFAULT_TOKENIZER_CACHE = "tokenizer-mistral-v1"
+
+#: The chat template the default tokenizer carries: a Jinja string written for padfree (the SentencePiece model has
+#: none), in Mistral 7B v0.1's format — ``<s>[INST] user [/INST] assistant</s>[INST] user [/INST] assistant</s>``,
+#: a system message prepended to the next user message, roles other than system / user / assistant refused. Each
+#: assistant turn (its leading space, its text and its ``</s>``) sits inside ``{% generation %}`` markers, which is
+#: how ``apply_chat_template(..., return_assistant_tokens_mask=True)`` — and so TRL's ``assistant_only_loss=True``
+#: and :func:`encode_chat` — finds the tokens to train on. ``[INST]`` is plain text in this 32k vocabulary (a few
+#: tokens), as it was for Mistral 7B v0.1. The generation prompt is empty: an assistant turn starts right after
+#: ``[/INST]``.
+CHAT_TEMPLATE = (
+    "{%- set ns = namespace(system='') -%}"
+    "{{- bos_token -}}"
+    "{%- for message in messages -%}"
+    "{%- if message['role'] == 'system' -%}"
+    "{%- set ns.system = message['content'] + '\n\n' -%}"
+    "{%- elif message['role'] == 'user' -%}"
+    "{{- '[INST] ' + ns.system + message['content'] + ' [/INST]' -}}"
+    "{%- set ns.system = '' -%}"
+    "{%- elif message['role'] == 'assistant' -%}"
+    "{%- generation -%}{{- ' ' + message['content'] + eos_token -}}{%- endgeneration -%}"
+    "{%- else -%}"
+    "{{- raise_exception('this chat template accepts the roles system, user and assistant, got ' + message['role']) -}}"
+    "{%- endif -%}"
+    "{%- endfor -%}"
+)
+_GENERATION = re.compile(r"\{%-?\s*generation\s*-?%\}")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -168,13 +203,18 @@ def load_tokenizer(path: str | os.PathLike[str] | None = None) -> Any:
         return _load_directory(path)
     target = cache_dir() / _DEFAULT_TOKENIZER_CACHE
     transformers = _import_transformers()
+    tokenizer = None
     if (target / "tokenizer.json").is_file():
         try:
-            return transformers.LlamaTokenizer.from_pretrained(str(target), local_files_only=True)
+            tokenizer = transformers.LlamaTokenizer.from_pretrained(str(target), local_files_only=True)
         except Exception as exc:  # transformers raises many types (OSError, ValueError, KeyError, JSON errors)
             logger.warning("the cached tokenizer in %s is unreadable (%s); converting it again", target,
                            _first_line(exc))
-    return _build_default_tokenizer(transformers, target)
+    if tokenizer is None:
+        tokenizer = _build_default_tokenizer(transformers, target)
+    # set on every load, not only in the cache: a cache written before the template existed has none
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
 
 
 def _load_directory(path: str | os.PathLike[str]) -> Any:
@@ -284,6 +324,77 @@ def encode(texts: Sequence[str], tokenizer: Any, *, add_special_tokens: bool = F
         return_offsets_mapping=offsets,
         verbose=False,
     )
+
+
+def encode_chat(conversations: Sequence[Any], tokenizer: Any, *, prompts: Sequence[Any] | None = None) -> dict:
+    """Token ids and assistant masks of every conversation, through the tokenizer's own chat template.
+
+    Args:
+        conversations: ``(n,)`` conversations, each a list of messages ``{"role": ..., "content": ...}`` (TRL's
+            ``messages`` column).
+        tokenizer: a fast Hugging Face tokenizer whose ``chat_template`` marks the assistant turns with
+            ``{% generation %}`` (the default tokenizer's :data:`CHAT_TEMPLATE` does).
+        prompts: ``(n,)`` the first messages of each conversation that are a prompt (TRL's conversational
+            prompt-completion): the tokens they render to are not targets even where an assistant turn is among
+            them. The template must render a prompt as a prefix of its whole conversation.
+
+    Returns:
+        ``{"input_ids": n lists of ints, "assistant_masks": n lists of 0/1}`` — 1 on the tokens of the assistant
+        turns (outside ``prompts``), the tokens a model trains on; the template's special tokens are in the ids.
+
+    Raises:
+        TokenizerLoadError: the tokenizer has no chat template, one without ``{% generation %}`` markers, or is
+            not a fast tokenizer.
+        InvalidSampleError: the template refuses a conversation (it names which), or a prompt does not render as
+            a prefix of its conversation.
+
+    >>> out = encode_chat([[{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]],
+    ...                   load_tokenizer())
+    >>> out["input_ids"], out["assistant_masks"]
+    ([[1, 28792, 16289, 28793, 15359, 733, 28748, 16289, 28793, 22557, 2]], [[0, 0, 0, 0, 0, 0, 0, 0, 0, 1, 1]])
+    """
+    template = getattr(tokenizer, "chat_template", None)
+    name = type(tokenizer).__name__
+    if not template:
+        raise TokenizerLoadError(f"the tokenizer ({name}) has no chat template, so chat data cannot be turned into "
+                                 "tokens; give a tokenizer that has one (padfree's default tokenizer carries "
+                                 "padfree.corpus.CHAT_TEMPLATE)")
+    if not isinstance(template, str) or not _GENERATION.search(template):
+        raise TokenizerLoadError(f"the tokenizer's ({name}) chat template has no {{% generation %}} markers, so the "
+                                 "assistant turns (the tokens to train on) cannot be found; add them around each "
+                                 "assistant turn, as padfree.corpus.CHAT_TEMPLATE does")
+    if not getattr(tokenizer, "is_fast", False):
+        raise TokenizerLoadError(f"finding the assistant turns needs a fast tokenizer (character offsets); {name} is "
+                                 "not one")
+    conversations = list(conversations)
+    out = _apply_template(tokenizer, conversations, mask=True)
+    ids, masks = out["input_ids"], out["assistant_masks"]
+    if prompts is not None:
+        prompt_ids = _apply_template(tokenizer, list(prompts), mask=False)["input_ids"]
+        for i, (head, row) in enumerate(zip(prompt_ids, ids, strict=True)):
+            if row[:len(head)] != head:
+                raise InvalidSampleError(f"conversation {i}: its prompt does not render as the start of the whole "
+                                         "conversation under this chat template, so the prompt's tokens cannot be "
+                                         "told apart from the completion's")
+            masks[i][:len(head)] = [0] * len(head)
+    return {"input_ids": ids, "assistant_masks": masks}
+
+
+def _apply_template(tokenizer: Any, conversations: list[Any], *, mask: bool) -> Any:
+    try:
+        return tokenizer.apply_chat_template(conversations, tokenize=True, return_dict=True,
+                                             return_assistant_tokens_mask=mask)
+    except Exception as exc:  # jinja's TemplateError (raise_exception), a KeyError for a message without 'role', ...
+        if len(conversations) > 1:  # find the conversation the template refuses
+            for i, conversation in enumerate(conversations):
+                try:
+                    tokenizer.apply_chat_template(conversation, tokenize=False)
+                except Exception as one:
+                    raise InvalidSampleError(f"conversation {i} cannot be rendered by the chat template "
+                                             f"({_first_line(one)}); expected a list of messages "
+                                             "{'role': ..., 'content': ...}") from one
+        raise InvalidSampleError(f"the chat template cannot render the conversation ({_first_line(exc)}); expected "
+                                 "a list of messages {'role': ..., 'content': ...}") from exc
 
 
 def token_lengths(

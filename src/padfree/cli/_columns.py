@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from padfree.errors import DataLoadError, InvalidArgumentError, InvalidLengthsError
@@ -72,6 +73,86 @@ def text_columns(schema: Any, fields: list[str] | None, *, exclude: str | None =
     if len(columns) > 1:
         note += ", joined with newlines"
     return columns, note
+
+
+#: what ``--chat`` accepts, for the errors
+CHAT_LAYOUTS = ("a 'messages' column (a list of {'role', 'content'} messages per record, TRL's conversational "
+                "layout), or 'prompt' and 'completion' columns (strings: a user turn and the assistant's answer; or "
+                "lists of messages: TRL's conversational prompt-completion)")
+
+
+@dataclass(frozen=True)
+class Chat:
+    """Which columns hold chat data: ``messages`` (whole conversations), or ``prompt`` + ``completion`` —
+    ``conversational``: lists of messages; else strings, made a user turn and an assistant turn."""
+
+    messages: str | None = None
+    prompt: str | None = None
+    completion: str | None = None
+    conversational: bool = True
+
+    @property
+    def note(self) -> str:
+        if self.messages is not None:
+            return f"conversations of column {self.messages!r} through the tokenizer's chat template, targets: " \
+                   "the assistant turns"
+        kind = "lists of messages" if self.conversational else "a user turn and the assistant's answer"
+        return (f"columns {self.prompt!r} + {self.completion!r} ({kind}) through the tokenizer's chat template, "
+                "targets: the completion's assistant turns")
+
+    def conversations(self, table: Any) -> tuple[list[Any], list[Any] | None]:
+        """The conversations of ``table``'s rows (a ``pyarrow.Table``), and the prompts among them (None: none)."""
+        if self.messages is not None:
+            return [m or [] for m in table[self.messages].to_pylist()], None
+        prompts = table[self.prompt].to_pylist()
+        completions = table[self.completion].to_pylist()
+        if self.conversational:
+            prompts = [p or [] for p in prompts]
+            return [p + (c or []) for p, c in zip(prompts, completions, strict=True)], prompts
+        # strings: the prompt is what the user says; its one turn holds no assistant tokens to mask
+        return [[{"role": "user", "content": p or ""}, {"role": "assistant", "content": c or ""}]
+                for p, c in zip(prompts, completions, strict=True)], None
+
+
+def chat_columns(schema: Any, chat: bool, other: str | None, source: str = "DATA") -> Chat | None:
+    """The chat layout of ``schema``, or None for text.
+
+    ``chat``: ``--chat`` was given (string ``prompt`` / ``completion`` columns are then chat turns; without it they
+    are text, the completion the only target). A ``messages`` column of messages, or ``prompt`` / ``completion``
+    columns of messages, are chat data whether or not ``--chat`` says so. ``other``: a flag that chose other columns
+    (``--field``, ``--completion-field``, ``--input-ids-column``): no chat then, and ``--chat`` with it is refused.
+    """
+    names = list(schema.names)
+    if other is not None:
+        if chat:
+            raise InvalidArgumentError(f"--chat and {other} exclude each other: --chat reads {CHAT_LAYOUTS}")
+        return None
+    if "messages" in names and _is_messages(schema.field("messages").type):
+        return Chat(messages="messages")
+    pair = "prompt" in names and "completion" in names
+    if pair and all(_is_messages(schema.field(c).type) for c in ("prompt", "completion")):
+        return Chat(prompt="prompt", completion="completion")
+    if not chat:
+        return None
+    if pair and all(is_text(schema.field(c).type) for c in ("prompt", "completion")):
+        return Chat(prompt="prompt", completion="completion", conversational=False)
+    raise DataLoadError(f"--chat: {source} holds no chat data; expected {CHAT_LAYOUTS}; available columns: "
+                        f"{describe_columns(schema)}")
+
+
+def prompt_completion_text(schema: Any) -> bool:
+    """Whether ``schema`` holds TRL's (text) prompt-completion layout: string ``prompt`` and ``completion`` columns."""
+    return all(c in schema.names and is_text(schema.field(c).type) for c in ("prompt", "completion"))
+
+
+def _is_messages(arrow_type: Any) -> bool:
+    """A list of structs with a ``role`` and a ``content`` field: a conversation."""
+    import pyarrow as pa
+
+    if not _is_list(arrow_type) or not pa.types.is_struct(arrow_type.value_type):
+        return False
+    fields = {arrow_type.value_type.field(i).name for i in range(arrow_type.value_type.num_fields)}
+    return {"role", "content"} <= fields
 
 
 def join_text(table: Any, columns: Sequence[str]) -> Any:

@@ -10,11 +10,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from padfree.cli._columns import lengths_from_column, texts_from_columns
+from padfree.cli._columns import chat_columns, lengths_from_column, texts_from_columns
 from padfree.cli._inputs import DATA_FORMATS, check_data_path, optional_positive, read_table
 from padfree.cli._optional import importable, require
 from padfree.cli._output import log_bins, new_figure, num, save_png, table
-from padfree.cli._tokens import load_tokenizer
+from padfree.cli._tokens import chat_lengths, load_tokenizer
 from padfree.errors import DataLoadError, InvalidArgumentError
 
 if TYPE_CHECKING:  # numpy is imported where it is used: a usage error costs no import
@@ -37,8 +37,13 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--field", action="append", dest="fields", metavar="F",
                    help="text column (repeat for several, joined with newlines); default: 'text' if present, "
                         "else every string column")
+    p.add_argument("--chat", action="store_true",
+                   help="chat data, measured through the tokenizer's chat template: a 'messages' column (read as "
+                        "chat even without --chat), or 'prompt' and 'completion' columns (lists of messages, or with "
+                        "--chat strings: a user turn and the assistant's answer)")
     p.add_argument("--tokenizer", metavar="DIR",
-                   help="a tokenizer directory (save_pretrained); default: mistral-common's 32k SentencePiece")
+                   help="a tokenizer directory (save_pretrained); default: mistral-common's 32k SentencePiece, "
+                        "with padfree's chat template (padfree.corpus.CHAT_TEMPLATE)")
     p.add_argument("--lengths-column", metavar="COL", help="use this column of precomputed lengths, no tokenizing")
     p.add_argument("--capacity", type=int, default=2048, help="packed row length in tokens (default: 2048)")
     p.add_argument("--batch-size", type=int, default=8,
@@ -76,7 +81,12 @@ def run(args: argparse.Namespace) -> int:
     limit = optional_positive(args.limit, "--limit")
     strategies = _parse_strategies(args.strategies)
     plot = _check_plot_path(args.plot)
+    if args.chat and args.data is None:
+        raise InvalidArgumentError("--chat needs DATA: the embedded corpus holds no conversations")
     if args.lengths_column is not None:
+        if args.chat:
+            raise InvalidArgumentError("--lengths-column and --chat exclude each other: lengths are either read from "
+                                       "a column or counted through the chat template")
         if args.data is None:
             raise InvalidArgumentError("--lengths-column needs DATA: the embedded corpus has no lengths column")
         if args.fields:
@@ -148,6 +158,8 @@ def _check_plot_path(plot: str | None) -> Path | None:
 
 
 def _measure(args: argparse.Namespace, limit: int | None) -> _Lengths:
+    import numpy as np
+
     from padfree import corpus
 
     if args.data is None:
@@ -164,6 +176,11 @@ def _measure(args: argparse.Namespace, limit: int | None) -> _Lengths:
         if args.lengths_column is not None:
             lengths, skipped = lengths_from_column(data, args.lengths_column)
             return _Lengths(lengths, source, f"precomputed lengths from column {args.lengths_column!r}", skipped)
+        chat = chat_columns(data.schema, args.chat, "--field" if args.fields else None, source=f"DATA {args.data!r}")
+        if chat is not None:
+            tokenizer, name = load_tokenizer(args.tokenizer)
+            raw = np.asarray(chat_lengths(data, chat, tokenizer), np.int64)
+            return _Lengths(raw, source, f"{chat.note}, tokenized by {name}", 0)
         texts, column_note = texts_from_columns(data, args.fields, source=f"DATA {args.data!r}")
 
     tokenizer, name = load_tokenizer(args.tokenizer)

@@ -21,7 +21,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from padfree.cli._columns import describe_columns, is_text, text_columns, token_ids_from_column
+from padfree.cli._columns import (
+    chat_columns,
+    describe_columns,
+    is_text,
+    prompt_completion_text,
+    text_columns,
+    token_ids_from_column,
+)
 from padfree.cli._inputs import DATA_FORMATS, check_data_path, is_saved_dataset, optional_positive, read_dataset
 from padfree.cli._optional import require
 from padfree.cli._output import AtomicOutput, Progress, disk_size, num, progress_bars, size
@@ -72,8 +79,14 @@ def add_parser(subparsers: Any) -> None:
     g.add_argument("--completion-field", metavar="F",
                    help="train on this text column only: it is joined last, and every token before it (the "
                         "prompt: the other text columns) gets label -100")
+    g.add_argument("--chat", action="store_true",
+                   help="chat data through the tokenizer's chat template, labels only on the assistant turns: a "
+                        "'messages' column (read as chat even without --chat), or 'prompt' and 'completion' columns "
+                        "(lists of messages, read as chat even without --chat; or strings: with --chat a user turn "
+                        "and the assistant's answer, without it text, the completion the only target)")
     g.add_argument("--tokenizer", metavar="DIR",
-                   help="a tokenizer directory (save_pretrained); default: mistral-common's 32k SentencePiece")
+                   help="a tokenizer directory (save_pretrained); default: mistral-common's 32k SentencePiece, "
+                        "with padfree's chat template (padfree.corpus.CHAT_TEMPLATE)")
     g.add_argument("--add-special-tokens", action="store_true",
                    help="let the tokenizer add its special tokens (e.g. BOS) to every text")
     g.add_argument("--append-eos", action="store_true",
@@ -299,9 +312,15 @@ def _check_output(output: str, fmt: str | None, overwrite: bool, data: str | Non
 
 
 def _check_input_args(args: argparse.Namespace) -> None:
+    if args.chat:
+        for flag, value in (("--add-special-tokens", args.add_special_tokens), ("--append-eos", args.append_eos)):
+            if value:
+                raise InvalidArgumentError(f"--chat and {flag} exclude each other: the chat template writes the "
+                                           "special tokens itself (BOS, and EOS after every assistant turn)")
     if args.data is None:
         for flag, value in (("--field", args.fields), ("--completion-field", args.completion_field),
-                            ("--input-ids-column", args.input_ids_column), ("--labels-column", args.labels_column)):
+                            ("--input-ids-column", args.input_ids_column), ("--labels-column", args.labels_column),
+                            ("--chat", args.chat)):
             if value:
                 raise InvalidArgumentError(f"{flag} needs DATA: the embedded corpus has no columns")
     if args.input_ids_column is not None:
@@ -313,7 +332,7 @@ def _check_input_args(args: argparse.Namespace) -> None:
 
 def _text_flags(args: argparse.Namespace) -> list[str]:
     """The tokenizing options that were given (they make no sense when token ids are read from a column)."""
-    flags = [("--field", args.fields), ("--completion-field", args.completion_field),
+    flags = [("--chat", args.chat), ("--field", args.fields), ("--completion-field", args.completion_field),
              ("--tokenizer", args.tokenizer), ("--add-special-tokens", args.add_special_tokens),
              ("--append-eos", args.append_eos), ("--num-proc", args.num_proc)]
     return [flag for flag, value in flags if value]
@@ -341,7 +360,8 @@ def _pack_input(args: argparse.Namespace, opts: _PackOptions, cache: Path, say: 
 
     schema = ds.data.schema
     ids_column = args.input_ids_column
-    if ids_column is None and not args.fields and not args.completion_field and "input_ids" in schema.names:
+    if (ids_column is None and not args.fields and not args.completion_field and not args.chat
+            and "input_ids" in schema.names):
         ids_column = "input_ids"
     if ids_column is not None:
         if args.input_ids_column is None and _text_flags(args):
@@ -395,7 +415,16 @@ def _check_token_ids(tokens: Any, kept: np.ndarray | None, name: str) -> None:
 
 def _tokenize(ds: Any, args: argparse.Namespace, opts: _PackOptions, cache: Path, say: Progress) -> tuple[Any, str]:
     schema = ds.data.schema
+    source = "the embedded corpus" if args.data is None else f"DATA {args.data!r}"
+    other = "--field" if args.fields else "--completion-field" if args.completion_field else None
+    chat = chat_columns(schema, args.chat, other, source=source)
+    if chat is not None:
+        return _tokenize_chat(ds, chat, args, opts, cache, say, source)
     completion = args.completion_field
+    fields = args.fields
+    if completion is None and not fields and prompt_completion_text(schema):
+        # TRL's prompt-completion layout: the completion is what is trained on, as TRL's completion_only_loss does
+        completion, fields = "completion", ["prompt"]
     if completion is not None:
         if completion not in schema.names:
             raise DataLoadError(f"--completion-field {completion!r}: no such column; available columns: "
@@ -404,13 +433,12 @@ def _tokenize(ds: Any, args: argparse.Namespace, opts: _PackOptions, cache: Path
             raise DataLoadError(f"--completion-field {completion!r} has type {schema.field(completion).type}, "
                                 "not text")
     instead = "or pass token ids with --input-ids-column"
-    source = "the embedded corpus" if args.data is None else f"DATA {args.data!r}"
-    if args.fields and completion is not None:
+    if fields and completion is not None:
         # --field names the prompt's columns; naming the completion among them too is natural and harmless
-        fields = [f for f in args.fields if f != completion]
+        fields = [f for f in fields if f != completion]
         prompt = text_columns(schema, fields, instead=instead, source=source)[0] if fields else []
     else:
-        prompt, note = text_columns(schema, args.fields, exclude=completion, instead=instead, source=source)
+        prompt, note = text_columns(schema, fields, exclude=completion, instead=instead, source=source)
     if completion is not None:
         note = (f"prompt {' + '.join(map(repr, prompt))}, then completion {completion!r} (the only targets), "
                 "joined with newlines" if prompt else f"column {completion!r}, every token a target")
@@ -433,6 +461,20 @@ def _tokenize(ds: Any, args: argparse.Namespace, opts: _PackOptions, cache: Path
     extras = [flag for flag, on in (("special tokens", args.add_special_tokens), ("EOS appended", eos is not None))
               if on]
     return tokens, f"{note}, tokenized by {name}" + (f" ({', '.join(extras)})" if extras else "")
+
+
+def _tokenize_chat(ds: Any, chat: Any, args: argparse.Namespace, opts: _PackOptions, cache: Path, say: Progress,
+                   source: str) -> tuple[Any, str]:
+    """Chat data through the tokenizer's chat template: labels on the assistant turns only."""
+    require("padfree pack (it tokenizes the text)", "transformers")
+    tokenizer, name = load_tokenizer(args.tokenizer)
+    num_proc = min(opts.num_proc or 1, ds.num_rows)
+    say(f"tokenizing {ds.num_rows:,} conversations with {name}'s chat template"
+        + (f" in {num_proc} processes" if num_proc > 1 else ""))
+    refuse = (opts.capacity, source) if opts.overlong == "error" and opts.strategy != "wrapped" else None
+    tokens = tokenize_dataset(ds, tokenizer, prompt=[], completion=None, add_special_tokens=False, eos=None,
+                              num_proc=num_proc, cache=cache, refuse_over=refuse, chat=chat)
+    return tokens, f"{chat.note}, tokenized by {name}"
 
 
 def _drop_empty(ds: Any) -> tuple[Any, np.ndarray | None]:
