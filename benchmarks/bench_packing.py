@@ -461,9 +461,9 @@ def cold_start(n: int, runs: int) -> tuple[list[dict], str]:
     cache, so processes working in the source tree at the same time are not disturbed; the mechanism (index +
     machine code per kernel, keyed by the source file's timestamp) is the same.
     """
-    from padfree.packing import kernels
+    from padfree.packing import placement
 
-    default_dir = Path(kernels.best_fit._cache._cache_path)  # where numba caches padfree's kernels by default
+    default_dir = Path(placement.best_fit._cache._cache_path)  # where numba caches padfree's kernels by default
     found = []
     with tempfile.TemporaryDirectory() as cache:
         env = dict(os.environ, NUMBA_CACHE_DIR=cache)

@@ -25,7 +25,7 @@ transformers = pytest.importorskip("transformers")
 
 from padfree import configure_packing  # noqa: E402
 from padfree.errors import PackingDisabledError, UnsupportedModelError  # noqa: E402
-from padfree.model import configure, install, kernels, scans  # noqa: E402
+from padfree.model import configure, cuda_kernels, install, scans  # noqa: E402
 from padfree.model.families import scan_mixers as mixers  # noqa: E402
 from padfree.model.flight import forward_of, layout_in_flight  # noqa: E402
 from padfree.model.packed import PackedLayout  # noqa: E402
@@ -410,8 +410,8 @@ def test_reference_selective_scan_matches_transformers_per_segment():
 
 @pytest.fixture
 def fresh_kernels(monkeypatch):
-    monkeypatch.setattr(kernels, "_loaded", {})
-    monkeypatch.setattr(kernels, "_broken", {})
+    monkeypatch.setattr(cuda_kernels, "_loaded", {})
+    monkeypatch.setattr(cuda_kernels, "_broken", {})
     return monkeypatch
 
 
@@ -434,8 +434,8 @@ def _fake_fla(calls):
 
 def test_kernel_path_is_used_when_usable(fresh_kernels):
     calls = []
-    fresh_kernels.setitem(kernels._loaded, "fla", (_fake_fla(calls), ""))
-    fresh_kernels.setattr(kernels, "_on_accelerator", lambda t: True)
+    fresh_kernels.setitem(cuda_kernels._loaded, "fla", (_fake_fla(calls), ""))
+    fresh_kernels.setattr(cuda_kernels, "_on_accelerator", lambda t: True)
     model = tiny_model("qwen3_5_text").to(torch.bfloat16)  # flash-linear-attention takes bf16/fp16 only
     report = configure_packing(model)
     assert all("flash-linear-attention chunk_gated_delta_rule with cu_seqlens" in d for d in report.mixers.values())
@@ -477,9 +477,9 @@ def test_mamba_ssm_and_causal_conv1d_kernel_paths(fresh_kernels):
                                                        C[b:b + 1, s:e], chunk_size, **opts)
                                      for s, e in _runs(seq_idx[b])], dim=1) for b in range(x.shape[0])])
 
-    fresh_kernels.setitem(kernels._loaded, "causal_conv1d", (fake_conv, ""))
-    fresh_kernels.setitem(kernels._loaded, "mamba_ssm", (fake_scan, ""))
-    fresh_kernels.setattr(kernels, "_on_accelerator", lambda t: True)
+    fresh_kernels.setitem(cuda_kernels._loaded, "causal_conv1d", (fake_conv, ""))
+    fresh_kernels.setitem(cuda_kernels._loaded, "mamba_ssm", (fake_scan, ""))
+    fresh_kernels.setattr(cuda_kernels, "_on_accelerator", lambda t: True)
     model = tiny_model("bamba")
     ids, pos, seqs = packed_rows(MIXER_ROWS)
     alone, _ = run_separately(model, seqs)
@@ -507,8 +507,8 @@ def test_a_kernel_that_fails_at_its_first_call_falls_back_to_the_reference(fresh
         calls.append(1)
         raise RuntimeError("triton: 0 active drivers")
 
-    fresh_kernels.setitem(kernels._loaded, kernel, (broken, ""))
-    fresh_kernels.setattr(kernels, "_on_accelerator", lambda t: True)
+    fresh_kernels.setitem(cuda_kernels._loaded, kernel, (broken, ""))
+    fresh_kernels.setattr(cuda_kernels, "_on_accelerator", lambda t: True)
     model = tiny_model(model_type).to(dtype)
     ids, pos, seqs = packed_rows(MIXER_ROWS)
     with torch.no_grad():
@@ -521,14 +521,14 @@ def test_a_kernel_that_fails_at_its_first_call_falls_back_to_the_reference(fresh
         again = model(input_ids=ids, position_ids=pos).logits
     assert len(calls) == 1 and torch.equal(out, again)
     assert "using the exact PyTorch reference" in caplog.text
-    assert kernels.kernel_status(kernel) == (False, kernels._broken[kernel])
+    assert cuda_kernels.kernel_status(kernel) == (False, cuda_kernels._broken[kernel])
     for description in configure.packing_state(model).report.mixers.values():
         assert "failed at its first call (RuntimeError: triton: 0 active drivers)" in description
         assert selected not in description
     if dtype == torch.float32:  # exact: packed == every sequence alone
         assert max_diff([out[b, c:c + len(s)] for b, c, s in seqs], alone) <= 1e-5
     else:  # bf16: the same numbers as the reference path taken from the start
-        fresh_kernels.setattr(kernels, "_on_accelerator", lambda t: False)
+        fresh_kernels.setattr(cuda_kernels, "_on_accelerator", lambda t: False)
         with torch.no_grad():
             assert torch.equal(model(input_ids=ids, position_ids=pos).logits, out)
 
@@ -541,10 +541,10 @@ def test_a_kernel_that_fails_to_import_is_reported_and_never_used(fresh_kernels)
             raise RuntimeError("0 active drivers ([]). There should only be one.")
         return real_import(name, *args)
 
-    fresh_kernels.setattr(kernels, "_cuda_available", lambda: True)
-    fresh_kernels.setattr(kernels.importlib.util, "find_spec", lambda name, *a: types.SimpleNamespace(name=name))
-    fresh_kernels.setattr(kernels.importlib, "import_module", import_module)
-    usable, why = kernels.kernel_status("fla")
+    fresh_kernels.setattr(cuda_kernels, "_cuda_available", lambda: True)
+    fresh_kernels.setattr(cuda_kernels.importlib.util, "find_spec", lambda name, *a: types.SimpleNamespace(name=name))
+    fresh_kernels.setattr(cuda_kernels.importlib, "import_module", import_module)
+    usable, why = cuda_kernels.kernel_status("fla")
     assert not usable and "failed to import (RuntimeError: 0 active drivers" in why
     report = configure_packing(tiny_model("qwen3_5_text"))
     assert all("flash-linear-attention is installed but fla.ops.gated_delta_rule.chunk_gated_delta_rule failed to "
@@ -555,8 +555,9 @@ def test_no_kernel_package_is_imported_without_cuda(fresh_kernels):
     """Without CUDA padfree never even imports a kernel package (a triton without a GPU can crash at import)."""
     asked = []
     real_import = importlib.import_module
-    fresh_kernels.setattr(kernels, "_cuda_available", lambda: False)
-    fresh_kernels.setattr(kernels.importlib, "import_module", lambda name, *a: asked.append(name) or real_import(name))
+    fresh_kernels.setattr(cuda_kernels, "_cuda_available", lambda: False)
+    fresh_kernels.setattr(cuda_kernels.importlib, "import_module",
+                          lambda name, *a: asked.append(name) or real_import(name))
     model = tiny_model("bamba")
     report = configure_packing(model)
     ids, pos, _ = packed_rows(MIXER_ROWS)

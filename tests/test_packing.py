@@ -470,7 +470,7 @@ def test_obfdp_is_obfd_below_its_threshold():
        shards=st.integers(2, 9), max_items=st.one_of(st.none(), st.integers(1, 6)))
 @settings(max_examples=150, deadline=None)
 def test_obfdp_shards_place_every_piece_once_and_fill_no_bin_past_capacity(lengths, capacity, shards, max_items):
-    from padfree.packing.kernels import group_by_bin
+    from padfree.packing.placement import group_by_bin
     from padfree.packing.strategies import parallel_best_fit_decreasing
 
     lengths = np.array(lengths, np.int64)

@@ -72,7 +72,6 @@ __all__ = [
 
 log = logging.getLogger("padfree")
 
-_State = PackingState  # the name the rest of the package grew up with
 
 # Class-name fragments of sequence mixers other than attention: recurrent state, a short causal convolution or a
 # token shift that runs across packed boundaries unless it is told where sequences start. Linear-attention classes
@@ -733,7 +732,7 @@ def _boundary_row(pos: torch.Tensor, other_spelling: bool) -> torch.Tensor | Non
 _BOUNDARY_KWARGS = ("position_ids", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_lens")
 
 
-def _before(state: _State, config: Any, module: torch.nn.Module, args: tuple, kwargs: dict[str, Any], *,
+def _before(state: PackingState, config: Any, module: torch.nn.Module, args: tuple, kwargs: dict[str, Any], *,
             forward: bool = True, positions: bool = True) -> tuple[tuple, dict[str, Any]]:
     """The pre-hook: the layout of this call, guards, and the arguments the hooked module runs with. ``forward``:
     hand the boundaries on (the layout for attention, and ``position_ids`` when ``positions``); False for a module
@@ -791,7 +790,7 @@ def _before(state: _State, config: Any, module: torch.nn.Module, args: tuple, kw
     return args, kwargs
 
 
-def _refuse_unconfigured_parent(state: _State, module: torch.nn.Module) -> None:
+def _refuse_unconfigured_parent(state: PackingState, module: torch.nn.Module) -> None:
     """PackingDisabledError when this packed call of ``module`` (its tokens given as embeddings) comes from inside a
     multimodal model padfree did not configure: that model merged image or audio features into the embeddings and
     made the positions (mRoPE) without padfree seeing either, so the packed row cannot be checked or made exact."""
@@ -833,7 +832,7 @@ def _refuse_leaks(config: Any, named: dict[str, Any], forward_fn: Any, shape: tu
                                    + "; pass use_cache=False")
 
 
-def _sharded_layout(state: _State, config: Any, named: dict[str, Any] | None, forward_fn: Any) -> ShardedLayout:
+def _sharded_layout(state: PackingState, config: Any, named: dict[str, Any] | None, forward_fn: Any) -> ShardedLayout:
     """The layout of a forward under sequence parallelism: every call is this rank's slice of a row, whether the
     row holds one sequence or many. The slices' boundaries are gathered from the group into the row's layout; what
     would leak (a cache, a dense mask, a 0/1 mask with padding) is refused as for a packed batch."""
@@ -926,7 +925,7 @@ def _multimodal(model: torch.nn.Module) -> bool:
         type(model).__name__.endswith("ForConditionalGeneration")
 
 
-def _before_multimodal(state: _State, module: torch.nn.Module, args: tuple, kwargs: dict[str, Any],
+def _before_multimodal(state: PackingState, module: torch.nn.Module, args: tuple, kwargs: dict[str, Any],
                        owner: torch.nn.Module | None = None) -> tuple[tuple, dict[str, Any]] | None:
     """The outer pre-hook of a multimodal model: for a packed batch, lay out what padfree can make exact (the images
     and videos of an mRoPE model: each sample's rotary positions, :mod:`padfree.model.mrope`), refuse every other
@@ -983,7 +982,7 @@ def _before_multimodal(state: _State, module: torch.nn.Module, args: tuple, kwar
     return call
 
 
-def _images_unproven(state: _State, module: torch.nn.Module) -> str | None:
+def _images_unproven(state: PackingState, module: torch.nn.Module) -> str | None:
     """Why images in packed rows are not proven exact for ``module`` (None: proven, or not asked — the machinery
     alone, as the proofs run it): ``configure_packing``'s check (the support table's images verdict for its type,
     or a proof on a tiny twin), asked once per configuration."""
@@ -1036,7 +1035,7 @@ def _with_rope_rows(module: torch.nn.Module, named: dict[str, Any], lay: PackedL
     kwargs["position_ids"] = rows
     return args, kwargs
 
-def _after(state: _State) -> None:
+def _after(state: PackingState) -> None:
     if state.tokens:
         for reset, token in reversed(state.tokens.pop()):
             reset(token)

@@ -142,7 +142,7 @@ class Primitives:
     """One kind of mixer: the packed replacement of each sequence primitive its forward may call (``replace``), the
     leading parameter names transformers' primitive must have for the replacement to be a drop-in (``signatures``),
     the primitives its forward must call (``required``), and the optional kernels that may serve its conv and its
-    scan (:mod:`padfree.model.kernels`)."""
+    scan (:mod:`padfree.model.cuda_kernels`)."""
 
     name: str
     replace: dict[str, Callable]

@@ -13,7 +13,7 @@ They keep the arithmetic precision of transformers' own reference paths (under a
 denormal floats (decay factors below ``exp(DECAY_FLOOR)`` are exact zeros, far below fp32 resolution), so their
 speed does not depend on a global flush-denormal mode, which padfree never touches.
 :mod:`padfree.model.families.scan_mixers` rebinds a mixer's own forward to them (or to a kernel of
-:mod:`padfree.model.kernels`) for packed batches.
+:mod:`padfree.model.cuda_kernels`) for packed batches.
 
 >>> import torch
 >>> from padfree.model.packed import PackedLayout

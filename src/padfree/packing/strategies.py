@@ -1,7 +1,7 @@
 """Strategy registry, ``pack_sequences`` and ``Packer``.
 
 A strategy is a function ``(lengths, capacity, max_items, rng) -> (proc, bin_of, num_bins)`` over pieces that
-already fit (see :mod:`padfree.packing.kernels` for the contract). Its docstring states its cost; the
+already fit (see :mod:`padfree.packing.placement` for the contract). Its docstring states its cost; the
 registry maps the short names users type to these functions. Inside a bin, pieces are in placement order:
 input order for the online strategies, decreasing length (ties in input order) for the sorted ones.
 """
@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from padfree.errors import InvalidArgumentError, describe
-from padfree.packing import kernels
+from padfree.packing import placement
 from padfree.packing.inputs import (
     OVERLONG_POLICIES,
     apply_overlong,
@@ -60,22 +60,22 @@ def _identity(n: int) -> np.ndarray:
 
 def _nf(lengths, capacity, max_items, rng):
     """Next fit: keep one bin open, open a new one when the item does not fit. O(n), online, ratio 2."""
-    return (_identity(lengths.shape[0]), *kernels.next_fit_by_class(lengths, capacity, max_items, 1))
+    return (_identity(lengths.shape[0]), *placement.next_fit_by_class(lengths, capacity, max_items, 1))
 
 
 def _ff(lengths, capacity, max_items, rng):
     """First fit: the lowest-numbered open bin with room. O(n log n) with a max segment tree, online."""
-    return (_identity(lengths.shape[0]), *kernels.tree_fit(lengths, capacity, max_items, False))
+    return (_identity(lengths.shape[0]), *placement.tree_fit(lengths, capacity, max_items, False))
 
 
 def _bf(lengths, capacity, max_items, rng):
     """Best fit: the open bin with the least room that still fits (ties: lowest bin). O(n log n), online."""
-    return (_identity(lengths.shape[0]), *kernels.best_fit(lengths, _NO_RUNS, capacity, max_items, True))
+    return (_identity(lengths.shape[0]), *placement.best_fit(lengths, _NO_RUNS, capacity, max_items, True))
 
 
 def _wf(lengths, capacity, max_items, rng):
     """Worst fit: the open bin with the most room (ties: lowest bin). O(n log n) with a max segment tree."""
-    return (_identity(lengths.shape[0]), *kernels.tree_fit(lengths, capacity, max_items, True))
+    return (_identity(lengths.shape[0]), *placement.tree_fit(lengths, capacity, max_items, True))
 
 
 def _ffd(lengths, capacity, max_items, rng):
@@ -83,8 +83,8 @@ def _ffd(lengths, capacity, max_items, rng):
 
     At most 11/9 OPT + 6/9 bins (Dósa 2007).
     """
-    proc, values, runs = kernels.counting_sort_decreasing(lengths, capacity)
-    return (proc, *kernels.tree_fit(np.repeat(values, runs), capacity, max_items, False))
+    proc, values, runs = placement.counting_sort_decreasing(lengths, capacity)
+    return (proc, *placement.tree_fit(np.repeat(values, runs), capacity, max_items, False))
 
 
 def _bfd(lengths, capacity, max_items, rng):
@@ -92,8 +92,8 @@ def _bfd(lengths, capacity, max_items, rng):
 
     O(n + C) sort + O(n log n) placement (a skew heap of bins per amount of room).
     """
-    proc, values, runs = kernels.counting_sort_decreasing(lengths, capacity)
-    return (proc, *kernels.best_fit(values, runs, capacity, max_items, True))
+    proc, values, runs = placement.counting_sort_decreasing(lengths, capacity)
+    return (proc, *placement.best_fit(values, runs, capacity, max_items, True))
 
 
 def _obfd(lengths, capacity, max_items, rng):
@@ -105,9 +105,9 @@ def _obfd(lengths, capacity, max_items, rng):
     Under ``max_sequences_per_bin`` two bins with equal room but different counts are not interchangeable, so
     there the buckets keep ``bfd``'s lowest-index tie-break and the bins are exactly ``bfd``'s.
     """
-    proc, values, runs = kernels.counting_sort_decreasing(lengths, capacity)
+    proc, values, runs = placement.counting_sort_decreasing(lengths, capacity)
     exact_ties = max_items <= lengths.shape[0]
-    return (proc, *kernels.best_fit(values, runs, capacity, max_items, exact_ties))
+    return (proc, *placement.best_fit(values, runs, capacity, max_items, exact_ties))
 
 
 def _mffd(lengths, capacity, max_items, rng):
@@ -120,11 +120,11 @@ def _mffd(lengths, capacity, max_items, rng):
     decreasing into new bins. It pairs large items with medium ones where FFD would waste room: best on lengths
     that mix long and mid-length sequences.
     """
-    proc, values, runs = kernels.counting_sort_decreasing(lengths, capacity)
+    proc, values, runs = placement.counting_sort_decreasing(lengths, capacity)
     ordered = np.repeat(values, runs)
-    bin_of, num_large = kernels.mffd_large_bins(ordered, capacity, max_items)
+    bin_of, num_large = placement.mffd_large_bins(ordered, capacity, max_items)
     rest = np.flatnonzero(bin_of < 0)
-    rest_bin, num_rest = kernels.tree_fit(ordered[rest], capacity, max_items, False)
+    rest_bin, num_rest = placement.tree_fit(ordered[rest], capacity, max_items, False)
     bin_of[rest] = rest_bin + num_large
     return proc, bin_of, num_large + num_rest
 
@@ -146,16 +146,16 @@ def parallel_best_fit_decreasing(
     strategy contract ``(proc, bin_of, num_bins)`` for ``lengths (n,)`` in ``[1, capacity]``.
 
     The decreasing order is dealt round-robin to ``shards`` shards, packed at once by best fit decreasing
-    (:func:`~padfree.packing.kernels.sharded_best_fit`); then every bin with room for the smallest item is
+    (:func:`~padfree.packing.placement.sharded_best_fit`); then every bin with room for the smallest item is
     emptied and its items are packed again together, by best fit decreasing. A shard's waste sits in such bins
     (the tail where its small items ran out), so the repack brings the count back to ``obfd``'s.
     """
-    proc, values, runs = kernels.counting_sort_decreasing(lengths, capacity)
+    proc, values, runs = placement.counting_sort_decreasing(lengths, capacity)
     n = lengths.shape[0]
     exact_ties = max_items <= n
-    bin_of, num_kept = kernels.sharded_best_fit(values, runs, capacity, max_items, shards, exact_ties)
+    bin_of, num_kept = placement.sharded_best_fit(values, runs, capacity, max_items, shards, exact_ties)
     again = np.flatnonzero(bin_of < 0)
-    repacked, num_repacked = kernels.best_fit(np.repeat(values, runs)[again], _NO_RUNS, capacity, max_items,
+    repacked, num_repacked = placement.best_fit(np.repeat(values, runs)[again], _NO_RUNS, capacity, max_items,
                                               exact_ties)
     bin_of[again] = repacked + num_kept
     return proc, bin_of, int(num_kept) + num_repacked
@@ -175,12 +175,12 @@ def _obfdp(lengths, capacity, max_items, rng):
 def _ffs(lengths, capacity, max_items, rng):
     """First fit over a seeded shuffle: O(n log n); a different seed gives different rows (reshuffle per epoch)."""
     proc = rng.permutation(lengths.shape[0]).astype(np.int64)
-    return (proc, *kernels.tree_fit(lengths[proc], capacity, max_items, False))
+    return (proc, *placement.tree_fit(lengths[proc], capacity, max_items, False))
 
 
 def _hk(lengths, capacity, max_items, rng):
     """Harmonic-k (k = 8): items in (C/(j+1), C/j] are packed j per bin, small ones next-fit. O(n), online."""
-    return (_identity(lengths.shape[0]), *kernels.next_fit_by_class(lengths, capacity, max_items, HARMONIC_CLASSES))
+    return (_identity(lengths.shape[0]), *placement.next_fit_by_class(lengths, capacity, max_items, HARMONIC_CLASSES))
 
 
 @dataclass(frozen=True)
@@ -269,7 +269,7 @@ def place(
     # n + 1 means "no limit" to the kernels; a larger limit (any Python int) would not even fit their int64
     limit = lengths.shape[0] + 1 if max_items is None else min(max_items, lengths.shape[0] + 1)
     proc, bin_of, num_bins = STRATEGIES[strategy].fn(lengths, capacity, limit, rng)
-    return kernels.group_by_bin(proc, bin_of, num_bins)
+    return placement.group_by_bin(proc, bin_of, num_bins)
 
 
 def pack_sequences(

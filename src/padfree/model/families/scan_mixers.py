@@ -8,7 +8,7 @@ globals; :mod:`padfree.model.rebind`) so that
 - an ordinary batch runs transformers' own forward, unchanged;
 - a packed batch runs the *same forward code* with its sequence primitives (``causal_conv1d_fn``,
   ``torch_chunk_gated_delta_rule``, ``mamba2_chunk_scan``, ``mamba_selective_scan``) swapped for boundary-exact ones:
-  a kernel of :mod:`padfree.model.kernels` when one is usable, the exact reference of :mod:`padfree.model.scans`
+  a kernel of :mod:`padfree.model.cuda_kernels` when one is usable, the exact reference of :mod:`padfree.model.scans`
   otherwise; the fused conv+scan paths report "unavailable" (the model then runs conv and scan separately), and the
   one-token cached-decode functions refuse: a packed batch never has a cache.
 
@@ -30,8 +30,8 @@ from typing import Any
 import torch
 
 from padfree.errors import PackingDisabledError, UnsupportedModelError
-from padfree.model import kernels, rebind
-from padfree.model.kernels import kernel_status
+from padfree.model import cuda_kernels, rebind
+from padfree.model.cuda_kernels import kernel_status
 from padfree.model.rebind import Mixer, Primitives, current_call, no_decode, no_fused_path
 from padfree.model.scans import (
     segment_causal_conv1d,
@@ -60,7 +60,7 @@ def packed_conv1d(hidden_states, weight, bias=None, activation=None, **kwargs):
     x, lay, cut = conv_window(call.lay, hidden_states, weight.shape[-1])
     out = None
     if call.mixer.use_conv_kernel:
-        out = kernels.causal_conv1d_kernel(x, weight, bias, activation, lay)
+        out = cuda_kernels.causal_conv1d_kernel(x, weight, bias, activation, lay)
         if out is None:
             _fall_back(call.mixer, "causal_conv1d")
     if out is None:
@@ -85,7 +85,7 @@ def _packed_gated_delta_rule(query, key, value, g, beta, chunk_size=64, initial_
         lay = lay.full
     out = None
     if call.mixer.use_scan_kernel:
-        out = kernels.gated_delta_rule_kernel(query, key, value, g, beta, lay, use_qk_l2norm_in_kernel)
+        out = cuda_kernels.gated_delta_rule_kernel(query, key, value, g, beta, lay, use_qk_l2norm_in_kernel)
         if out is None:
             _fall_back(call.mixer, "fla")
     if out is None:
@@ -116,7 +116,7 @@ def _packed_ssd(hidden_states, dt, A, B, C, chunk_size, D=None, dt_bias=None, in
         lay = lay.full
     out = None
     if call.mixer.use_scan_kernel:
-        out = kernels.ssd_kernel(hidden_states, dt, A, B, C, chunk_size, D, dt_bias, dt_softplus, dt_limit, lay)
+        out = cuda_kernels.ssd_kernel(hidden_states, dt, A, B, C, chunk_size, D, dt_bias, dt_softplus, dt_limit, lay)
         if out is None:
             _fall_back(call.mixer, "mamba_ssm")
     if out is None:
@@ -292,9 +292,9 @@ def install(module: torch.nn.Module, state: Any, *, formulation: str = "auto") -
 
 
 def _fall_back(info: Mixer, kernel: str) -> None:
-    """Switch ``info`` off ``kernel`` (it raised; see :mod:`padfree.model.kernels`) and rewrite the configured model's
-    report, so that ``packing_state(model).report`` says what runs now and why."""
-    if kernels.broken_reason(kernel) is None:
+    """Switch ``info`` off ``kernel`` (it raised; see :mod:`padfree.model.cuda_kernels`) and rewrite the configured
+    model's report, so that ``packing_state(model).report`` says what runs now and why."""
+    if cuda_kernels.broken_reason(kernel) is None:
         return
     info.use_conv_kernel &= info.family.conv_kernel != kernel
     info.use_scan_kernel &= info.family.scan_kernel != kernel
