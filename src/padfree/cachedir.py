@@ -5,10 +5,10 @@ One directory for both: ``$PADFREE_CACHE_DIR``, else ``$XDG_CACHE_HOME/padfree``
 a :class:`DeprecationWarning`.
 
 >>> import os
->>> os.environ["PADFREE_CACHE_DIR"] = "/tmp/padfree-cache"
->>> str(cache_dir())
-'/tmp/padfree-cache'
->>> del os.environ["PADFREE_CACHE_DIR"]
+>>> from unittest.mock import patch
+>>> with patch.dict(os.environ, {"PADFREE_CACHE_DIR": "~/padfree-cache"}):
+...     cache_dir() == Path.home() / "padfree-cache"
+True
 """
 
 from __future__ import annotations
