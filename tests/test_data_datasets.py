@@ -286,7 +286,7 @@ def test_iterable_stop_save_resume_gives_the_identical_remaining_batches(gsm8k, 
 def test_rows_do_not_depend_on_how_the_stream_is_read_and_datasets_pickle(gsm8k, monkeypatch):
     import pickle
 
-    from padfree.data import datasets as module
+    from padfree.data import iterable as module
 
     ids, labels = gsm8k
     stream = IterablePackingDataset(ids, max_length=384, buffer_size=40, seed=2)
