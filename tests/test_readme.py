@@ -71,12 +71,19 @@ def test_the_summary_counts_every_type_of_support_json():
 
 def test_every_performance_figure_is_one_benchmarks_md_holds():
     benchmarks = (ROOT / "BENCHMARKS.md").read_text()
-    rows = table_rows(section(README.read_text(), "Performance"))
-    assert len(rows) == 3
-    figures = [f for row in rows for cell in row[1:] for f in re.findall(r"\d[\d,.]*(?:×| ms|%)", cell)]
-    assert len(figures) >= 6
+    body = section(README.read_text(), "Performance")
+    assert len(table_rows(body)) == 3
+    figures = re.findall(r"(?<![\w.])\d[\d,.]*\d(?:×| ms|%|M)?|(?<![\w.])\d(?:×| ms|%|M)?", body)
+    assert len(figures) >= 12
     missing = [f for f in figures if f not in benchmarks]
     assert not missing, f"README performance figures not found in BENCHMARKS.md: {missing}"
+
+
+def test_the_strategy_count_is_the_packers():
+    from padfree import Packer
+
+    counts = re.findall(r"its (\d+) strategies", README.read_text())
+    assert counts == [str(len(Packer.strategies()))]
 
 
 def test_the_extras_table_names_the_declared_extras():
