@@ -309,7 +309,10 @@ class PackedLayout:
         """True when some row holds more than one segment."""
         return self.num_segments > self.shape[0]
 
-    def _cached(self, key: Any, build: Any) -> Any:
+    def memo(self, key: Any, build: Callable[[], Any]) -> Any:
+        """``build()``, computed once per layout and ``key``: what several modules derive from one forward's
+        boundaries (cu_seqlens, buckets, masks, a scan's positions) is derived once per forward. A key of a module
+        other than this one starts with that module's name (``("padfree.mixers", ...)``)."""
         if key not in self._cache:
             self._cache[key] = build()
         return self._cache[key]
@@ -317,13 +320,13 @@ class PackedLayout:
     @property
     def cu_seqlens(self) -> torch.Tensor:
         """``(S + 1,) int32`` offsets of the segments over the flattened ``(B·T)`` stream (flash varlen layout)."""
-        return self._cached("cu", lambda: torch.from_numpy(
+        return self.memo("cu", lambda: torch.from_numpy(
             np.concatenate([[0], np.cumsum(self.lengths)]).astype(np.int32)).to(self.device))
 
     @property
     def seq_idx(self) -> torch.Tensor:
         """``(B, T) int32`` Mamba ``seq_idx``: the segment's index in the flattened stream."""
-        return self._cached("seq_idx", lambda: torch.from_numpy(
+        return self.memo("seq_idx", lambda: torch.from_numpy(
             np.repeat(np.arange(self.num_segments, dtype=np.int32), self.lengths)).to(self.device).view(self.shape))
 
     def buckets(self, by: str = "bucket") -> Buckets:
@@ -335,7 +338,7 @@ class PackedLayout:
         """
         if by not in _GROUPINGS:
             raise InvalidArgumentError(f"by must be one of {', '.join(_GROUPINGS)}, got {describe(by)}")
-        return self._cached("buckets" if by == "bucket" else ("buckets", by), lambda: self._make_buckets(by))
+        return self.memo("buckets" if by == "bucket" else ("buckets", by), lambda: self._make_buckets(by))
 
     def _make_buckets(self, by: str) -> Buckets:
         lengths = self.lengths
@@ -369,7 +372,7 @@ class PackedLayout:
             diff = i[:, None] - i[None, :]
             allowed = diff >= 0
             return allowed & (diff < sliding_window) if sliding_window is not None else allowed
-        return self._cached(("local", length, sliding_window), build)
+        return self.memo(("local", length, sliding_window), build)
 
     def blocks_apply(self, sliding_window: int | None) -> bool:
         """Whether a layer with this ``sliding_window`` (None: a full-attention layer) attends with the blocks."""
@@ -385,7 +388,7 @@ class PackedLayout:
         """
         if self.blocks is None:
             raise InvalidArgumentError("bucket_masks needs a layout with blocks (PackedLayout.with_blocks)")
-        return self._cached(("blocks", "buckets", sliding_window), lambda: self._bucket_masks(sliding_window))
+        return self.memo(("blocks", "buckets", sliding_window), lambda: self._bucket_masks(sliding_window))
 
     def _bucket_masks(self, sliding_window: int | None) -> tuple[torch.Tensor | None, ...]:
         plan = self.buckets()
@@ -420,9 +423,9 @@ class PackedLayout:
         work and memory instead of ``O(B x T^2)`` (640 MiB and up to a second at 8k tokens).
         """
         if self.blocks_apply(sliding_window):  # the blocks' pairs join the causal ones (see _segment_block_mask)
-            return self._cached(("blocks", "flex", sliding_window, block_size), lambda: _segment_block_mask(
+            return self.memo(("blocks", "flex", sliding_window, block_size), lambda: _segment_block_mask(
                 self.segment_ids, sliding_window, block_size, self.blocks, self.block_rule.window_bounds_blocks))
-        return self._cached(("flex", sliding_window, block_size), lambda: _segment_block_mask(
+        return self.memo(("flex", sliding_window, block_size), lambda: _segment_block_mask(
             self.segment_ids, sliding_window, block_size))
 
     def columns(self, start: int, stop: int) -> PackedLayout:
@@ -438,7 +441,7 @@ class PackedLayout:
             lay = PackedLayout._build(seg, self.position_ids[:, start:stop], self.source)
             # a block cut at ``start`` stays inside the segment that starts there
             return lay if self.blocks is None else lay.with_blocks(self.blocks[:, start:stop], self.block_rule)
-        return self._cached(("columns", start, stop), build)
+        return self.memo(("columns", start, stop), build)
 
     def check_tokens(self, hidden: torch.Tensor, who: str) -> None:
         """Refuse a tensor whose ``(B, T)`` is not the layout's: the layout belongs to another forward."""

@@ -53,7 +53,7 @@ def _positions(lay: PackedLayout) -> torch.Tensor:
         starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
         pos = np.arange(int(lengths.sum()), dtype=np.int64) - np.repeat(starts, lengths)
         return torch.from_numpy(pos).to(lay.device).view(lay.shape)
-    return lay._cached(("padfree.mixers", "positions"), build)
+    return lay.memo(("padfree.mixers", "positions"), build)
 
 
 def _conv_spread(lay: PackedLayout, width: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -67,7 +67,7 @@ def _conv_spread(lay: PackedLayout, width: int) -> tuple[torch.Tensor, torch.Ten
         gather = np.full(total + pad * lengths.size, total, dtype=np.int64)
         gather[spread] = token
         return torch.from_numpy(gather).to(lay.device), torch.from_numpy(spread - pad).to(lay.device)
-    return lay._cached(("padfree.mixers", "conv", width), build)
+    return lay.memo(("padfree.mixers", "conv", width), build)
 
 
 def _act(name: str | None) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -212,7 +212,7 @@ def gdr_groups(lay: PackedLayout, chunk: int
                         torch.from_numpy(valid.reshape(-1)).to(lay.device),
                         torch.from_numpy(gather[valid]).to(lay.device)))
         return out
-    return lay._cached(("padfree.mixers", "gdr_groups", chunk), build)
+    return lay.memo(("padfree.mixers", "gdr_groups", chunk), build)
 
 
 def _gdr_per_segment(q, k, v, beta, g, lay: PackedLayout, chunk: int) -> torch.Tensor:
@@ -243,7 +243,7 @@ def _gdr_formulation(lay: PackedLayout, chunk: int) -> str:
     def build() -> str:
         padded = int(_gdr_padded(lay.lengths, chunk).sum())
         return "per-segment" if padded <= 1.5 * lay.lengths.sum() else "masked"
-    return lay._cached(("padfree.mixers", "gdr_form", chunk), build)
+    return lay.memo(("padfree.mixers", "gdr_form", chunk), build)
 
 
 def segment_gated_delta_rule(
@@ -371,7 +371,7 @@ def segment_ssd_scan(
 
 
 def _starts(lay: PackedLayout) -> torch.Tensor:
-    return lay._cached(("padfree.mixers", "starts"), lambda: _positions(lay) == 0)
+    return lay.memo(("padfree.mixers", "starts"), lambda: _positions(lay) == 0)
 
 
 def segment_selective_scan(

@@ -169,7 +169,7 @@ def _slot_index(lay: PackedLayout) -> torch.Tensor:
         lengths = lay.lengths
         starts = np.repeat(np.cumsum(lengths) - lengths, lengths)
         return torch.from_numpy(np.arange(int(lengths.sum()), dtype=np.int64) - starts).to(lay.device)
-    return lay._cached(("padfree.encoders", "index"), build)
+    return lay.memo(("padfree.encoders", "index"), build)
 
 
 def _valid_slots(lay: PackedLayout) -> torch.Tensor:
@@ -179,7 +179,7 @@ def _valid_slots(lay: PackedLayout) -> torch.Tensor:
         valid = torch.zeros(plan.slots.numel(), dtype=torch.bool, device=lay.device)
         valid[plan.inverse] = True
         return valid
-    return lay._cached(("padfree.encoders", "valid"), build)
+    return lay.memo(("padfree.encoders", "valid"), build)
 
 
 def bucket_masks(lay: PackedLayout, causal: bool, window: int | None) -> list[torch.Tensor]:
@@ -208,7 +208,7 @@ def bucket_masks(lay: PackedLayout, causal: bool, window: int | None) -> list[to
             allowed = allowed | ((gap == 0) & ~real.unsqueeze(-1))
             masks.append(allowed.contiguous())
         return masks
-    return lay._cached(("padfree.encoders", "masks", causal, window), build)
+    return lay.memo(("padfree.encoders", "masks", causal, window), build)
 
 
 def _row_index(lay: PackedLayout, rows: int, length: int, how: str, source: Any) -> torch.Tensor:
@@ -297,7 +297,7 @@ def _masks_for(spec: _Attention, module: torch.nn.Module, lay: PackedLayout, cau
             return masks
         return [torch.zeros(m.shape, dtype=dtype, device=m.device).masked_fill(~m, torch.finfo(dtype).min)
                 for m in masks]
-    return lay._cached(("padfree.encoders", "masks", causal, window, None if boolean else dtype), build)
+    return lay.memo(("padfree.encoders", "masks", causal, window, None if boolean else dtype), build)
 
 
 def _implementation(module: torch.nn.Module) -> str:

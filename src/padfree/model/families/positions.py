@@ -166,12 +166,12 @@ def _plan(lay: PackedLayout, *, cap: int | None = None, exact: bool = False) -> 
     """The layout's buckets (shared with padfree's attention), buckets no longer than ``cap``, or — ``exact`` —
     groups of segments of one length (no padding slot at all), each built once per batch."""
     if exact:
-        return lay._cached(("padfree.positions", "exact"), lambda: _group(lay, lay.lengths))
+        return lay.memo(("padfree.positions", "exact"), lambda: _group(lay, lay.lengths))
     plan = lay.buckets()
     if cap is None or max(plan.lengths) <= cap:
         return plan
     # a segment longer than the cap runs at its own length (the module then fails as it fails for it alone)
-    return lay._cached(("padfree.positions", "cap", cap), lambda: _group(
+    return lay.memo(("padfree.positions", "cap", cap), lambda: _group(
         lay, np.maximum(np.minimum(bucket_length(lay.lengths), cap), lay.lengths)))
 
 
@@ -296,7 +296,7 @@ def _causal_block(lay: PackedLayout, length: int, like: torch.Tensor) -> torch.T
     allowed = lay.local_mask(length, None)
     if like.dtype == torch.bool:
         return allowed
-    return lay._cached(("padfree.positions", "additive", length, like.dtype, like.device), lambda: torch.zeros(
+    return lay.memo(("padfree.positions", "additive", length, like.dtype, like.device), lambda: torch.zeros(
         (), dtype=like.dtype, device=like.device).masked_fill(~allowed, torch.finfo(like.dtype).min))
 
 

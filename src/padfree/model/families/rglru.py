@@ -66,7 +66,7 @@ def segment_positions(lay: PackedLayout) -> torch.Tensor:
         starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
         pos = np.arange(int(lengths.sum()), dtype=np.int64) - np.repeat(starts, lengths)
         return torch.from_numpy(pos).to(lay.device).view(lay.shape)
-    return lay._cached(("padfree.rglru", "positions"), build)
+    return lay.memo(("padfree.rglru", "positions"), build)
 
 
 # The shape of transformers' code this family relies on, checked at install: a new release that computes the reset

@@ -50,7 +50,7 @@ _LAYOUT: ContextVar[PackedLayout | None] = ContextVar("padfree_rwkv_layout", def
 
 def _starts(lay: PackedLayout) -> torch.Tensor:
     """``(B, T) bool``: the first token of every segment."""
-    return lay._cached(("padfree.rwkv", "starts"), lambda: segment_positions(lay) == 0)
+    return lay.memo(("padfree.rwkv", "starts"), lambda: segment_positions(lay) == 0)
 
 
 def segment_wkv(time_decay: torch.Tensor, time_first: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

@@ -81,7 +81,7 @@ def chunk_plan(lay: PackedLayout, chunk: int) -> tuple[torch.Tensor, torch.Tenso
         where = row[seg_of] * (nc * chunk) + slot
         dev = lay.device
         return (torch.from_numpy(gather).to(dev), torch.from_numpy(where).to(dev), torch.from_numpy(starts).to(dev))
-    return lay._cached(("padfree.xlstm", "plan", chunk), build)
+    return lay.memo(("padfree.xlstm", "plan", chunk), build)
 
 
 def _chunk_states(key: torch.Tensor, value: torch.Tensor, vec_b: torch.Tensor, vec_i: torch.Tensor,
