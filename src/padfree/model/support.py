@@ -125,7 +125,7 @@ class SupportRow:
         return f"{self.model_type}: exact on every backend checked ({proven}); {auto}"
 
     def markdown(self) -> str:
-        """This model's row of the README support table (columns in the order of ``checks``)."""
+        """This model's row of a markdown table with one column per backend checked (in the order of ``checks``)."""
         return f"| {self.model_type} | " + " | ".join(c.cell for c in self.checks) + " |"
 
     def __str__(self) -> str:
