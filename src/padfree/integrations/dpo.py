@@ -93,6 +93,7 @@ from padfree.integrations.preference_data import (
     refuse_long_pairs,
 )
 from padfree.integrations.status import PACKING, PADDING_FREE, STANDARD
+from padfree.integrations.step_loss import LossRule
 from padfree.integrations.trainer import SamplerEpoch, batch_sampler_dataloader
 from padfree.integrations.unpadded import unpadded_forwards
 from padfree.packing.inputs import as_capacity, as_flag
@@ -120,6 +121,7 @@ _BATCH_COUPLED = {"aot": "sorts the micro-batch's log-ratios", "aot_unpaired": "
 _PAIR_METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
                  "logps/rejected")
 _PAIR_COLUMNS = ("prompt_ids", "chosen_ids", "rejected_ids")
+_PAIRS = LossRule("pair")  # packed micro-batches: the step's loss is the mean over its pairs
 
 
 @dataclasses.dataclass
@@ -497,8 +499,8 @@ class DPOMixin(TrainerProtocol):
         if packed and mode == "train" and self._padfree_step_pairs is not None:
             # TRL's loss is this micro-batch's pair mean and the Trainer divides it by the accumulation steps (and
             # DDP averages the ranks): rescale so that the step's gradient is that of the mean over its pairs
-            scale = (pairs * self.current_gradient_accumulation_steps * self.accelerator.num_processes
-                     / self._padfree_step_pairs)
+            scale = _PAIRS.mean_share(pairs, self._padfree_step_pairs, self.accelerator.num_processes,
+                                      self.current_gradient_accumulation_steps)
             out = (out[0] * scale, out[1]) if return_outputs else out * scale
         return out
 
@@ -506,8 +508,7 @@ class DPOMixin(TrainerProtocol):
         batch_samples, num_items = super().get_batch_samples(epoch_iterator, num_batches, device)
         self._padfree_step_pairs = None
         if self._padfree_decision is not None and self._padfree_decision.mode == PACKING and batch_samples:
-            count = torch.tensor(sum(int(b["input_ids"].shape[0]) // 2 for b in batch_samples), device=device,
-                                 dtype=torch.float64)
+            count = torch.stack([_PAIRS.batch_count(b) for b in batch_samples]).sum().to(device)
             if self.accelerator.num_processes > 1:
                 count = self.accelerator.gather(count.reshape(1)).sum()
             self._padfree_step_pairs = count

@@ -110,7 +110,7 @@ from padfree.integrations.decide import (
 )
 from padfree.integrations.sequence_parallel import sequence_parallel_size, setup_sequence_parallel
 from padfree.integrations.status import PACKING, PADDING_FREE, STANDARD
-from padfree.integrations.step_loss import LOSS_MODES, reduce_loss, refuse_with_own_nll, scored_labels, token_losses
+from padfree.integrations.step_loss import LOSS_MODES, refuse_with_own_nll, scored_labels, token_losses
 from padfree.integrations.trainer import PadfreeTrainerMixin
 from padfree.integrations.trainer_data import (
     PackedRowsCollator,
@@ -435,7 +435,7 @@ class SFTMixin(TrainerProtocol, PadfreeTrainerMixin):
         if self._padfree_fuses(return_outputs):
             return self._padfree_fused(model, inputs, num_items_in_batch)
         if self.padfree_loss == "token":
-            denom = self._padfree_denominator(0, num_items_in_batch)
+            denom = self._padfree_denominator(num_items_in_batch)
             if denom is not None and self.args.average_tokens_across_devices:
                 # TRL divides by the count, then multiplies by its world size: hand it the count that leaves
                 # Σ loss · world / (targets of the step)
@@ -466,8 +466,8 @@ class SFTMixin(TrainerProtocol, PadfreeTrainerMixin):
             outputs = model(**inputs, fused_lm_head=True)
             token_loss, mask = -outputs.log_probs, outputs.label_mask
             entropy_sum, top1 = outputs.entropy.detach().sum(), outputs.is_top1.sum()
-        denom = self._padfree_denominator(1, num_items_in_batch)
-        loss = reduce_loss(token_loss, mask, inputs, "sequence", denom, shifted="shift_labels" not in inputs)
+        denom = self._padfree_denominator(num_items_in_batch)
+        loss = self._padfree_rule.reduce(token_loss, mask, inputs, denom, shifted="shift_labels" not in inputs)
         loss = self._padfree_unscaled(loss, denom)
         if self.aux_loss_enabled:
             loss = loss + self.router_aux_loss_coef * outputs.aux_loss / (

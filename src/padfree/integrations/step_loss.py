@@ -14,6 +14,11 @@ optimizer step, adds them up across ranks, and divides every micro-batch's loss 
 ``"sequence"`` weights sequences instead of tokens: every sequence's own mean token loss, averaged over the
 sequences of the step — a weighting that packing cannot change either, since it never looks at rows.
 
+:class:`LossRule` is that rule as one object — the step's counts (:class:`StepCounts`), the denominator, the
+reduction of a micro-batch, the per-sequence target weights, the division — which padfree's trainers, the fused loss
+(:func:`padfree.causal_lm_loss`), packed DPO's pair weighting (the rule ``"pair"``: a micro-batch's mean over its
+pairs, weighed by them) and sequence parallelism's ``target_weights`` all call.
+
 Why not leave it to transformers: its ``Trainer`` normalises by ``num_items_in_batch`` only when the model's forward
 accepts loss kwargs (otherwise every micro-batch's *mean* is averaged over the accumulation steps, which weights a
 short micro-batch's tokens more), and across ranks only with ``average_tokens_across_devices``. padfree computes the
@@ -27,14 +32,20 @@ neither.
 (3, 2)
 >>> sequence_ids(batch["position_ids"]).tolist()  # which sequence each token belongs to (padding tail: its own)
 [[0, 0, 0, 1, 1, 2]]
+>>> step = step_counts([batch, batch], device="cpu")  # two micro-batches of one optimizer step
+>>> step.targets.item(), step.sequences.item()
+(6.0, 4.0)
+>>> LossRule("token").denominator(step, world=2).item()  # DDP averages 2 ranks: each divides by 6 / 2
+3.0
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any
+import dataclasses
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, NamedTuple
 
-from padfree.errors import BackendUnavailableError, InvalidArgumentError
+from padfree.errors import BackendUnavailableError, InvalidArgumentError, describe
 from padfree.layout import IGNORE_INDEX, position_ids_to_segment_ids, segment_ids_to_batch_seq_idx
 
 try:
@@ -44,6 +55,9 @@ except ImportError as exc:  # pragma: no cover - torch is installed wherever thi
 
 __all__ = [
     "LOSS_MODES",
+    "RULES",
+    "LossRule",
+    "StepCounts",
     "count_loss_items",
     "count_loss_tensors",
     "loss_count",
@@ -52,11 +66,124 @@ __all__ = [
     "scored_labels",
     "sequence_ids",
     "sequence_weights",
+    "step_counts",
     "token_losses",
 ]
 
 #: ``"token"``: the token mean over the step; ``"sequence"``: the mean over the step's sequences of their token means
 LOSS_MODES = ("token", "sequence")
+#: every rule :class:`LossRule` knows: the two a user picks, and ``"pair"`` (packed DPO: the mean over the step's pairs)
+RULES = (*LOSS_MODES, "pair")
+
+
+class StepCounts(NamedTuple):
+    """The counts of one optimizer step, over its micro-batches and every rank: ``()`` float64 tensors each."""
+
+    targets: torch.Tensor  #: labels scored after the causal shift: what the token rule divides by
+    sequences: torch.Tensor  #: sequences with at least one target: what the sequence rule divides by
+
+
+@dataclasses.dataclass(frozen=True)
+class LossRule:
+    """The loss rule: the optimizer step's loss is the mean over all of its ``mode`` units — targets (``"token"``),
+    sequences (``"sequence"``: each sequence's own mean token loss) or preference pairs (``"pair"``) — whatever
+    rows, micro-batches and ranks they were cut into.
+
+    A micro-batch's share of that mean is its sum over its units divided by the :meth:`denominator`, the step's
+    count over the data-parallel world size (DDP averages the ranks' gradients).
+
+    >>> rule = LossRule("token")
+    >>> batch = {"labels": torch.tensor([[-100, 12, 13, -100, 22]]), "position_ids": torch.tensor([[0, 1, 2, 0, 1]])}
+    >>> token_loss = torch.tensor([[1.0, 2.0, 0.0, 3.0]])  # of labels[:, 1:]: targets 12, 13, 22
+    >>> rule.reduce(token_loss, token_loss > 0, batch, None).item()  # alone: its own mean
+    2.0
+    >>> rule.reduce(token_loss, token_loss > 0, batch, torch.tensor(6.0)).item()  # its share of 6 targets
+    1.0
+    """
+
+    mode: str
+
+    def __post_init__(self) -> None:
+        if self.mode not in RULES:
+            raise InvalidArgumentError(f"the loss rule must be one of {list(RULES)}, got {describe(self.mode)}")
+
+    def count(self, step: StepCounts | torch.Tensor) -> torch.Tensor:
+        """The step's count of this rule's units (a ``"pair"`` step is counted as a tensor)."""
+        if isinstance(step, torch.Tensor):
+            return step
+        if self.mode == "pair":
+            raise InvalidArgumentError("the pair rule counts pairs, not a step's targets and sequences")
+        return step.targets if self.mode == "token" else step.sequences
+
+    def denominator(self, step: StepCounts | torch.Tensor | None, world: int) -> torch.Tensor | None:
+        """What a micro-batch's sum is divided by: the step's count over the ``world`` ranks DDP averages (None
+        outside a counted step: each batch is then divided by its own count)."""
+        return None if step is None else self.count(step) / world
+
+    def batch_count(self, batch: Mapping[str, Any]) -> torch.Tensor:
+        """``()`` float64: this rule's units in one batch (:func:`loss_count`; pairs: half the rows)."""
+        if self.mode == "pair":
+            return torch.tensor(int(batch["input_ids"].shape[0]) // 2, dtype=torch.float64)
+        return loss_count(batch, self.mode)
+
+    def weights(self, batch: Mapping[str, Any]) -> torch.Tensor | None:
+        """The per-label weights that turn a sum of token losses into this rule's sum (None: 1 each)."""
+        return sequence_weights(batch) if self.mode == "sequence" else None
+
+    def reduce(self, token_loss: torch.Tensor, mask: torch.Tensor, batch: Mapping[str, Any],
+               denominator: torch.Tensor | float | None, shifted: bool = True) -> torch.Tensor:
+        """A micro-batch's share of the step's loss (:func:`reduce_loss`)."""
+        return reduce_loss(token_loss, mask, batch, self.mode, denominator, shifted=shifted)
+
+    def mean_share(self, units: int, step: torch.Tensor, world: int, accumulation: int) -> torch.Tensor:
+        """The factor that makes a micro-batch's loss — a mean over its ``units`` (TRL's DPO loss: its pairs), which
+        the Trainer divides by the ``accumulation`` steps and DDP averages over ``world`` ranks — its share of the
+        mean over the ``step``'s units."""
+        return units * accumulation * world / step
+
+    @staticmethod
+    def nonempty(count: torch.Tensor) -> torch.Tensor:
+        """``count`` with an empty count made 1: the rule's loss of a batch without targets is 0, not NaN."""
+        return torch.where(count > 0, count, torch.ones_like(count))
+
+    @staticmethod
+    def target_weights(target: torch.Tensor, seq: torch.Tensor, slots: int | None = None) -> torch.Tensor:
+        """float32 shaped like ``target``: ``1 / (targets of its sequence)`` at every target, 0 elsewhere — the
+        sequence rule's weights. ``target``: bool, which positions are targets; ``seq``: int64, the sequence of
+        each position, below ``slots`` (default ``seq.numel()``)."""
+        slots = seq.numel() if slots is None else slots
+        counts = torch.bincount(seq.masked_fill(~target, slots).reshape(-1), minlength=slots + 1)[:-1]
+        return torch.where(target, 1.0 / counts.clamp(min=1)[seq].float(), 0.0)
+
+    @staticmethod
+    def divide(total: torch.Tensor, denominator: Any, *, empty: str = "zero") -> torch.Tensor:
+        """``total / denominator``; an empty denominator gives 0 (``empty="zero"``: the rule's batch without
+        targets) or, as transformers' causal-LM mean does, NaN with zero gradients (``empty="nan"``). A count may
+        be a fraction (a step's count over the world size, a slice's share of its sequences)."""
+        if empty == "nan":
+            d = denominator.to(total.device) if isinstance(denominator, torch.Tensor) else torch.tensor(
+                float(denominator), device=total.device)
+            d = d.to(total.dtype)
+            is_empty = d == 0
+            safe = torch.where(is_empty, torch.ones_like(d), d)
+            # the value of total / 0 (NaN for a sum of no targets), added without a gradient: the gradients stay
+            # those of total / 1, which are zero when there is no target — what F.cross_entropy's empty mean gives
+            nothing = total.detach() / d - total.detach()
+            return total / safe + torch.where(is_empty, nothing, torch.zeros_like(nothing))
+        d = torch.as_tensor(denominator, device=total.device, dtype=total.dtype)
+        return total / torch.where(d > 0, d, torch.ones_like(d))
+
+
+def step_counts(batches: Sequence[Mapping[str, Any]], device: Any, gather: Callable[[torch.Tensor], torch.Tensor]
+                | None = None, replicas: int = 1) -> StepCounts:
+    """The :class:`StepCounts` of the micro-batches of one optimizer step (each with ``labels`` or
+    ``shift_labels``), on ``device``; with ``gather`` (accelerate's), summed over every rank and divided by the
+    ``replicas`` that saw the same batches."""
+    counts = torch.stack([torch.stack(count_loss_tensors(b)) for b in batches]).sum(0)
+    counts = counts.to(device=device, dtype=torch.float64)
+    if gather is not None:
+        counts = gather(counts.unsqueeze(0)).sum(0) / replicas
+    return StepCounts(counts[0], counts[1])
 
 
 def sequence_ids(position_ids: torch.Tensor | None, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -164,8 +291,7 @@ def sequence_weights(batch: Mapping[str, Any]) -> torch.Tensor:
     targets, shifted = scored_labels(batch)
     mask = targets != IGNORE_INDEX
     seq, slots = _target_sequences(batch, targets.shape, shifted)
-    counts = torch.bincount(seq.masked_fill(~mask, slots).reshape(-1), minlength=slots + 1)[:-1]
-    scored = torch.where(mask, 1.0 / counts.clamp(min=1)[seq].float(), 0.0)
+    scored = LossRule.target_weights(mask, seq, slots)
     return torch.nn.functional.pad(scored, (1, 0)) if shifted else scored
 
 
@@ -220,12 +346,8 @@ def reduce_loss(token_loss: torch.Tensor, mask: torch.Tensor, batch: Mapping[str
         counts = torch.bincount(idx, minlength=slots + 1)[:-1]
         total = (sums[:-1] / counts.clamp(min=1)).sum()
         count = (counts > 0).sum()
-    if denominator is None:
-        denominator = count
-    denominator = torch.as_tensor(denominator, device=total.device, dtype=total.dtype)
-    # a count may be a fraction (a step's count over the world size, a slice's share of its sequences): only an
-    # empty one is replaced, and then the sum it divides is 0 too
-    return total / torch.where(denominator > 0, denominator, torch.ones_like(denominator))
+    # an empty count is replaced, and then the sum it divides is 0 too
+    return LossRule.divide(total, count if denominator is None else denominator)
 
 
 def refuse_with_own_nll(what: str, args: Any, compute_loss_func: Any) -> None:

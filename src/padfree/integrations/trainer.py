@@ -26,11 +26,10 @@ from padfree.integrations.sequence_parallel import sequence_parallel_size, setup
 from padfree.integrations.status import PACKING, PADDING_FREE, STANDARD, PackingStatus, model_facts
 from padfree.integrations.step_loss import (
     LOSS_MODES,
-    count_loss_tensors,
-    loss_count,
-    reduce_loss,
+    LossRule,
+    StepCounts,
     refuse_with_own_nll,
-    sequence_weights,
+    step_counts,
     token_losses,
 )
 from padfree.integrations.telemetry import PackingTelemetryCallback, TelemetryLogMixin
@@ -88,7 +87,7 @@ class PadfreeTrainerMixin(TelemetryLogMixin):
     _padfree_balanced: tuple[Any, Any] | None = None
     _padfree_status: PackingStatus | None = None
     _padfree_telemetry: PackingTelemetryCallback | None = None
-    _padfree_step: tuple[torch.Tensor, torch.Tensor] | None = None
+    _padfree_step: StepCounts | None = None
     _padfree_epoch: SamplerEpoch
     _padfree_eval_sums: torch.Tensor | None = None
 
@@ -188,18 +187,21 @@ class PadfreeTrainerMixin(TelemetryLogMixin):
         if not batch_samples or not all(isinstance(b, Mapping) and ("labels" in b or "shift_labels" in b)
                                         for b in batch_samples):
             return batch_samples, None
-        counts = torch.stack([torch.stack(count_loss_tensors(b)) for b in batch_samples]).sum(0)
-        counts = counts.to(device=device, dtype=torch.float64)
-        if self.accelerator.num_processes > 1:
-            counts = self.accelerator.gather(counts.unsqueeze(0)).sum(0) / self._padfree_replicas()
-        self._padfree_step = (counts[0], counts[1])
-        return batch_samples, counts[0]
+        many = self.accelerator.num_processes > 1
+        self._padfree_step = step_counts(batch_samples, device, self.accelerator.gather if many else None,
+                                         self._padfree_replicas() if many else 1)
+        return batch_samples, self._padfree_step.targets
 
-    def _padfree_denominator(self, which: int, num_items_in_batch: Any) -> torch.Tensor | None:
-        """The step's targets (0) or sequences (1) divided by the world size, or None outside a counted step."""
+    @property
+    def _padfree_rule(self) -> LossRule | None:
+        """The loss rule this trainer applies (None: the Trainer's own loss)."""
+        return None if self.padfree_loss is None else LossRule(self.padfree_loss)
+
+    def _padfree_denominator(self, num_items_in_batch: Any) -> torch.Tensor | None:
+        """The loss rule's denominator: the step's count over the world size, or None outside a counted step."""
         if num_items_in_batch is None or self._padfree_step is None or not self.model.training:
             return None
-        return self._padfree_step[which] / self._padfree_world()
+        return self._padfree_rule.denominator(self._padfree_step, self._padfree_world())
 
     # ---- the loss --------------------------------------------------------------------------------------
 
@@ -216,9 +218,8 @@ class PadfreeTrainerMixin(TelemetryLogMixin):
         outputs = model(**model_inputs)
         logits = outputs["logits"] if isinstance(outputs, Mapping) else outputs[0]
         loss_tok, mask = token_losses(logits, inputs)
-        which = 0 if self.padfree_loss == "token" else 1
-        denom = self._padfree_denominator(which, num_items_in_batch)
-        loss = reduce_loss(loss_tok, mask, inputs, self.padfree_loss, denom, shifted="shift_labels" not in inputs)
+        denom = self._padfree_denominator(num_items_in_batch)
+        loss = self._padfree_rule.reduce(loss_tok, mask, inputs, denom, shifted="shift_labels" not in inputs)
         loss = self._padfree_unscaled(loss, denom)
         if self._padfree_eval_sums is not None and not self.model.training:
             self._padfree_eval_record(loss, inputs)
@@ -237,12 +238,11 @@ class PadfreeTrainerMixin(TelemetryLogMixin):
         accumulation mean — plus a MoE model's router loss as its own forward would add it."""
         from padfree.model.loss import causal_lm_loss
 
-        which = 0 if self.padfree_loss == "token" else 1
-        denom = self._padfree_denominator(which, num_items_in_batch)
-        count = denom if denom is not None else loss_count(inputs, self.padfree_loss)
+        rule = self._padfree_rule
+        denom = self._padfree_denominator(num_items_in_batch)
         # the loss rule's batch without targets is 0 (reduce_loss); causal_lm_loss's mean, as transformers', is NaN
-        count = torch.where(count > 0, count, torch.ones_like(count))
-        weights = None if which == 0 else sequence_weights(inputs)
+        count = rule.nonempty(denom if denom is not None else rule.batch_count(inputs))
+        weights = rule.weights(inputs)
         if getattr(self, "aux_loss_enabled", False):  # TRL asks MoE models for their router logits
             inputs = {**inputs, "output_router_logits": True}
         if not self._padfree_logit_metrics:
@@ -330,7 +330,7 @@ class PadfreeTrainerMixin(TelemetryLogMixin):
 
     def _padfree_eval_record(self, loss: torch.Tensor, inputs: dict[str, Any]) -> None:
         """Add one eval batch's loss (its own token or sequence mean) back up into a sum and a count."""
-        count = loss_count(inputs, self.padfree_loss).to(self._padfree_eval_sums)
+        count = self._padfree_rule.batch_count(inputs).to(self._padfree_eval_sums)
         acc = self._padfree_eval_sums
         acc[0] += loss.detach().to(acc) * count
         acc[1] += count

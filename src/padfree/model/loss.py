@@ -36,6 +36,7 @@ import torch
 import torch.nn.functional as F
 
 from padfree.errors import InvalidArgumentError, UnsupportedModelError, describe
+from padfree.integrations.step_loss import LossRule
 from padfree.layout import IGNORE_INDEX
 from padfree.model.wrappers import unwrap_model
 from padfree.packing.inputs import as_int
@@ -423,21 +424,6 @@ def _check_head(model: Any) -> tuple[float, float | None]:
     return scale, softcap
 
 
-def _mean(total: torch.Tensor, denom: Any) -> torch.Tensor:
-    """``total / denom`` as transformers' causal-LM loss divides: its mean over no target (or a step count of 0) is
-    NaN, with zero gradients — never a silent 0. Any other denominator divides as given (a step's count over the
-    ranks may be a fraction)."""
-    denom = denom.to(total.device) if isinstance(denom, torch.Tensor) else torch.tensor(float(denom),
-                                                                                     device=total.device)
-    denom = denom.to(total.dtype)
-    empty = denom == 0
-    safe = torch.where(empty, torch.ones_like(denom), denom)
-    # the value of total / 0 (NaN for a sum of no targets), added without a gradient: the gradients stay those of
-    # total / 1, which are zero when there is no target — what F.cross_entropy's empty mean gives
-    nothing = total.detach() / denom - total.detach()
-    return total / safe + torch.where(empty, nothing, torch.zeros_like(nothing))
-
-
 def causal_lm_loss(
     model: Any,
     inputs: Mapping[str, Any],
@@ -516,7 +502,8 @@ def causal_lm_loss(
                                                 weights=None if weights is None else weights.to(hidden.device),
                                                 checked=True)
     if reduction == "mean":
-        loss = _mean(loss, count if num_items_in_batch is None else num_items_in_batch)
+        # transformers' mean: over no target (or a step count of 0) NaN, never a silent 0
+        loss = LossRule.divide(loss, count if num_items_in_batch is None else num_items_in_batch, empty="nan")
     aux = getattr(out, "aux_loss", None)
     coef = getattr(base.config, "router_aux_loss_coef", None)
     if aux is not None and coef is not None:  # as the MoE models' own forward adds it when given labels

@@ -32,6 +32,7 @@ import torch
 
 from padfree import layout
 from padfree.errors import InvalidArgumentError, InvalidLayoutError, describe
+from padfree.integrations.step_loss import LossRule
 from padfree.layout import IGNORE_INDEX
 from padfree.sequence_parallel.groups import sequence_parallel_group
 
@@ -135,10 +136,8 @@ def split_rows(inputs: Mapping[str, Any], *, size: int, rank: int, pad_token_id:
 def _target_weights(shift_labels: torch.Tensor, segment_ids: torch.Tensor) -> torch.Tensor:
     """``(B, T')`` float32: ``1 / (targets of its sequence)`` at every target of the whole rows, 0 elsewhere; the
     target at ``t`` belongs to the sequence of token ``t``."""
-    target = shift_labels != IGNORE_INDEX
     seq = layout.segment_ids_to_batch_seq_idx(segment_ids, check=False)  # sequence ids over the batch, < B·T'
-    counts = torch.bincount(seq[target], minlength=seq.numel())
-    return torch.where(target, 1.0 / counts[seq].clamp(min=1).float(), 0.0)
+    return LossRule.target_weights(shift_labels != IGNORE_INDEX, seq)  # the sequence rule's weights, whole rows
 
 
 def _rows(value: Any, key: str, batch: int, seq_len: int) -> torch.Tensor:
