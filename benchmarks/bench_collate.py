@@ -44,7 +44,7 @@ from pathlib import Path
 
 import numpy as np
 
-from _common import load_snapshot, machine, table, write_section
+from _common import emit, load_snapshot, machine, table
 
 REPO = Path(__file__).resolve().parents[1]
 START_MARK = "<!-- bench_collate:start -->"
@@ -254,11 +254,7 @@ def main(argv: list[str] | None = None) -> None:
                 results.append(measure(name, form, prepared, batch_size, num_batches, args.runs))
     after = load_snapshot()
     section = render(args, info, before, after, results, time.perf_counter() - t_start, num_batches)
-    if args.no_write:
-        print(section)
-    else:
-        write_section(args.output, section, START_MARK, END_MARK)
-        log(f"wrote the bench_collate section of {args.output}")
+    emit(section, args.no_write, args.output, (START_MARK, END_MARK), log)
 
 
 if __name__ == "__main__":
