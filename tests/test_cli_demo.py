@@ -28,12 +28,37 @@ def test_demo_quick_on_the_embedded_corpus(capsys, tmp_path):
     assert "OK at atol=1e-05" in out  # verify() on a packed row
     for mode in ("padded", "grouped", "packed"):
         assert f"\n  {mode} " in out
-    assert "Packed trains" in out and "Loss agreement" in out
+    assert "Packed trains" in out
     assert "\n  packed+fused " in out and "With padfree's fused loss as well" in out
+    # the numbers explained where they are shown: the steps, each ratio, the loss; no ratio the other way round
+    assert "optimizer steps" in out and "vs padded" in out and "packed is" not in out
+    assert "  How to read it:" in out and "real tokens per second divided by those of random padded batches" in out
+    assert "is the number of updates, not what a step computes" in " ".join(out.split())
     png = out_dir / DEMO_PNG
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert imread(png).shape[1] > 1000  # three panels side by side
-    assert "training" in err  # progress on stderr
+    # progress on stderr, with estimates before the long parts (lines that reach a log file, where tqdm draws none)
+    assert "padfree: tokenizing: about " in err and "s for the remaining" in err
+    assert "padfree: training: about " in err and "padfree: training: pass 1 of 1 done" in err
+
+
+def test_demo_sizes():
+    """The default run is the small one (the whole corpus and the larger model behind --full); --quick is smaller
+    still; the built-in model trains on one thread unless --threads says otherwise."""
+    from padfree.cli import build_parser
+    from padfree.cli._training import training_options
+
+    def options(*argv):
+        return training_options(build_parser().parse_args(["demo", *argv]), "demo")
+
+    default, quick, full = options(), options("--quick"), options("--full")
+    assert (default.size, quick.size, full.size) == ("default", "quick", "full")
+    assert (default.capacity, default.rows, default.tokens, default.repetitions) == (512, 4, 8192, 2)
+    assert (full.capacity, full.rows, full.tokens, full.repetitions) == (1024, 8, 16384, 3)
+    assert quick.tokens < default.tokens < full.tokens
+    assert default.threads == 1 and options("--threads", "2").threads == 2
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["demo", "--quick", "--full"])
 
 
 def test_demo_with_data_a_local_model_and_json(capsys, tmp_path):

@@ -109,14 +109,16 @@ def note(message: str) -> None:
     print(f"padfree: note: {message}", file=sys.stderr, flush=True)
 
 
-def bar(total: int, desc: str, unit: str) -> Any:
-    """A tqdm progress bar on stderr (drawn only on a terminal); without tqdm, one that draws nothing."""
+def bar(total: int, desc: str, unit: str, position: int | None = None) -> Any:
+    """A tqdm progress bar on stderr (drawn only on a terminal); without tqdm, one that draws nothing. ``position``:
+    its line among bars shown together (0 the top one)."""
     try:
         from tqdm.auto import tqdm
     except (ImportError, OSError):  # a broken install counts as missing: bars only decorate a run
         return _NoBar()
 
-    return tqdm(total=total, desc=desc, unit=unit, unit_scale=True, disable=None, leave=False, file=sys.stderr)
+    return tqdm(total=total, desc=desc, unit=unit, unit_scale=True, disable=None, leave=False, file=sys.stderr,
+                position=position)
 
 
 class _NoBar:

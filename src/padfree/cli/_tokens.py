@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -40,17 +41,26 @@ def load_tokenizer(path: str | None) -> tuple[Any, str]:
     return tokenizer, name
 
 
-def token_ids(texts: list[str], tokenizer: Any, batch_size: int = 64) -> list[list[int]]:
-    """The token ids of every text (no special tokens), with a progress bar over the texts."""
+def token_ids(texts: list[str], tokenizer: Any, batch_size: int = 64,
+              say: Callable[[str], None] | None = None) -> list[list[int]]:
+    """The token ids of every text (no special tokens), with a progress bar over the texts. ``say``: told, after the
+    first batch, about how long the rest will take (from its characters per second)."""
+    import time
+
     from padfree import corpus
 
     ids: list[list[int]] = []
     progress = bar(len(texts), "tokenizing", "doc")
+    started = time.perf_counter()
     try:
         for start in range(0, len(texts), batch_size):
             batch = [str(t) for t in texts[start:start + batch_size]]
             ids.extend(corpus.encode(batch, tokenizer)["input_ids"])
             progress.update(len(batch))
+            if say is not None and start == 0 and len(texts) > batch_size:
+                rate = sum(map(len, batch)) / max(time.perf_counter() - started, 1e-6)
+                rest = sum(len(str(t)) for t in texts[batch_size:]) / rate
+                say(f"tokenizing: about {max(1, round(rest))} s for the remaining {len(texts) - batch_size:,} texts")
     finally:
         progress.close()
     return ids

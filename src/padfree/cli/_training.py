@@ -22,19 +22,34 @@ from padfree.errors import DataLoadError, InvalidArgumentError
 if TYPE_CHECKING:  # numpy is imported where it is used: a usage error costs no import
     import numpy as np
 
-#: The demo's model when no ``--model`` is given: a small Llama with random weights (vocab = the tokenizer's).
+#: The model when no ``--model`` is given, per size of run: a small Llama with random weights (vocab = the
+#: tokenizer's, whose 32k-row head and embedding are most of its parameters).
 DEMO_MODEL = {"full": dict(hidden_size=128, intermediate_size=344, num_hidden_layers=2, num_attention_heads=4,
                            num_key_value_heads=2),
+              "default": dict(hidden_size=64, intermediate_size=172, num_hidden_layers=2, num_attention_heads=4,
+                              num_key_value_heads=2),
               "quick": dict(hidden_size=64, intermediate_size=172, num_hidden_layers=1, num_attention_heads=4,
                             num_key_value_heads=2)}
-#: (capacity, rows, tokens, repetitions) of a full and a --quick run.
-_DEFAULTS = {"demo": {"full": (1024, 8, 16384, 3), "quick": (256, 4, 1536, 1)},
+#: (capacity, rows, tokens, repetitions) per size of run
+_DEFAULTS = {"demo": {"default": (512, 4, 8192, 2), "quick": (256, 4, 1536, 1), "full": (1024, 8, 16384, 3)},
              "bench": {"full": (512, 8, 8192, 3), "quick": (256, 4, 1536, 1)}}
+#: the size of a run without --quick or --full: ``bench`` measures, so its default is its full run
+_DEFAULT_SIZE = {"demo": "default", "bench": "full"}
+#: the embedded corpus's share each size of run tokenizes: every n-th top-level block
+_CORPUS_STRIDE = {"full": 1, "default": 4, "quick": 8}
+#: torch threads of the built-in model when --threads is not given: a model this small gains little from intra-op
+#: threads, and on a shared machine their OpenMP barriers stall for seconds whenever another process holds a core
+SMALL_MODEL_THREADS = 1
 
 
 def add_training_args(p: Any, command: str) -> None:
-    """The ``data`` and ``training`` arguments of ``command`` (``demo`` or ``bench``), and ``--quick``."""
-    full, quick = _DEFAULTS[command]["full"], _DEFAULTS[command]["quick"]
+    """The ``data`` and ``training`` arguments of ``command`` (``demo`` or ``bench``), ``--quick`` and (``demo``)
+    ``--full``."""
+    sizes = _DEFAULTS[command]
+
+    def default(i: int) -> str:
+        return "; ".join(f"{'default' if k == _DEFAULT_SIZE[command] else '--' + k}: {v[i]:,}"
+                         for k, v in sizes.items())
     g = p.add_argument_group("data")
     g.add_argument("--data", metavar="FILE",
                    help=f"train on this dataset instead of the embedded corpus: {DATA_FORMATS}")
@@ -48,18 +63,23 @@ def add_training_args(p: Any, command: str) -> None:
     g.add_argument("--model", metavar="DIR",
                    help="a local causal-LM checkpoint (save_pretrained); default: a small Llama from a config with "
                         "random weights")
-    g.add_argument("--capacity", type=int, help=f"tokens per packed row, the longest padded row (default: {full[0]}; "
-                                                 f"--quick: {quick[0]})")
+    g.add_argument("--capacity", type=int, help=f"tokens per packed row, the longest padded row ({default(0)})")
     g.add_argument("--rows", type=int, help=f"batch size: sequences per padded batch, rows per packed step "
-                                             f"(default: {full[1]}; --quick: {quick[1]})")
-    g.add_argument("--tokens", type=int, help=f"real tokens every mode trains per pass (default: {full[2]:,}; "
-                                               f"--quick: {quick[2]:,})")
+                                             f"({default(1)})")
+    g.add_argument("--tokens", type=int, help=f"real tokens every mode trains per pass ({default(2)})")
     g.add_argument("--repetitions", type=int,
-                   help=f"timed passes per mode, interleaved; the median is reported (default: {full[3]}; "
-                        f"--quick: {quick[3]})")
+                   help=f"timed passes per mode, interleaved; the median is reported ({default(3)})")
     g.add_argument("--seed", type=int, default=0, help="seed of the sample, the orders and the weights (default: 0)")
-    g.add_argument("--threads", type=int, help="torch threads for every mode (default: torch's own choice)")
-    p.add_argument("--quick", action="store_true", help="a small run: a slice of the corpus, a tiny model, few tokens")
+    g.add_argument("--threads", type=int,
+                   help=f"torch threads for every mode (default: {SMALL_MODEL_THREADS} for the built-in small model, "
+                        "torch's own choice for --model)")
+    size = p.add_mutually_exclusive_group()
+    size.add_argument("--quick", action="store_true",
+                      help="a smaller run: an eighth of the corpus, a one-layer model, few tokens")
+    if _DEFAULT_SIZE[command] != "full":
+        size.add_argument("--full", action="store_true",
+                          help="the full run: the whole corpus, a larger model, more tokens and passes (several "
+                               "times longer)")
 
 
 @dataclass(frozen=True)
@@ -73,7 +93,11 @@ class TrainingOptions:
     seed: int
     threads: int | None
     limit: int | None
-    quick: bool
+    size: str  # "quick", "default" or "full"
+
+    @property
+    def quick(self) -> bool:
+        return self.size == "quick"
 
 
 def training_options(args: argparse.Namespace, command: str) -> TrainingOptions:
@@ -82,7 +106,8 @@ def training_options(args: argparse.Namespace, command: str) -> TrainingOptions:
         check_data_path(args.data, "--data")
     from padfree.packing.inputs import as_positive_int, as_seed
 
-    defaults = _DEFAULTS[command]["quick" if args.quick else "full"]
+    size = "quick" if args.quick else "full" if getattr(args, "full", False) else _DEFAULT_SIZE[command]
+    defaults = _DEFAULTS[command][size]
     values = []
     for flag, value, default in zip(("--capacity", "--rows", "--tokens", "--repetitions"),
                                     (args.capacity, args.rows, args.tokens, args.repetitions), defaults, strict=True):
@@ -92,9 +117,11 @@ def training_options(args: argparse.Namespace, command: str) -> TrainingOptions:
     if args.model is not None and not Path(args.model).expanduser().is_dir():
         raise InvalidArgumentError(f"--model {args.model!r} is not a directory; expected a checkpoint written by "
                                    "save_pretrained (config.json and the weights)")
-    return TrainingOptions(*values, seed=as_seed(args.seed, "--seed"),
-                           threads=optional_positive(args.threads, "--threads"),
-                           limit=optional_positive(args.limit, "--limit"), quick=args.quick)
+    threads = optional_positive(args.threads, "--threads")
+    if threads is None and args.model is None:
+        threads = SMALL_MODEL_THREADS
+    return TrainingOptions(*values, seed=as_seed(args.seed, "--seed"), threads=threads,
+                           limit=optional_positive(args.limit, "--limit"), size=size)
 
 
 @dataclass
@@ -117,7 +144,7 @@ def prepare(args: argparse.Namespace, opts: TrainingOptions, say: Progress) -> P
     say("loading the tokenizer")
     tokenizer, name = load_tokenizer(args.tokenizer)
     say(f"tokenizing {len(texts):,} texts")
-    ids = [x for x in token_ids(texts, tokenizer) if x]
+    ids = [x for x in token_ids(texts, tokenizer, say=say) if x]
     if not ids:
         raise DataLoadError(f"every one of the {len(texts):,} texts is empty: nothing to train on")
     buf = read_tokens(ids)
@@ -131,9 +158,11 @@ def _texts(args: argparse.Namespace, opts: TrainingOptions) -> tuple[list[str], 
         texts = _top_level_blocks(corpus.embedded_corpus())
         source = (f"embedded corpus: {corpus.embedded_corpus_description()}, one sample per top-level block "
                   f"(split at two blank lines, PEP 8's separation of top-level definitions): {len(texts):,}")
-        if opts.quick:  # every 8th document: the same kinds of text, an eighth of the tokenizing
-            texts = texts[::8]
-            source += f", every 8th document (--quick): {len(texts)}"
+        stride = _CORPUS_STRIDE[opts.size]
+        if stride > 1:  # every n-th block: the same kinds of text, a fraction of the tokenizing
+            texts = texts[::stride]
+            flag = " (--quick)" if opts.quick else " (--full takes them all)"
+            source += f", every {stride}th of them{flag}: {len(texts):,}"
         if opts.limit is not None:
             texts = texts[:opts.limit]
             source += f", first {len(texts)} documents"
@@ -160,7 +189,7 @@ def build_model(args: argparse.Namespace, opts: TrainingOptions, vocab: int, ids
 
     torch.manual_seed(opts.seed)
     if args.model is None:
-        sizes = DEMO_MODEL["quick" if opts.quick else "full"]
+        sizes = DEMO_MODEL[opts.size]
         config = transformers.LlamaConfig(vocab_size=vocab, max_position_embeddings=opts.capacity, **sizes)
         config._attn_implementation = "sdpa"
         model = transformers.LlamaForCausalLM(config)
@@ -196,8 +225,14 @@ def build_model(args: argparse.Namespace, opts: TrainingOptions, vocab: int, ids
 
 def train(model: Any, sample: Any, opts: TrainingOptions, modes: Sequence[str], say: Progress,
           fused: Sequence[str] = ()) -> tuple[Any, Any]:
-    """Build the plans, verify, warm up and time every mode, and the ``fused`` ones again with padfree's fused loss
-    (a tqdm bar over all the tokens trained)."""
+    """Build the plans, verify, warm up and time every mode, and the ``fused`` ones again with padfree's fused loss.
+
+    Shows a tqdm bar per mode (its tokens over every pass), says how long the timed passes will take once every mode
+    has made its first timed step, and a line after every pass (progress that reaches a log file too, where tqdm
+    draws nothing).
+    """
+    import time
+
     import torch
 
     from padfree.throughput import build_plans, compare_training
@@ -205,17 +240,50 @@ def train(model: Any, sample: Any, opts: TrainingOptions, modes: Sequence[str], 
     if opts.threads is not None:
         torch.set_num_threads(opts.threads)
     plans = build_plans(sample, opts.capacity, opts.rows, modes, seed=opts.seed)
-    per_pass = sum(p.real_tokens * (1 + (m in fused)) for m, p in plans.items())
-    warm = sum(p.steps[0].real_tokens * (1 + (m in fused)) for m, p in plans.items())
     names = [*plans, *(f"{m}+fused" for m in fused)]
+    tokens = {m: plans[m.removesuffix("+fused")].real_tokens for m in names}
+    warm = {m: plans[m.removesuffix("+fused")].steps[0].real_tokens for m in names}
     say(f"training {', '.join(names)}: {opts.repetitions} timed pass(es) each over the same "
         f"{plans['packed'].real_tokens:,} real tokens (checking exactness first)")
-    progress = bar(per_pass * opts.repetitions + warm, "training", "tok")
+    width = max(map(len, names))
+    bars = {m: bar(tokens[m] * opts.repetitions + warm[m], m.ljust(width), "tok", position=i)
+            for i, m in enumerate(names)}
+    clock = {"last": time.perf_counter(), "start": 0.0}
+    timed: dict[str, list[float]] = {}  # mode -> [seconds, tokens] of its timed steps so far
+    passes: set[int] = set()
+
+    def progress(mode: str, rep: int, n: int) -> None:
+        # called after every step; the modes take their steps in turn, so the time since the last call is this step's
+        now = time.perf_counter()
+        elapsed, clock["last"] = now - clock["last"], now
+        bars[mode].update(n)
+        if rep < 0:  # a warm-up step (first-call costs: not a measure of the others)
+            clock["start"] = now
+            return
+        seconds, count = timed.setdefault(mode, [0.0, 0])
+        timed[mode] = [seconds + elapsed, count + n]
+        if len(timed) == len(names) and -1 not in passes:  # every mode has made a timed step: say how long
+            passes.add(-1)
+            left = sum(timed[m][0] / timed[m][1] * (tokens[m] * opts.repetitions - timed[m][1]) for m in names)
+            say(f"training: about {_duration(left)} left for {opts.repetitions} timed pass(es) of {len(names)} "
+                "modes (from each mode's first timed step)")
+        if rep not in passes and all(timed.get(m, (0, 0))[1] >= tokens[m] * (rep + 1) for m in names):
+            passes.add(rep)
+            spent = now - clock["start"]
+            left = spent / (rep + 1) * (opts.repetitions - rep - 1)
+            say(f"training: pass {rep + 1} of {opts.repetitions} done ({_duration(spent)} so far"
+                + (f", about {_duration(left)} left)" if left else ")"))
+
     try:
         report = compare_training(model, None, capacity=opts.capacity, rows=opts.rows, plans=plans,
-                                  repetitions=opts.repetitions, seed=opts.seed, fused=fused,
-                                  progress=lambda mode, rep, n: (progress.set_postfix_str(mode, refresh=False),
-                                                                 progress.update(n)))
+                                  repetitions=opts.repetitions, seed=opts.seed, fused=fused, progress=progress)
     finally:
-        progress.close()
+        for b in bars.values():
+            b.close()
     return report, plans
+
+
+def _duration(seconds: float) -> str:
+    """``"40 s"``, ``"3 min 20 s"``."""
+    seconds = round(seconds)
+    return f"{seconds} s" if seconds < 60 else f"{seconds // 60} min {seconds % 60:02d} s"

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from padfree.cli._optional import importable, install_hint, require
-from padfree.cli._output import Progress, log_bins, new_figure, note, num, save_png, table
+from padfree.cli._output import Progress, bar, log_bins, new_figure, note, num, save_png, table
 from padfree.cli._training import Prepared, add_training_args, build_model, prepare, train, training_options
 from padfree.errors import InvalidArgumentError
 
@@ -23,8 +23,10 @@ def add_parser(subparsers: Any) -> None:
         "demo",
         help="tokenize, analyze and pack a real corpus, verify a model, and train it padded vs packed",
         description=(
-            "The whole story on your machine, offline: tokenize a real corpus (the embedded one: CPython's standard "
-            "library and pydoc topics; or --data), analyze its lengths, pack it, build a small Llama (or load "
+            "The whole story on your machine, offline, in a few minutes (--quick: a smaller run; --full: the whole "
+            "corpus, a larger model, several times longer): tokenize a real corpus (a quarter of the embedded one: "
+            "CPython's standard library and pydoc topics; or --data), analyze its lengths, pack it, build a small "
+            "Llama (or load "
             "--model), prove with verify() that a packed step equals the per-sequence steps, then train the same "
             "real tokens four ways — random padded batches, length-grouped padded batches, padfree packed rows, and "
             "packed rows with padfree's fused loss — and report real tokens/s, the speedups and the losses; writes "
@@ -55,8 +57,14 @@ def run(args: argparse.Namespace) -> int:
     say = Progress(enabled=not args.quiet)
     data = prepare(args, opts, say)
     say(f"analyzing {data.lengths.shape[0]:,} lengths and packing them into rows of {opts.capacity:,}")
-    analysis = analyze_lengths(data.lengths, opts.capacity, batch_size=opts.rows, strategies=["obfd"], seed=opts.seed)
-    plan = pack_sequences(data.lengths, opts.capacity, overlong="truncate")
+    progress = bar(data.lengths.shape[0], "packing", "seq")
+    try:
+        analysis = analyze_lengths(data.lengths, opts.capacity, batch_size=opts.rows, strategies=["obfd"],
+                                   seed=opts.seed)
+        plan = pack_sequences(data.lengths, opts.capacity, overlong="truncate")
+        progress.update(data.lengths.shape[0])
+    finally:
+        progress.close()
     model, model_text = build_model(args, opts, data.vocab, data.ids)
     sample = sample_sequences(data.ids, opts.tokens, opts.capacity, seed=opts.seed)
     report, plans = train(model, sample, opts, ("padded", "grouped", "packed"), say, fused=("packed",))
@@ -68,7 +76,8 @@ def run(args: argparse.Namespace) -> int:
                "sequences": int(data.lengths.shape[0]), "tokens": int(data.lengths.sum()),
                "packing": {"capacity": opts.capacity, "rows": plan.num_bins, "efficiency": plan.efficiency,
                            "padded_waste": analysis.padded.waste_longest},
-               "training": report.as_dict(), "png": None if png is None else str(png),
+               "training": report.as_dict(), "threads": opts.threads, "size": opts.size,
+               "png": None if png is None else str(png),
                "seconds": round(time.perf_counter() - started, 1)}
     print(json.dumps(summary, indent=2) if args.json else render_demo(summary, data, analysis, plan, report))
     if png is None:
@@ -106,34 +115,59 @@ def render_demo(summary: dict[str, Any], data: Prepared, analysis: Any, plan: An
                 "weights"]
     out += (["  " + line for line in str(ex).splitlines()[-2:]] if ex is not None
             else ["  no packed row holds two sequences: no boundary to check"])
+    out += _training_section(report, summary)
+    done = (f"plot written to {summary['png']}" if summary["png"] is not None
+            else f"no plot ({DEMO_PNG} needs matplotlib)")
+    out += ["", f"{done} ({summary['seconds']:.0f} s in all)"]
+    return "\n".join(out)
+
+
+def _training_section(report: Any, summary: dict[str, Any]) -> list[str]:
+    """The training table and what its numbers mean, said in the report itself."""
     r = report.results
-    out += ["", f"Training the same {num(r['packed'].real_tokens)} real tokens {len(r)} ways ({report.repetitions} "
-                f"timed pass(es) each, interleaved; AdamW, fresh from the same weights every pass)"]
+    padded, packed = r["padded"], r["packed"]
+    threads = summary.get("threads")
+    where = f"{threads} torch thread{'s' if threads != 1 else ''}" if threads else "torch's threads"
+    out = ["", f"Training the same {num(packed.real_tokens)} real tokens {len(r)} ways ({report.repetitions} timed "
+               f"pass(es) each, interleaved; AdamW from the same initial weights every pass; {where})"]
     rows = [[m, num(x.steps), num(x.positions), f"{x.efficiency:.1%}", f"{x.median_seconds:.2f}",
-             num(round(x.tokens_per_second)), f"{report.speedup('packed', m):.2f}x", f"{x.final_loss():.3f}"]
+             num(round(x.tokens_per_second)), f"{report.speedup(m, 'padded'):.2f}x", f"{x.final_loss():.3f}"]
             for m, x in r.items()]
-    out += table(["mode", "steps", "positions", "filled", "seconds", "real tokens/s", "packed is", "final loss"],
-                 rows, "lrrrrrrr")
+    out += table(["mode", "optimizer steps", "positions", "filled", "seconds", "real tokens/s", "vs padded",
+                  "final loss"], rows, "lrrrrrrr")
+    wrap = dict(width=110, initial_indent="  - ", subsequent_indent="    ")
+    out += ["", "  How to read it:"]
+    out += textwrap.wrap(
+        f"steps: every mode trains the same real tokens, {report.rows} rows per optimizer step. A padded step holds "
+        f"{report.rows} sequences, each padded to the longest; a packed step holds {report.rows} rows of up to "
+        f"{num(report.capacity)} tokens, each several whole sequences end to end (positions restart, attention "
+        f"stays within each sequence). "
+        + (f"So packed takes fewer optimizer steps for the same tokens ({num(packed.steps)} vs {num(padded.steps)})."
+           if packed.steps < padded.steps else
+           f"Here the sequences are long enough that packing saves no step ({num(packed.steps)} vs "
+           f"{num(padded.steps)}): it saves the padding."), **wrap)
+    out += textwrap.wrap(
+        "positions: what the model computes over, padding included; filled = real tokens / positions.", **wrap)
+    out += textwrap.wrap(
+        "vs padded: this mode's real tokens per second divided by those of random padded batches — same tokens, "
+        "same model, same machine, timed together; above 1.00x is faster.", **wrap)
+    out += textwrap.wrap(
+        "final loss: the token-weighted mean loss over the last quarter of the tokens, where each mode got to. With "
+        "fewer, larger steps a pass makes fewer updates, so packed can end a single pass at a different loss; that "
+        "is the number of updates, not what a step computes (verify() above: a packed step equals its sequences "
+        "run alone; with the same batches, padfree.SFTTrainer's step equals TRL's padded step).", **wrap)
     out += ["", f"Packed trains {report.speedup('packed', 'padded'):.2f}x the real tokens per second of random "
                 f"padded batches and {report.speedup('packed', 'grouped'):.2f}x those of length-grouped ones."]
     if "packed+fused" in r:
         out += textwrap.wrap(
             f"With padfree's fused loss as well (padfree_fused_loss=True / padfree.causal_lm_loss: the LM head and "
             f"the cross-entropy fused, over target positions only, no logits tensor), packed trains "
-            f"{report.speedup('packed+fused', 'padded'):.2f}x random padded batches and "
-            f"{report.speedup('packed+fused', 'grouped'):.2f}x length-grouped ones; the fused loss alone gives packed "
-            f"{report.speedup('packed+fused', 'packed'):.2f}x. It would speed up padded batches too (their padding "
-            "never reaches the head): BENCHMARKS.md measures it apart.", width=110)
+            f"{report.speedup('packed+fused', 'padded'):.2f}x random padded batches; the fused loss alone gives "
+            f"packed {report.speedup('packed+fused', 'packed'):.2f}x.", width=110)
     out += textwrap.wrap(
-        "Loss agreement: a packed step is exact (verify() above: the same logits, loss and gradients as the "
-        "sequences run alone). Over the pass the modes form different optimizer steps (different sequences per "
-        "step, different step counts), so their curves are not identical; 'final loss' is the token-weighted "
-        "mean loss over the last quarter of the tokens, for comparing where each mode got to.",
-        width=110, initial_indent="  ", subsequent_indent="  ")
-    done = (f"plot written to {summary['png']}" if summary["png"] is not None
-            else f"no plot ({DEMO_PNG} needs matplotlib)")
-    out += ["", f"{done} ({summary['seconds']:.0f} s in all)"]
-    return "\n".join(out)
+        "These ratios belong to this small model on this CPU; how much packing saves grows with the padding it "
+        "removes and the model's size (BENCHMARKS.md measures larger settings).", width=110)
+    return out
 
 
 def _write_plot(path: Path, data: Prepared, plan: Any, plans: dict[str, Any], report: Any) -> None:
