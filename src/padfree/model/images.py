@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import inspect
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -399,51 +399,53 @@ def _markers(config: Any) -> tuple[Any, Any]:
     return start, end
 
 
-def _rope_sample(model: torch.nn.Module, plan: Sequence[Any], g: torch.Generator) -> dict[str, Any]:
-    """Qwen-VL-style: each image a grid of patch rows between the vision start and end tokens, token type 1."""
-    config, vision = model.config, model.config.vision_config
-    merge = int(vision.spatial_merge_size)
-    row = _patch_rows(model)
-    start, end = _markers(config)
+def _marked_sample(model: torch.nn.Module, plan: Sequence[Any], g: torch.Generator, markers: tuple[int, int],
+                   types_key: str, image: Callable[[tuple[int, int]], tuple[int, dict[str, torch.Tensor]]]
+                   ) -> dict[str, Any]:
+    """A sample whose every image is ``count`` placeholder tokens between two ``markers``, token type 1 inside and 0
+    elsewhere (under ``types_key``); ``image(size)`` gives an image's ``count`` and its inputs, each concatenated
+    over the sample's images in order."""
+    start, end = markers
     ids: list[int] = []
     types: list[int] = []
-    pixels, grids = [], []
+    inputs: dict[str, list[torch.Tensor]] = {}
     for part in plan:
-        text, image = part if isinstance(part, tuple) else (part, None)
+        text, size = part if isinstance(part, tuple) else (part, None)
         ids += _words(model, text, g)
         types += [0] * text
-        if image is not None:
-            h, w = image[0] * merge, image[1] * merge
-            count = h * w // (merge * merge)
-            ids += [start, *[config.image_token_id] * count, end]
+        if size is not None:
+            count, tensors = image(size)
+            ids += [start, *[model.config.image_token_id] * count, end]
             types += [0, *[1] * count, 0]
-            pixels.append(torch.randn(h * w, *row, generator=g))
-            grids.append([1, h, w])
-    out: dict[str, Any] = {"input_ids": torch.tensor([ids]), "mm_token_type_ids": torch.tensor([types])}
-    if pixels:
-        out.update(pixel_values=torch.cat(pixels), image_grid_thw=torch.tensor(grids))
-    return out
+            for key, value in tensors.items():
+                inputs.setdefault(key, []).append(value)
+    return {"input_ids": torch.tensor([ids]), types_key: torch.tensor([types]),
+            **{key: torch.cat(values) for key, values in inputs.items()}}
+
+
+def _rope_sample(model: torch.nn.Module, plan: Sequence[Any], g: torch.Generator) -> dict[str, Any]:
+    """Qwen-VL-style: each image a grid of patch rows between the vision start and end tokens."""
+    merge = int(model.config.vision_config.spatial_merge_size)
+    row = _patch_rows(model)
+
+    def image(size: tuple[int, int]) -> tuple[int, dict[str, torch.Tensor]]:
+        h, w = size[0] * merge, size[1] * merge
+        return h * w // (merge * merge), {"pixel_values": torch.randn(h * w, *row, generator=g),
+                                          "image_grid_thw": torch.tensor([[1, h, w]])}
+
+    return _marked_sample(model, plan, g, _markers(model.config), "mm_token_type_ids", image)
 
 
 def _blocks_sample(model: torch.nn.Module, plan: Sequence[Any], g: torch.Generator) -> dict[str, Any]:
-    """Gemma3-style: each image ``mm_tokens_per_image`` tokens between its markers, token type 1."""
+    """Gemma3-style: each image ``mm_tokens_per_image`` tokens between its markers, one image at the tower's size."""
     config, vision = model.config, model.config.vision_config
-    ids: list[int] = []
-    types: list[int] = []
-    pixels = []
-    for part in plan:
-        text, image = part if isinstance(part, tuple) else (part, None)
-        ids += _words(model, text, g)
-        types += [0] * text
-        if image is not None:
-            count = int(config.mm_tokens_per_image)
-            ids += [config.boi_token_id, *[config.image_token_id] * count, config.eoi_token_id]
-            types += [0, *[1] * count, 0]
-            pixels.append(torch.randn(1, vision.num_channels, vision.image_size, vision.image_size, generator=g))
-    out: dict[str, Any] = {"input_ids": torch.tensor([ids]), "token_type_ids": torch.tensor([types])}
-    if pixels:
-        out["pixel_values"] = torch.cat(pixels)
-    return out
+
+    def image(size: tuple[int, int]) -> tuple[int, dict[str, torch.Tensor]]:
+        side = vision.image_size
+        return int(config.mm_tokens_per_image), {
+            "pixel_values": torch.randn(1, vision.num_channels, side, side, generator=g)}
+
+    return _marked_sample(model, plan, g, (config.boi_token_id, config.eoi_token_id), "token_type_ids", image)
 
 
 def _prefix_sample(model: torch.nn.Module, plan: Sequence[Any], g: torch.Generator) -> dict[str, Any]:
@@ -467,33 +469,22 @@ def _prefix_sample(model: torch.nn.Module, plan: Sequence[Any], g: torch.Generat
 
 def _patch_blocks_sample(model: torch.nn.Module, plan: Sequence[Any], g: torch.Generator) -> dict[str, Any]:
     """Gemma4-style: an image of ``(h, w)`` steps is ``h·k x w·k`` patches (``k``: the pooling kernel) pooled to
-    ``h·w`` soft tokens between its markers, token type 1; every image's patches padded to the plan's largest
-    (coordinates ``-1``), as the processor pads each image to one patch budget."""
+    ``h·w`` soft tokens between its markers; every image's patches padded to the plan's largest (coordinates ``-1``),
+    as the processor pads each image to one patch budget."""
     config, vision = model.config, model.config.vision_config
     k, patch = int(vision.pooling_kernel_size), int(vision.patch_size)
     budget = _HEIGHT * k * _WIDTH * k
-    ids: list[int] = []
-    types: list[int] = []
-    pixels, coords = [], []
-    for part in plan:
-        text, image = part if isinstance(part, tuple) else (part, None)
-        ids += _words(model, text, g)
-        types += [0] * text
-        if image is not None:
-            h, w = image[0] * k, image[1] * k
-            ids += [config.boi_token_id, *[config.image_token_id] * (image[0] * image[1]), config.eoi_token_id]
-            types += [0, *[1] * (image[0] * image[1]), 0]
-            values = torch.zeros(1, budget, 3 * patch * patch)
-            values[0, :h * w] = torch.randn(h * w, 3 * patch * patch, generator=g)
-            where = torch.full((1, budget, 2), -1, dtype=torch.long)
-            ys, xs = torch.meshgrid(torch.arange(h), torch.arange(w), indexing="ij")
-            where[0, :h * w] = torch.stack([xs.flatten(), ys.flatten()], -1)
-            pixels.append(values)
-            coords.append(where)
-    out: dict[str, Any] = {"input_ids": torch.tensor([ids]), "mm_token_type_ids": torch.tensor([types])}
-    if pixels:
-        out["pixel_values"], out["image_position_ids"] = torch.cat(pixels), torch.cat(coords)
-    return out
+
+    def image(size: tuple[int, int]) -> tuple[int, dict[str, torch.Tensor]]:
+        h, w = size[0] * k, size[1] * k
+        values = torch.zeros(1, budget, 3 * patch * patch)
+        values[0, :h * w] = torch.randn(h * w, 3 * patch * patch, generator=g)
+        where = torch.full((1, budget, 2), -1, dtype=torch.long)
+        ys, xs = torch.meshgrid(torch.arange(h), torch.arange(w), indexing="ij")
+        where[0, :h * w] = torch.stack([xs.flatten(), ys.flatten()], -1)
+        return size[0] * size[1], {"pixel_values": values, "image_position_ids": where}
+
+    return _marked_sample(model, plan, g, (config.boi_token_id, config.eoi_token_id), "mm_token_type_ids", image)
 
 
 def probe_samples(model: torch.nn.Module, seed: int = 0) -> list[dict[str, Any]] | None:
