@@ -619,3 +619,18 @@ def test_a_missing_file_is_said_before_any_heavy_import(tmp_path, command):
     assert proc.stdout == "2 []\n", proc.stderr
     flag = "--data" if command[-1] == "--data" else "DATA"
     assert proc.stderr == f"padfree: error: {flag} {missing!r}: no such file or directory\n"
+
+
+def test_refusals_made_after_planning_name_the_flags(tmp_path, capsys):
+    """What the library refuses in its own argument names (``padding=``, ``capacity``) is said in the command's flags,
+    and the refused pack writes nothing."""
+    data = tmp_path / "texts.json"
+    data.write_text(json.dumps([{"text": "one two three four five six seven eight nine ten " * 3}] * 20))
+    out = tmp_path / "packed"
+    code, _, err = run(capsys, "pack", data, "-o", out, "--capacity", "64", "--padding", "8", "--quiet")
+    assert code == 2 and not out.exists()
+    assert err.startswith("padfree: error: --padding 8 is shorter than the longest packed row (")
+    assert "pass --padding" in err and "padding=" not in err
+    for command in (["analyze", data], ["demo", "--quick", "-o", tmp_path / "demo"], ["bench", "--no-training"]):
+        code, _, err = run(capsys, *command, "--capacity", str(2**27))
+        assert code == 2 and err == f"padfree: error: --capacity must be an integer >= 1 and <= {2**26}, got {2**27}\n"

@@ -104,14 +104,15 @@ def training_options(args: argparse.Namespace, command: str) -> TrainingOptions:
     """The ``demo`` / ``bench`` training arguments checked (every cheap check first) with their defaults filled."""
     if args.data is not None:  # a missing file first of all, before the packing engine (numba) is imported
         check_data_path(args.data, "--data")
-    from padfree.packing.inputs import as_positive_int, as_seed
+    from padfree.packing.inputs import as_capacity, as_positive_int, as_seed
 
     size = "quick" if args.quick else "full" if getattr(args, "full", False) else _DEFAULT_SIZE[command]
     defaults = _DEFAULTS[command][size]
     values = []
     for flag, value, default in zip(("--capacity", "--rows", "--tokens", "--repetitions"),
                                     (args.capacity, args.rows, args.tokens, args.repetitions), defaults, strict=True):
-        values.append(default if value is None else as_positive_int(value, flag))
+        check = as_capacity if flag == "--capacity" else as_positive_int
+        values.append(default if value is None else check(value, flag))
     if args.data is None and args.fields:
         raise InvalidArgumentError("--field needs --data: the embedded corpus has no columns")
     if args.model is not None and not Path(args.model).expanduser().is_dir():

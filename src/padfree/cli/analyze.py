@@ -73,9 +73,9 @@ def run(args: argparse.Namespace) -> int:
     # all, before the packing engine (numba) is imported
     if args.data is not None:
         check_data_path(args.data)
-    from padfree.packing.inputs import as_positive_int, as_seed
+    from padfree.packing.inputs import as_capacity, as_positive_int, as_seed
 
-    capacity = as_positive_int(args.capacity, "--capacity")
+    capacity = as_capacity(args.capacity, "--capacity")
     batch_size = as_positive_int(args.batch_size, "--batch-size")
     seed = as_seed(args.seed, "--seed")
     limit = optional_positive(args.limit, "--limit")

@@ -192,12 +192,15 @@ def run(args: argparse.Namespace) -> int:
         if opts.overlong == "error" and opts.strategy != "wrapped":
             _refuse_overlong(packing, opts, args.data)
         say(f"packing {packing.dataset.num_rows:,} sequences into rows of {opts.capacity:,} tokens ({opts.strategy})")
-        packed, result = padfree.pack_dataset(
-            packing.dataset, opts.capacity, opts.strategy, opts.seed, opts.padding_value, opts.label_padding_value,
-            overlong=opts.overlong, max_sequences_per_bin=opts.max_sequences_per_bin, padding=opts.padding,
-            attention_mask=opts.attention_mask, columns=opts.columns,
-            cache_file_name=str(out.cache / "packed.arrow"), return_result=True,
-        )
+        try:
+            packed, result = padfree.pack_dataset(
+                packing.dataset, opts.capacity, opts.strategy, opts.seed, opts.padding_value,
+                opts.label_padding_value, overlong=opts.overlong, max_sequences_per_bin=opts.max_sequences_per_bin,
+                padding=opts.padding, attention_mask=opts.attention_mask, columns=opts.columns,
+                cache_file_name=str(out.cache / "packed.arrow"), return_result=True,
+            )
+        except InvalidArgumentError as exc:
+            raise _in_flags(exc, opts) from exc
         if packing.kept is not None:
             packed = _records_as_sequence_ids(packed, packing.kept, opts.columns)
         say(f"writing {packed.num_rows:,} rows ({opts.format}) to {opts.output}")
@@ -215,6 +218,18 @@ def run(args: argparse.Namespace) -> int:
     summary = _summary(args, opts, packing, result, packed.column_names, written, time.perf_counter() - started)
     print(json.dumps(summary, indent=2) if args.json else render_pack_summary(summary, packing))
     return 0
+
+
+def _in_flags(exc: InvalidArgumentError, opts: _PackOptions) -> InvalidArgumentError:
+    """The library's refusal of ``padding=N`` (known only once the rows are planned) said in the command's flags."""
+    import re
+
+    found = re.match(rf"padding={opts.padding} is shorter than the longest row \((\d+) tokens\)", str(exc))
+    if not isinstance(opts.padding, int) or found is None:
+        return exc
+    longest = int(found.group(1))
+    return InvalidArgumentError(f"--padding {opts.padding} is shorter than the longest packed row ({longest:,} "
+                                f"tokens); pass --padding {longest} or more, or --padding longest, capacity or none")
 
 
 def _pack_options(args: argparse.Namespace) -> _PackOptions:
