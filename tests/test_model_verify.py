@@ -7,8 +7,9 @@ import pytest
 import torch
 import transformers
 
+import padfree
 from padfree import pack_result_to_tensors, pack_sequences, verify
-from padfree.errors import InvalidTokensError
+from padfree.errors import InvalidArgumentError, InvalidTokensError, PackingMismatchError
 
 VOCAB = 64
 
@@ -58,3 +59,56 @@ def test_the_vocabulary_is_what_the_embedding_holds_not_what_the_config_says(mod
     finally:
         model.config.vocab_size = VOCAB
     assert verify(model, [[1, 2, 3], [4, VOCAB - 1]]).num_sequences == 2  # the last id of the vocabulary is fine
+
+
+# ---- the tolerance the run calibrates itself (atol="auto") ------------------------------------------------------
+
+SEQS = [[5, 6, 7, 8, 9, 10, 11], [12, 13, 14, 15, 16, 17], [20, 21, 22, 23]]
+
+
+def _tiny(model_type: str, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    from padfree.model.sweep import build_tiny
+
+    return build_tiny(model_type).to(dtype)
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen3_5_text"])
+def test_under_bf16_autocast_the_tolerance_is_what_rounding_moves_each_sequence(model_type):
+    """fp32 weights under autocast: the bound is three times each sequence's bf16-vs-fp32 distance (far above
+    fp32's), the packed row is within it, and the control — positions never restarting — lands beyond it."""
+    model = _tiny(model_type)
+    padfree.configure_packing(model)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        report = verify(model, SEQS)
+    assert report.rounding is not None and report.atol == pytest.approx(3 * report.rounding)
+    assert report.atol > 100 * 1e-5 and report.ok, report
+    assert report.conclusive and report.control > 10 * report.atol, report
+    assert "leaking control" in str(report) and "a leak would show" in str(report)
+
+
+def test_bf16_weights_are_calibrated_against_an_ordinary_padded_batch():
+    model = _tiny("llama", torch.bfloat16)
+    padfree.configure_packing(model)
+    report = verify(model, SEQS)
+    assert report.rounding is not None and report.ok and report.conclusive, report
+
+
+def test_the_same_calibrated_check_catches_a_model_that_leaks():
+    """The negative control of the check itself: transformers' own Mamba on a packed row (not configured) carries its
+    state across the boundaries; under autocast that is far beyond the calibrated bound."""
+    model = _tiny("mamba")
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        report = verify(model, SEQS)
+    assert not report.ok and report.max_logit_diff > 10 * report.atol, report
+    with pytest.raises(PackingMismatchError, match="MISMATCH"):
+        report.raise_for_mismatch()
+
+
+def test_fp32_keeps_the_fixed_bound_and_a_given_atol_is_used_as_given(model):
+    padfree.configure_packing(model)
+    auto = verify(model, SEQS)
+    assert auto.atol == 1e-5 and auto.rounding is None and auto.ok and auto.conclusive
+    given = verify(model, SEQS, atol=1e-3)
+    assert given.atol == given.loss_atol == given.grad_atol == 1e-3 and given.control is None
+    with pytest.raises(InvalidArgumentError, match='atol must be "auto" or a finite number'):
+        verify(model, SEQS, atol="rounding")

@@ -17,6 +17,16 @@ the mean over every next-token target of every sequence in both runs, so the gra
 (True, True)
 >>> report.raise_for_mismatch()  # silent when ok; raises PackingMismatchError with the table otherwise
 
+In the precision you train in (bf16 weights, or fp32 weights under autocast) no fixed tolerance fits every model:
+``atol="auto"`` (the default) takes it from the run itself — three times what rounding alone moves each sequence
+between two exact layouts (alone, and right-padded in one batch) — and runs a leaking control (the rows with
+positions that never restart) that must land beyond it. In fp32 the tolerance is 1e-5.
+
+>>> with torch.autocast("cpu", dtype=torch.bfloat16):
+...     low = verify(model, [[5, 6, 7, 8], [9, 10, 11], [12, 13, 14, 15, 16]])
+>>> low.ok, low.conclusive, low.atol > 1e-5  # within rounding; the control beyond it
+(True, True, True)
+
 Token ids the model has no embedding for are refused before anything runs:
 
 >>> verify(model, [[5, 6, 7], [8, 64]])
@@ -44,6 +54,7 @@ from padfree.errors import (
     describe,
 )
 from padfree.layout import IGNORE_INDEX
+from padfree.model.proof import FP32_TOL, ROUNDING_FACTOR
 from padfree.model.wrappers import packable_model
 from padfree.packing.inputs import as_positive_int
 from padfree.packing.strategies import pack_sequences
@@ -74,8 +85,13 @@ class VerifyReport:
         loss_packed, loss_separate: token-mean cross-entropy over every next-token target.
         max_grad_diff: the largest ``|packed - separate|`` over every parameter gradient (None without grads).
         worst_parameter: the parameter where that maximum is.
-        atol: the tolerance of ``ok``.
+        atol: the tolerance of ``ok`` for logits (given, or calibrated: see :func:`verify`).
         backend: the model's ``config._attn_implementation`` during the check.
+        rows: packed rows of the check.
+        loss_atol, grad_atol: the tolerances of the loss and of the gradients.
+        rounding: what rounding alone moves each sequence's logits (None: a fixed ``atol`` was given).
+        control: the leaking control's largest logit difference (None: not run — a fixed ``atol``, or no row holds
+            two sequences).
     """
 
     sequences: list[SequenceCheck]
@@ -87,6 +103,10 @@ class VerifyReport:
     atol: float
     backend: str
     rows: int
+    loss_atol: float | None = None
+    grad_atol: float | None = None
+    rounding: float | None = None
+    control: float | None = None
 
     @property
     def num_sequences(self) -> int:
@@ -98,9 +118,17 @@ class VerifyReport:
 
     @property
     def ok(self) -> bool:
-        """Logits, loss and (when checked) gradients all agree within ``atol``."""
-        grads_ok = self.max_grad_diff is None or self.max_grad_diff <= self.atol
-        return self.max_logit_diff <= self.atol and self.loss_diff <= self.atol and grads_ok
+        """Logits, loss and (when checked) gradients all agree within their tolerances."""
+        loss_atol = self.atol if self.loss_atol is None else self.loss_atol
+        grad_atol = self.atol if self.grad_atol is None else self.grad_atol
+        grads_ok = self.max_grad_diff is None or self.max_grad_diff <= grad_atol
+        return self.max_logit_diff <= self.atol and self.loss_diff <= loss_atol and grads_ok
+
+    @property
+    def conclusive(self) -> bool | None:
+        """Whether this check can tell a leak from rounding: the leaking control landed beyond ``atol``. None when no
+        control ran (a fixed ``atol``, or one sequence per row)."""
+        return None if self.control is None else self.control > self.atol
 
     def raise_for_mismatch(self) -> None:
         """Raise :class:`PackingMismatchError` (with the table) unless :attr:`ok`."""
@@ -115,10 +143,15 @@ class VerifyReport:
                          f"{s.loss_packed:>12.6f} {s.loss_separate:>12.6f}")
         grads = ("not checked" if self.max_grad_diff is None
                  else f"{self.max_grad_diff:.2e} (worst: {self.worst_parameter})")
-        lines += [
-            f"max |Δlogit| {self.max_logit_diff:.2e}   |Δloss| {self.loss_diff:.2e}   max |Δgrad| {grads}",
-            f"{'OK' if self.ok else 'MISMATCH'} at atol={self.atol:g}",
-        ]
+        lines.append(f"max |Δlogit| {self.max_logit_diff:.2e}   |Δloss| {self.loss_diff:.2e}   max |Δgrad| {grads}")
+        if self.rounding is not None:
+            lines.append(f"rounding moves each sequence by up to {self.rounding:.2e}: atol {self.atol:.2e} (loss "
+                         f"{self.loss_atol:.2e}, gradients {self.grad_atol:.2e})")
+        if self.control is not None:
+            seen = "beyond atol: a leak would show" if self.conclusive else \
+                "within atol: this precision cannot tell a leak from rounding here, so the check proves nothing"
+            lines.append(f"leaking control (positions never restarting): max |Δlogit| {self.control:.2e}, {seen}")
+        lines.append(f"{'OK' if self.ok else 'MISMATCH'} at atol={self.atol:g}")
         return "\n".join(lines)
 
 
@@ -165,7 +198,8 @@ def _ce_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 
 def verify(
-    model: torch.nn.Module, data: Any, *, atol: float = 1e-5, check_grads: bool = True, capacity: int | None = None,
+    model: torch.nn.Module, data: Any, *, atol: float | str = "auto", check_grads: bool = True,
+    capacity: int | None = None,
 ) -> VerifyReport:
     """Run ``model`` packed and per sequence on the same weights and compare logits, loss and gradients.
 
@@ -177,7 +211,11 @@ def verify(
         data: a list of token-id sequences (each ``(n_i,)``, ``n_i >= 2``), packed here into rows of ``capacity``
             tokens (default: all in one row), or a :class:`~padfree.PackedBatch` (its real sequences are checked;
             padding tails are not sequences).
-        atol: tolerance of :attr:`VerifyReport.ok` for logits, loss and gradients (fp32: 1e-5).
+        atol: tolerance of :attr:`VerifyReport.ok` for logits, loss and gradients, or ``"auto"``: 1e-5 in fp32;
+            in a lower precision (bf16 / fp16 weights, or autocast around the call) three times what rounding
+            alone moves each sequence — its logits, the loss, every gradient — between two exact layouts (alone,
+            and right-padded with the others in one ordinary batch), and a leaking control (every row with
+            positions that never restart) whose distance must exceed it (:attr:`VerifyReport.conclusive`).
         check_grads: also run both backwards and compare every parameter gradient (the model's existing ``.grad``
             are kept and restored).
         capacity: row length when ``data`` is a list.
@@ -190,10 +228,13 @@ def verify(
 
     The model runs in eval mode (dropout would make the runs differ) and is put back in its mode afterwards. The
     packed run feeds ``PackedBatch.model_inputs()``; each sequence alone gets its own ids with positions ``0..n-1``
-    and no mask. Cost: one packed and ``n`` single forwards (and backwards).
+    and no mask. Cost: one packed and ``n`` single forwards (and backwards); with ``atol="auto"`` in a lower
+    precision, one padded forward (and backward) and one forward of the control more.
     """
-    if not (isinstance(atol, (int, float)) and math.isfinite(atol) and atol >= 0):
-        raise InvalidArgumentError(f"atol must be a finite number >= 0, got {describe(atol)}")
+    calibrate = isinstance(atol, str) and atol == "auto"
+    if not calibrate and (isinstance(atol, bool) or not isinstance(atol, (int, float)) or not math.isfinite(atol)
+                          or atol < 0):
+        raise InvalidArgumentError(f"atol must be \"auto\" or a finite number >= 0, got {describe(atol)}")
     inner = packable_model(model, "verify")
     batch = _as_batch(data, capacity, _vocab_size(inner))
     device = next(model.parameters()).device
@@ -201,6 +242,7 @@ def verify(
     was_training = model.training
     saved = {n: p.grad for n, p in model.named_parameters()}
     model.eval()
+    calibration = None
     try:
         with torch.set_grad_enabled(check_grads):
             for p in model.parameters():
@@ -215,7 +257,7 @@ def verify(
                 packed_grads = _grads(model)
                 for p in model.parameters():
                     p.grad = None
-            checks, total = [], 0.0
+            checks, total, pieces = [], 0.0, []
             rows = np.repeat(np.arange(len(batch.seqs_per_row)), batch.seqs_per_row.cpu().numpy())
             cols = _columns(batch)
             for i, n in enumerate(batch.seq_lens.tolist()):
@@ -233,25 +275,137 @@ def verify(
                 checks.append(SequenceCheck(r, c, n, float((packed_part - alone).detach().abs().max()),
                                             float(ce_packed.detach()) / count, float(ce_alone.detach()) / count))
                 total += float(ce_alone.detach())
+                pieces.append((r, c, n, alone.detach()))
+            alone_grads = _grads(model) if check_grads else {}
+            if calibrate and _low_precision(logits, device):
+                calibration = _calibrate(model, batch, pieces, total / max(n_targets, 1), alone_grads, n_targets,
+                                         check_grads)
+            control = _control(model, batch, pieces) if calibrate else None
         worst, worst_name = None, None
         if check_grads:
-            alone_grads = _grads(model)
-            # a parameter one run reaches and the other does not has a zero gradient there, not no difference
-            zero = torch.zeros(())  # a 0-dim CPU tensor broadcasts against a gradient on any device
-            for name in sorted(packed_grads.keys() | alone_grads.keys()):
-                d = float((packed_grads.get(name, zero) - alone_grads.get(name, zero)).abs().max())
-                if worst is None or d > worst:
-                    worst, worst_name = d, name
+            worst, worst_name = _worst(packed_grads, alone_grads)
     finally:
         for n, p in model.named_parameters():
             p.grad = saved[n]
         model.train(was_training)
+    loss_separate = total / max(n_targets, 1)
+    if calibration is not None:
+        rounding, loss_rounding, grad_rounding = calibration
+        tol = max(FP32_TOL, ROUNDING_FACTOR * rounding)
+        # the loss averages every token: at least the logits' bound relative to its size
+        tolerances = {"atol": tol, "loss_atol": max(ROUNDING_FACTOR * loss_rounding, tol * max(1.0, loss_separate)),
+                      "grad_atol": max(FP32_TOL, ROUNDING_FACTOR * grad_rounding), "rounding": rounding}
+    else:
+        tol = FP32_TOL if calibrate else float(atol)
+        tolerances = {"atol": tol, "loss_atol": tol, "grad_atol": tol}
     return VerifyReport(
         sequences=checks, max_logit_diff=max(s.max_logit_diff for s in checks), loss_packed=float(loss.detach()),
-        loss_separate=total / max(n_targets, 1), max_grad_diff=worst, worst_parameter=worst_name, atol=float(atol),
-        backend=str(getattr(inner.config, "_attn_implementation", "?")),
-        rows=int(batch.input_ids.shape[0]),
+        loss_separate=loss_separate, max_grad_diff=worst, worst_parameter=worst_name,
+        backend=str(getattr(inner.config, "_attn_implementation", "?")), rows=int(batch.input_ids.shape[0]),
+        control=control, **tolerances,
     )
+
+
+def _worst(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> tuple[float | None, str | None]:
+    """The largest ``|got - want|`` over every parameter's gradient, and that parameter (a parameter one run reaches
+    and the other does not has a zero gradient there, not no difference)."""
+    worst, name = None, None
+    zero = torch.zeros(())  # a 0-dim CPU tensor broadcasts against a gradient on any device
+    for key in sorted(got.keys() | want.keys()):
+        d = float((got.get(key, zero) - want.get(key, zero)).abs().max())
+        if worst is None or d > worst:
+            worst, name = d, key
+    return worst, name
+
+
+def _low_precision(logits: torch.Tensor, device: torch.device) -> bool:
+    """The run computes in less than fp32: low-precision logits, or autocast on around the call."""
+    return logits.dtype != torch.float32 or torch.is_autocast_enabled(device.type)
+
+
+def _alone_runs(model: torch.nn.Module, batch: PackedBatch, pieces: list, n_targets: int, check_grads: bool
+                ) -> tuple[list[torch.Tensor], float, dict[str, torch.Tensor]]:
+    """Each sequence alone again (its logits, the token-mean loss, the gradients): the reference runs of
+    :func:`_calibrate`."""
+    for p in model.parameters():
+        p.grad = None
+    logits, total = [], 0.0
+    for r, c, n, _ in pieces:
+        out = model(input_ids=batch.input_ids[r, c:c + n][None],
+                    position_ids=torch.arange(n, device=batch.input_ids.device)[None], use_cache=False).logits[0]
+        ce = _ce_sum(out[:-1], batch.labels[r, c + 1:c + n])
+        if check_grads and ce.requires_grad:
+            (ce / max(n_targets, 1)).backward()
+        logits.append(out.detach())
+        total += float(ce.detach())
+    grads = _grads(model)
+    for p in model.parameters():
+        p.grad = None
+    return logits, total / max(n_targets, 1), grads
+
+
+def _padded_runs(model: torch.nn.Module, batch: PackedBatch, pieces: list, n_targets: int, check_grads: bool
+                 ) -> tuple[list[torch.Tensor], float, dict[str, torch.Tensor]]:
+    """The sequences right-padded in one ordinary batch (``attention_mask``; the model's own unpacked path)."""
+    device = batch.input_ids.device
+    width = max(n for _, _, n, _ in pieces)
+    ids = torch.zeros(len(pieces), width, dtype=batch.input_ids.dtype, device=device)
+    mask = torch.zeros(len(pieces), width, dtype=torch.long, device=device)
+    targets = torch.full((len(pieces), width), IGNORE_INDEX, dtype=batch.labels.dtype, device=device)
+    for j, (r, c, n, _) in enumerate(pieces):
+        ids[j, :n], mask[j, :n], targets[j, :n] = batch.input_ids[r, c:c + n], 1, batch.labels[r, c:c + n]
+    for p in model.parameters():
+        p.grad = None
+    padded = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
+    loss = _ce_sum(padded[:, :-1].reshape(-1, padded.shape[-1]), targets[:, 1:].reshape(-1)) / max(n_targets, 1)
+    if check_grads and loss.requires_grad:
+        loss.backward()
+    grads = _grads(model)
+    for p in model.parameters():
+        p.grad = None
+    return [padded[j, :n].detach() for j, (_, _, n, _) in enumerate(pieces)], float(loss.detach()), grads
+
+
+def _calibrate(model: torch.nn.Module, batch: PackedBatch, pieces: list, loss_alone: float,
+               alone_grads: dict[str, torch.Tensor], n_targets: int, check_grads: bool) -> tuple[float, float, float]:
+    """``(logits, loss, gradient)``: how far rounding alone moves each sequence's run, in the precision of the run.
+
+    Under autocast with fp32 weights the reference is each sequence alone with autocast off (fp32), as the support
+    sweep measures it; with low-precision weights, the same sequences right-padded in one ordinary batch — two exact
+    computations that differ only by rounding. Either distance is at least the resolution of the run's dtype at the
+    size of the values compared (one unit in the last place can always flip)."""
+    device = batch.input_ids.device
+    fp32_weights = all(p.dtype == torch.float32 for p in model.parameters() if p.is_floating_point())
+    dtype = torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else \
+        next(p.dtype for p in model.parameters() if p.is_floating_point())
+    if torch.is_autocast_enabled(device.type) and fp32_weights:
+        with torch.autocast(device.type, enabled=False):
+            ref, ref_loss, ref_grads = _alone_runs(model, batch, pieces, n_targets, check_grads)
+    else:
+        ref, ref_loss, ref_grads = _padded_runs(model, batch, pieces, n_targets, check_grads)
+    eps = torch.finfo(dtype).eps
+    alone = [p[3] for p in pieces]
+    rounding = max(max(float((a.float() - b.float()).abs().max()), eps * float(a.float().abs().max()))
+                   for a, b in zip(alone, ref, strict=True))
+    grad_rounding = 0.0
+    if check_grads and alone_grads:
+        grad_rounding = max(_worst(alone_grads, ref_grads)[0] or 0.0,
+                            eps * max(float(g.float().abs().max()) for g in alone_grads.values()))
+    return rounding, abs(loss_alone - ref_loss), grad_rounding
+
+
+def _control(model: torch.nn.Module, batch: PackedBatch, pieces: list) -> float | None:
+    """The leaking control: every row as one sequence (positions ``0..width-1``, no boundaries), so each sequence
+    after a row's first attends to — and, in a recurrent layer, carries state from — the ones before it. Its largest
+    logit distance from those sequences alone; None when no row holds two sequences."""
+    later = [(r, c, n, alone) for r, c, n, alone in pieces if c > 0]
+    if not later:
+        return None
+    ids = batch.input_ids
+    positions = torch.arange(ids.shape[1], device=ids.device).expand(ids.shape[0], -1)
+    with torch.no_grad():
+        leaked = model(input_ids=ids, position_ids=positions, use_cache=False).logits
+    return max(float((leaked[r, c:c + n] - alone).abs().max()) for r, c, n, alone in later)
 
 
 def _columns(batch: PackedBatch) -> np.ndarray:
