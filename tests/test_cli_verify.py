@@ -52,7 +52,11 @@ def test_no_backend_that_can_run_here_exits_1(capsys):
     (["--model-type", "gemma3n"], "needs the timm package"),
     (["--model", "/definitely/not/here"], "--model '/definitely/not/here' does not exist; expected a local "
                                           "checkpoint directory of a causal LM (written by save_pretrained"),
-    (["--model-type", "llama", "--atol", "-1"], "--atol must be a number >= 0"),
+    (["--model-type", "llama", "--atol", "-1"], "--atol must be auto or a number >= 0, got '-1'"),
+    (["--model-type", "llama", "--atol", "auto"], "--atol auto applies with --data"),
+    (["--model-type", "llama", "--dtype", "bf16"], "--tokenizer and --dtype apply with --data only"),
+    (["--model-type", "llama", "--data", "/definitely/not/here.jsonl"], "/definitely/not/here.jsonl"),
+    (["--model-type", "llama", "--data", "x.jsonl", "--sequences", "1"], "--sequences must be at least 2"),
     (["--model-type", "llama", "--device", "warp9"], "--device 'warp9' is not a torch device"),
     (["--model-type", "llama", "--backend", "magic"], "backends must be"),
 ])
@@ -193,3 +197,36 @@ def test_a_backend_configure_accepts_that_is_not_exact_exits_1(capsys):
     assert ("llama: NOT exact on padfree_sdpa (the backend configure_packing picks here), which configure_packing "
             "accepts here") in out
     assert "NOT EXACT" in out and "| llama | ✗ mismatch |" in out
+
+
+@pytest.fixture(scope="module")
+def checkpoint_and_data(tmp_path_factory):
+    """A tiny llama over the offline tokenizer's 32k vocabulary, saved, and a JSON-lines file of real text."""
+    import pydoc_data.topics
+    import torch
+    import transformers
+
+    root = tmp_path_factory.mktemp("verify-data")
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=32768, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2)
+    transformers.LlamaForCausalLM(config).save_pretrained(root / "ckpt")
+    texts = [text[:300] for text in list(pydoc_data.topics.topics.values())[:24]]
+    (root / "data.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    return root / "ckpt", root / "data.jsonl"
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "autocast-bf16"])
+def test_a_local_checkpoint_is_verified_on_its_data_in_the_precision_asked_for(checkpoint_and_data, dtype, capsys):
+    """``--data``: the file's shortest sequences in one packed row, in --dtype; in bf16 the tolerance is the run's
+    own rounding and the leaking control lands beyond it."""
+    ckpt, data = checkpoint_and_data
+    assert main(["verify", "--model", str(ckpt), "--data", str(data), "--dtype", dtype, "--sequences", "4",
+                 "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["ok"] and result["sequences"] == 4 and result["conclusive"] is True
+    assert result["control"] > result["atol"] >= 1e-5
+    if dtype == "fp32":
+        assert result["atol"] == 1e-5 and result["rounding"] is None and result["max_logit_diff"] <= 1e-5
+    else:
+        assert result["atol"] == pytest.approx(3 * result["rounding"]) and result["atol"] > 1e-4

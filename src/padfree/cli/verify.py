@@ -45,7 +45,22 @@ def add_parser(subparsers: Any) -> None:
                    help="check only this backend (repeatable): sdpa, eager, flex_attention, varlen, flash_attention_2, "
                         "auto (default: sdpa, eager and flex_attention; varlen and flash_attention_2 too on CUDA)")
     p.add_argument("--device", default="cpu", help="torch device to run on (default: cpu)")
-    p.add_argument("--atol", type=float, default=1e-5, help="tolerance on logits, loss and gradients (default: 1e-5)")
+    p.add_argument("--atol", default=None, metavar="X|auto",
+                   help="tolerance on logits, loss and gradients: a number, or auto (fp32: 1e-5; a lower precision: "
+                        "three times what rounding alone moves each sequence, with a leaking control that must land "
+                        "beyond it); default 1e-5 for the backend check, auto with --data")
+    p.add_argument("--data", metavar="FILE",
+                   help="instead of the backend check: verify the model as configure_packing sets it up on sequences "
+                        "of FILE (its text columns tokenized, or its chat), in --dtype, on --device — your model and "
+                        "data where you train")
+    p.add_argument("--tokenizer", metavar="NAME_OR_DIR",
+                   help="with --data: the tokenizer (default: the --model directory's, else padfree's offline one)")
+    p.add_argument("--dtype", choices=("fp32", "bf16", "autocast-bf16", "fp16", "autocast-fp16"), default="fp32",
+                   help="with --data: the precision to check in: weights cast (bf16, fp16) or fp32 weights under "
+                        "autocast (default: fp32)")
+    p.add_argument("--sequences", type=int, default=8, metavar="N",
+                   help="with --data: how many sequences (the shortest of the first 256 records, at least 2 tokens "
+                        "each) to pack into one row and check (default: 8)")
     p.add_argument("--json", action="store_true", help="print the results as one JSON object on stdout (see above)")
     p.set_defaults(run=run)
 
@@ -53,10 +68,20 @@ def add_parser(subparsers: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     """Load the model, say whether configure_packing accepts it, check every backend; 0 only when every backend
     configure_packing accepts here is exact."""
-    if not args.atol >= 0:
-        raise InvalidArgumentError(f"--atol must be a number >= 0, got {args.atol}")
+    atol = _atol(args.atol, "auto" if args.data is not None else 1e-5)
+    if args.data is not None:
+        from padfree.cli._inputs import check_data_path
+
+        if args.sequences < 2:
+            raise InvalidArgumentError(f"--sequences must be at least 2 (a packed row of one sequence proves "
+                                       f"nothing), got {args.sequences}")
+        check_data_path(args.data, "--data")  # a missing file is said before anything heavy is imported
+    elif args.tokenizer is not None or args.dtype != "fp32":
+        raise InvalidArgumentError("--tokenizer and --dtype apply with --data only")
     require("padfree verify", "torch", "transformers")
     device = _torch_device(args.device)
+    if args.data is not None:
+        return _verify_data(args, device, atol)
     from padfree.model.configure import check_packing_support
     from padfree.model.support import check_support
 
@@ -74,7 +99,9 @@ def run(args: argparse.Namespace) -> int:
         else:
             print(verdict)
         return 1
-    row = check_support(model, args.backends, atol=args.atol)
+    if atol == "auto":
+        raise InvalidArgumentError("--atol auto applies with --data; the backend check runs in fp32 (a number)")
+    row = check_support(model, args.backends, atol=atol)
     if args.json:
         checks = [{
             "requested": c.requested, "status": c.status, "backend": c.backend, "auto": c.auto, "ok": c.ok,
@@ -95,6 +122,73 @@ def run(args: argparse.Namespace) -> int:
         print("|---" * (len(row.checks) + 1) + "|")
         print(row.markdown())
     return 0 if row.ok else 1
+
+
+def _atol(given: str | None, default: float | str) -> float | str:
+    """``--atol``: ``auto`` or a number >= 0 (None: ``default``)."""
+    if given is None:
+        return default
+    if given == "auto":
+        return given
+    try:
+        value = float(given)
+    except ValueError:
+        value = float("nan")
+    if not value >= 0 or value == float("inf"):
+        raise InvalidArgumentError(f"--atol must be auto or a number >= 0, got {given!r}")
+    return value
+
+
+_DTYPES = {"bf16": "bfloat16", "fp16": "float16"}
+
+
+def _verify_data(args: argparse.Namespace, device: Any, atol: float | str) -> int:
+    """``--data``: the model configured as configure_packing sets it up, verified on the file's shortest sequences
+    in the precision asked for; 0 when exact and the check could tell (its control beyond the tolerance)."""
+    import contextlib
+
+    import torch
+
+    import padfree
+    from padfree.cli._columns import texts_from_columns
+    from padfree.cli._inputs import read_table
+    from padfree.cli._tokens import load_tokenizer, token_ids
+
+    table = read_table(args.data, "--data")
+    texts, note = texts_from_columns(table.slice(0, 256), None, source="--data")
+    tokenizer_path = args.tokenizer
+    if tokenizer_path is None and args.model is not None and any(
+            (Path(args.model) / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+        tokenizer_path = args.model
+    tokenizer, tokenizer_name = load_tokenizer(tokenizer_path)
+    ids = [seq for seq in token_ids(texts, tokenizer) if len(seq) >= 2]
+    if len(ids) < 2:
+        raise InvalidArgumentError(f"--data {args.data!r}: fewer than 2 of its first 256 records have 2 tokens or "
+                                   f"more ({note}); nothing to pack")
+    seqs = sorted(ids, key=len)[:args.sequences]
+    model = _load_model(args)
+    weights = _DTYPES.get(args.dtype)
+    if weights is not None:
+        model = model.to(getattr(torch, weights))
+    model = model.to(device)
+    padfree.configure_packing(model)
+    cast = args.dtype.startswith("autocast-")
+    context = torch.autocast(device.type, dtype=getattr(torch, _DTYPES[args.dtype.split("-")[1]])) if cast else \
+        contextlib.nullcontext()
+    with context:
+        report = padfree.verify(model, seqs, atol=atol)
+    ok = report.ok and report.conclusive is not False
+    if args.json:
+        print(json.dumps({"model_type": str(getattr(model.config, "model_type", "?")), "ok": ok,
+                          "dtype": args.dtype, "tokenizer": tokenizer_name, "sequences": report.num_sequences,
+                          "max_logit_diff": report.max_logit_diff, "loss_diff": report.loss_diff,
+                          "max_grad_diff": report.max_grad_diff, "atol": report.atol, "rounding": report.rounding,
+                          "control": report.control, "conclusive": report.conclusive}, indent=2))
+    else:
+        print(f"{report.num_sequences} sequences of {args.data} ({note}; tokenizer {tokenizer_name}), {args.dtype} "
+              f"on {device}")
+        print(report)
+    return 0 if ok else 1
 
 
 _CHECKPOINT = "a local checkpoint directory of a causal LM (written by save_pretrained: config.json and its weights)"
