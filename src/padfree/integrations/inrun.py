@@ -1,0 +1,167 @@
+"""The proof a training run carries itself: a packed micro-batch checked against its sequences alone, on the real
+model, device, dtype, backend and kernels of the run, before the optimizer steps.
+
+padfree's support table and certification prove tiny fp32 twins. What the user trains — a large checkpoint in bf16
+under autocast on a GPU, with flash-attn or fla kernels — is checked here, in the run: on the first packed
+micro-batch (``padfree_verify="first_step"``, the default; ``"every:N"`` every N optimizer steps; ``False`` never)
+a few of the batch's own sequences — the shortest, within a token budget — run packed and each alone through
+:func:`padfree.verify` (``atol="auto"``: the tolerance is what rounding moves each sequence in this precision, and a
+leaking control must land beyond it). The result goes to the log and the telemetry (``padfree/verify_max_logit_diff``,
+``padfree/verify_control_ratio``); a mismatch raises :class:`~padfree.errors.PackingDisabledError` naming the first
+module whose outputs diverge, before any optimizer step.
+
+>>> InRunProof.from_option("every:50").due(0), InRunProof.from_option("every:50").due(49)
+(True, False)
+>>> InRunProof.from_option(False).due(0)
+False
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import re
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from padfree.errors import InvalidArgumentError, InvalidLayoutError, PackingDisabledError, describe
+from padfree.samples import row_boundaries
+
+__all__ = ["InRunProof", "batch_sequences"]
+
+logger = logging.getLogger("padfree")
+
+# the tokens the proof may run (each chosen sequence packed once and alone once, plus the control's row)
+_BUDGET = 1024
+_MAX_SEQUENCES = 4
+
+
+def batch_sequences(inputs: Mapping[str, Any], budget: int = _BUDGET, most: int = _MAX_SEQUENCES
+                    ) -> list[list[int]]:
+    """The sequences of a packed micro-batch to prove it on: its rows' sequences (read from ``position_ids``, or from
+    ``cu_seq_lens_q`` / ``cu_seqlens`` over the flattened rows), the shortest first, at least 2 tokens each and at
+    least one trained label, at most ``most`` of them within ``budget`` tokens; fewer than two: none.
+
+    >>> import torch
+    >>> batch = {"input_ids": torch.tensor([[5, 6, 7, 8, 9, 10, 0]]),
+    ...          "position_ids": torch.tensor([[0, 1, 0, 1, 2, 3, 0]]),
+    ...          "labels": torch.tensor([[-100, 6, -100, 8, 9, 10, -100]])}
+    >>> batch_sequences(batch)
+    [[5, 6], [7, 8, 9, 10]]
+    """
+    ids = inputs["input_ids"].detach().cpu().reshape(-1).numpy()
+    spelling = next(((k, inputs[k]) for k in ("position_ids", "cu_seq_lens_q", "cu_seqlens")
+                     if hasattr(inputs.get(k), "dim")), None)
+    if spelling is None:
+        return []
+    key, value = spelling
+    value = value.detach().cpu()
+    if key == "position_ids":
+        value = value[-1] if value.dim() == 3 else value  # (R, B, T) rotary rows: the last is the text row
+    try:
+        lengths = row_boundaries({key: value.reshape(-1).numpy()}, ids.size, "the packed micro-batch")
+    except InvalidLayoutError:  # boundaries this reader cannot follow: the batch is not proven here
+        return []
+    if lengths is None:
+        return []
+    labels = inputs.get("labels")
+    real = None if labels is None else labels.detach().cpu().reshape(-1).numpy() != -100
+    starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
+    found = [ids[s:s + n].tolist() for s, n in zip(starts.tolist(), lengths.tolist(), strict=True)
+             # a run that trains nothing (its labels all ignored) is padding, not a sequence
+             if n >= 2 and (real is None or real[s + 1:s + n].any())]
+    chosen, used = [], 0
+    for seq in sorted(found, key=len):
+        if len(chosen) == most or used + len(seq) > budget:
+            break
+        chosen.append(seq)
+        used += len(seq)
+    return chosen if len(chosen) >= 2 else []
+
+
+@dataclasses.dataclass
+class InRunProof:
+    """When a trainer proves its packed micro-batches, and what the last proof found.
+
+    Attributes:
+        every: prove every ``every`` optimizer steps (0: the first step only; None: never).
+        last: the last :class:`~padfree.model.verify.VerifyReport`, or None.
+        seconds: the time the proofs took, all together.
+    """
+
+    every: int | None
+    last: Any = None
+    seconds: float = 0.0
+    _done: bool = False
+
+    @classmethod
+    def from_option(cls, option: Any) -> InRunProof:
+        """``padfree_verify``: ``"first_step"``, ``"every:N"`` (N >= 1) or ``False``."""
+        if option is False or option is None:
+            return cls(None)
+        if option is True or option == "first_step":
+            return cls(0)
+        match = re.fullmatch(r"every:(\d+)", option) if isinstance(option, str) else None
+        if match is None or int(match.group(1)) < 1:
+            raise InvalidArgumentError(f"padfree_verify must be 'first_step', 'every:N' (N >= 1) or False, got "
+                                       f"{describe(option)}")
+        return cls(int(match.group(1)))
+
+    def due(self, step: int) -> bool:
+        """Whether the micro-batch of optimizer step ``step`` (0-based) is to be proven."""
+        if self.every is None:
+            return False
+        if self.every == 0:
+            return not self._done
+        return step % self.every == 0
+
+    def prove(self, model: Any, inputs: Mapping[str, Any], step: int) -> dict[str, float] | None:
+        """Prove ``inputs`` on ``model`` (see the module docstring); the telemetry to log, or None when the batch
+        holds fewer than two sequences to compare (nothing is proven then, and the next batch is tried)."""
+        from padfree.model.verify import verify
+
+        seqs = batch_sequences(inputs)
+        if not seqs:
+            return None
+        start = time.perf_counter()
+        report = verify(model, seqs, atol="auto", check_grads=False)
+        self.seconds += time.perf_counter() - start
+        self.last, self._done = report, True
+        ratio = float("nan") if not report.control else report.control / max(report.atol, 1e-12)
+        logger.info("padfree: in-run proof at step %d: %d sequences, max |Δlogit| %.2e within %.2e, control %.2e "
+                    "(%.0fx the tolerance), %.2f s", step, report.num_sequences, report.max_logit_diff, report.atol,
+                    report.control or 0.0, ratio, time.perf_counter() - start)
+        if not report.ok:
+            raise PackingDisabledError(
+                f"the in-run proof at step {step} failed before any optimizer step it covers: a packed micro-batch "
+                f"differs from its sequences alone on this model, device and precision (first diverging module: "
+                f"{_first_divergence(model)}):\n{report}")
+        if report.conclusive is False:
+            logger.warning("padfree: the in-run proof at step %d cannot tell a leak from rounding in this precision "
+                           "(control %.2e within the tolerance %.2e): the packed step is unproven here, not wrong",
+                           step, report.control, report.atol)
+        return {"padfree/verify_max_logit_diff": report.max_logit_diff,
+                "padfree/verify_control_ratio": ratio}
+
+
+def _first_divergence(model: Any) -> str:
+    """The first module whose outputs diverge on a packed probe (:func:`padfree.model.proof.first_divergence`),
+    run in fp32 where the weights are; the model is left unconfigured (the run stops)."""
+    import torch
+
+    from padfree.model.proof import first_divergence
+    from padfree.model.wrappers import packable_model
+
+    inner = packable_model(model, "the in-run proof")
+    device = next(inner.parameters()).device
+    if any(p.dtype != torch.float32 for p in inner.parameters() if p.is_floating_point()):
+        return "not located (the weights are not fp32; run padfree verify --model on an fp32 copy)"
+    try:
+        with torch.autocast(device.type, enabled=False):
+            name = first_divergence(inner, configure=lambda m, backend: None)
+    except Exception as exc:  # locating is a courtesy: the mismatch itself is what is raised
+        return f"not located ({type(exc).__name__}: {exc})"
+    return name or "none found on the probe"
