@@ -49,9 +49,26 @@ try:
 except ImportError as exc:  # pragma: no cover - transformers is installed wherever this module is used
     raise BackendUnavailableError("padfree.integrations.base needs transformers; pip install 'padfree[hf]'") from exc
 
-__all__ = ["Construction", "TrainerProtocol", "as_config", "plan_fields"]
+__all__ = ["Construction", "TrainerOptions", "TrainerProtocol", "as_config", "plan_fields"]
 
 logger = logging.getLogger("padfree")
+
+
+@dataclasses.dataclass
+class TrainerOptions:
+    """The options every padfree trainer config adds to TRL's: a base before TRL's config class, so that its
+    ``output_dir`` stays the first argument (``class DPOConfig(TrainerOptions, trl.DPOConfig)``).
+
+    >>> [f.name for f in dataclasses.fields(TrainerOptions)]
+    ['padding_free', 'auto_padding_free', 'padfree_telemetry']
+    """
+
+    padding_free: bool | None = dataclasses.field(
+        default=None, metadata={"help": "True: padding-free batching; False: off; None: padfree decides."})
+    auto_padding_free: bool = dataclasses.field(
+        default=True, metadata={"help": "Let padfree turn padding-free batching on when it is safe."})
+    padfree_telemetry: bool = dataclasses.field(
+        default=True, metadata={"help": "Log packing telemetry (padfree/*) when a padfree mode is on."})
 
 
 @dataclasses.dataclass

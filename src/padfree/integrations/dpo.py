@@ -69,7 +69,7 @@ from typing import Any
 import numpy as np
 
 from padfree.errors import BackendUnavailableError, InvalidArgumentError, describe
-from padfree.integrations.base import Construction, TrainerProtocol, as_config, plan_fields
+from padfree.integrations.base import Construction, TrainerOptions, TrainerProtocol, as_config, plan_fields
 from padfree.integrations.decide import (
     PROMPT_LEARNING_SKIP,
     Decision,
@@ -83,6 +83,7 @@ from padfree.integrations.decide import (
     refuse_unsafe,
     skip_reason,
 )
+from padfree.integrations.loaders import SamplerEpoch, balance_note, balanced_sampler, batch_sampler_dataloader
 from padfree.integrations.preference_data import (
     DPO_DATA,
     DropRule,
@@ -94,7 +95,6 @@ from padfree.integrations.preference_data import (
 )
 from padfree.integrations.status import PACKING, PADDING_FREE, STANDARD
 from padfree.integrations.step_loss import LossRule
-from padfree.integrations.trainer import SamplerEpoch, batch_sampler_dataloader
 from padfree.integrations.unpadded import unpadded_forwards
 from padfree.packing.inputs import as_capacity, as_flag
 from padfree.packing.strategies import DEFAULT_STRATEGY, pack_sequences
@@ -125,7 +125,7 @@ _PAIRS = LossRule("pair")  # packed micro-batches: the step's loss is the mean o
 
 
 @dataclasses.dataclass
-class DPOConfig(trl.DPOConfig):
+class DPOConfig(TrainerOptions, trl.DPOConfig):
     """``trl.DPOConfig`` whose ``padding_free`` can say "decide for me", plus padfree's packing of pairs.
 
     Args:
@@ -144,16 +144,10 @@ class DPOConfig(trl.DPOConfig):
     Every other argument is ``trl.DPOConfig``'s.
     """
 
-    padding_free: bool | None = dataclasses.field(
-        default=None, metadata={"help": "True: padding-free batching; False: off; None: padfree decides."})
     packing: bool = dataclasses.field(
         default=False, metadata={"help": "Pack pairs across the train set into micro-batches of packing_length."})
     packing_length: int | None = dataclasses.field(
         default=None, metadata={"help": "Tokens of one packed micro-batch (default 2 * max_length * batch size)."})
-    auto_padding_free: bool = dataclasses.field(
-        default=True, metadata={"help": "Let padfree turn padding-free batching on when it is safe."})
-    padfree_telemetry: bool = dataclasses.field(
-        default=True, metadata={"help": "Log packing telemetry (padfree/*) when a padfree mode is on."})
     padfree_balance: bool = dataclasses.field(
         default=True, metadata={"help": "Data-parallel packing: deal the packed micro-batches to the ranks in steps "
                                         "balanced in tokens and sum of len^2."})
@@ -381,11 +375,7 @@ class DPOMixin(TrainerProtocol):
 
     def _padfree_balance_note(self) -> str | None:
         sampler = self._padfree_balanced_sampler()
-        if sampler is None:
-            return None
-        steps = sampler.schedule
-        return (f"balanced across {steps.num_ranks} ranks: {steps.num_steps} steps, token idle "
-                f"{100 * steps.token_imbalance:.1f}%, attention-cost idle {100 * steps.cost_imbalance:.1f}%")
+        return None if sampler is None else balance_note(sampler.schedule)
 
     def _padfree_pack_train(self) -> Any:
         args = self.args
@@ -420,15 +410,10 @@ class DPOMixin(TrainerProtocol):
                 or self.accelerator.num_processes < 2 or not as_flag(getattr(self.args, "padfree_balance", True),
                                                                       "padfree_balance")):
             return None
-        if self._padfree_sampler is None:
-            from padfree.integrations.distributed import DistributedPackedBatchSampler
-
-            args = self.args
-            seed = args.data_seed if getattr(args, "data_seed", None) is not None else args.seed
-            self._padfree_sampler = DistributedPackedBatchSampler.from_rows(
-                bin_sequence_lengths(self.train_dataset, args.max_length), num_replicas=self.accelerator.num_processes,
-                all_ranks=True, micro_batch_size=1, seed=seed, remainder="drop" if args.dataloader_drop_last else
-                "repeat")
+        if self._padfree_sampler is None:  # a packed micro-batch is one bin: weighed by its pairs' sequences
+            self._padfree_sampler = balanced_sampler(
+                self, bin_sequence_lengths(self.train_dataset, self.args.max_length), "rows",
+                num_replicas=self.accelerator.num_processes, micro_batch_size=1)
             epochs = SamplerEpoch()
             epochs.sampler = self._padfree_sampler
             self.add_callback(epochs)

@@ -13,7 +13,8 @@ import importlib
 import sys
 
 from padfree.errors import BackendUnavailableError, InvalidArgumentError, describe
-from padfree.integrations.trainer import PadfreeTrainerMixin, Trainer, TrainerMixin
+from padfree.integrations.causal_lm import PadfreeTrainerMixin
+from padfree.integrations.trainer import Trainer, TrainerMixin
 
 try:
     import transformers

@@ -43,7 +43,7 @@ import logging
 from typing import Any
 
 from padfree.errors import BackendUnavailableError, InvalidArgumentError
-from padfree.integrations.base import Construction, TrainerProtocol, as_config
+from padfree.integrations.base import Construction, TrainerOptions, TrainerProtocol, as_config
 from padfree.integrations.decide import (
     PROMPT_LEARNING_SKIP,
     Decision,
@@ -78,7 +78,7 @@ _MULTIMODAL = ("pixel_values", "image_grid_thw", "pixel_attention_mask", "spatia
 
 
 @dataclasses.dataclass
-class GRPOConfig(trl.GRPOConfig):
+class GRPOConfig(TrainerOptions, trl.GRPOConfig):
     """``trl.GRPOConfig`` plus padfree's padding-free switch.
 
     Args:
@@ -93,14 +93,6 @@ class GRPOConfig(trl.GRPOConfig):
     >>> GRPOConfig("out", padding_free=True, report_to="none", use_cpu=True).padding_free
     True
     """
-
-    padding_free: bool | None = dataclasses.field(
-        default=None, metadata={"help": "True: padding-free log-probs; False: TRL's padded forward; None: padfree "
-                                        "decides."})
-    auto_padding_free: bool = dataclasses.field(
-        default=True, metadata={"help": "Let padfree turn padding-free log-probs on when it is safe."})
-    padfree_telemetry: bool = dataclasses.field(
-        default=True, metadata={"help": "Log packing telemetry (padfree/*) when padding-free is on."})
 
 
 def _decide(args: Any, model: Any, config: Any, processing_class: Any, train_dataset: Any) -> Decision:

@@ -64,7 +64,7 @@ from typing import Any
 import numpy as np
 
 from padfree.errors import BackendUnavailableError, InvalidArgumentError, UnsupportedModelError, describe
-from padfree.integrations.base import Construction, TrainerProtocol, as_config
+from padfree.integrations.base import Construction, TrainerOptions, TrainerProtocol, as_config
 from padfree.integrations.decide import (
     PROMPT_LEARNING_SKIP,
     Cause,
@@ -106,7 +106,7 @@ logger = logging.getLogger("padfree")
 
 
 @dataclasses.dataclass
-class RewardConfig(trl.RewardConfig):
+class RewardConfig(TrainerOptions, trl.RewardConfig):
     """``trl.RewardConfig`` plus padfree's choice of batching.
 
     Args:
@@ -122,13 +122,6 @@ class RewardConfig(trl.RewardConfig):
     >>> cfg.padding_free, cfg.auto_padding_free
     (None, True)
     """
-
-    padding_free: bool | None = dataclasses.field(
-        default=None, metadata={"help": "True: padding-free batching; False: off; None: padfree decides."})
-    auto_padding_free: bool = dataclasses.field(
-        default=True, metadata={"help": "Let padfree turn padding-free batching on when it is safe."})
-    padfree_telemetry: bool = dataclasses.field(
-        default=True, metadata={"help": "Log packing telemetry (padfree/*) when padding-free is on."})
 
 
 # --------------------------------------------------------------------------------------------------

@@ -92,7 +92,8 @@ from padfree.errors import (
     UnsupportedModelError,
     describe,
 )
-from padfree.integrations.base import Construction, TrainerProtocol, as_config, plan_fields
+from padfree.integrations.base import Construction, TrainerOptions, TrainerProtocol, as_config, plan_fields
+from padfree.integrations.causal_lm import PadfreeTrainerMixin
 from padfree.integrations.decide import (
     ENV_DISABLE_AUTO,
     ENV_RETURN_LOGITS,
@@ -111,7 +112,6 @@ from padfree.integrations.decide import (
 from padfree.integrations.sequence_parallel import sequence_parallel_size, setup_sequence_parallel
 from padfree.integrations.status import PACKING, PADDING_FREE, STANDARD
 from padfree.integrations.step_loss import LOSS_MODES, refuse_with_own_nll, scored_labels, token_losses
-from padfree.integrations.trainer import PadfreeTrainerMixin
 from padfree.integrations.trainer_data import (
     PackedRowsCollator,
     PackedVisionCollator,
@@ -145,7 +145,7 @@ _TRL_STRATEGIES = {"bfd": "error", "bfd_split": "split"}  # TRL's name -> overlo
 
 
 @dataclasses.dataclass
-class SFTConfig(trl.SFTConfig):
+class SFTConfig(TrainerOptions, trl.SFTConfig):
     """``trl.SFTConfig`` whose ``packing`` / ``padding_free`` can say "decide for me", plus padfree's options.
 
     Args:
@@ -178,15 +178,9 @@ class SFTConfig(trl.SFTConfig):
 
     packing: bool | None = dataclasses.field(
         default=None, metadata={"help": "True: padfree's global packing (rows of max_length). None/False: none."})
-    padding_free: bool | None = dataclasses.field(
-        default=None, metadata={"help": "True: padding-free batching; False: off; None: padfree decides."})
-    auto_padding_free: bool = dataclasses.field(
-        default=True, metadata={"help": "Let padfree turn padding-free batching on when it is safe."})
     padfree_loss: str = dataclasses.field(
         default="token", metadata={"help": "'token' (token mean of the optimizer step) or 'sequence'.",
                                    "choices": list(LOSS_MODES)})
-    padfree_telemetry: bool = dataclasses.field(
-        default=True, metadata={"help": "Log packing telemetry when a padfree mode is on."})
     padfree_balance: bool = dataclasses.field(
         default=True, metadata={"help": "Data-parallel packing: balance the ranks' rows (tokens and sum of len^2)."})
     padfree_fused_loss: bool = dataclasses.field(
