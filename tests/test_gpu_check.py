@@ -46,7 +46,7 @@ def test_the_dry_run_renders_every_step_into_a_temporary_file(tmp_path):
     assert "a dry run on the CPU at the smallest sizes: no GPU figure" in section
     # the matrix: a proven row, the refused CUDA-only backends, the variant with the mixer kernels hidden
     assert "| `llama` | — | `padfree_sdpa` | fp32 |" in section
-    assert "`llama` `varlen` (kernels as installed): backend='varlen' runs on cuda only" in section
+    assert "- `varlen` for `llama` (" in section and "backend='varlen' runs on cuda only" in section
     assert "| `mamba2` | kernels hidden | `none` | fp32 |" in section
     # the packed step: padfree.verify in three precisions, then the padfree verify command
     for run in ("| fp32 weights |", "| fp32 weights, bf16 autocast |", "| bf16 weights |"):
