@@ -73,3 +73,63 @@ def test_a_family_whose_reset_is_off_stops_the_run_naming_the_module(monkeypatch
     with pytest.raises(PackingDisabledError, match=r"in-run proof at step 0 failed.*first diverging module: "
                                                    r"model\.layers\.\d+\.linear_attn"):
         InRunProof.from_option("first_step").prove(model, _batch(), step=0)
+
+
+# ---- in the trainers ------------------------------------------------------------------------------------------
+
+trl = pytest.importorskip("trl")
+datasets = pytest.importorskip("datasets")
+
+
+def _sft(tok, model, out, **options):
+    import padfree.integrations.sft as psft
+    from realdata import gsm8k_records
+
+    data = datasets.Dataset.from_list([{"prompt": f"{r['instruction']}\n{r['input']}".rstrip() + "\n",
+                                        "completion": r["output"]} for r in gsm8k_records(16)])
+    args = psft.SFTConfig(output_dir=str(out), max_steps=1, per_device_train_batch_size=4, report_to="none",
+                          save_strategy="no", max_length=128, use_cpu=True, disable_tqdm=True, logging_steps=1,
+                          seed=0, padding_free=True, **options)
+    return psft.SFTTrainer(model=model, args=args, train_dataset=data, processing_class=tok)
+
+
+def _tiny_for(tok, model_type):
+    return transformers.AutoModelForCausalLM.from_config(
+        build_tiny(model_type).config.__class__(**{**build_tiny(model_type).config.to_dict(), "vocab_size": len(tok)}))
+
+
+@pytest.mark.parametrize("bf16", [False, True])
+def test_sft_logs_its_in_run_proof_on_the_first_packed_step(tok, tmp_path, bf16):
+    """fp32 and bf16 mixed precision (accelerate's autocast inside the forward): the proof passes within the run's
+    own rounding and its control lands beyond it; the numbers reach the training log."""
+    trainer = _sft(tok, _tiny_for(tok, "llama"), tmp_path, bf16=bf16)
+    trainer.train()
+    logged = next(h for h in trainer.state.log_history if "padfree/verify_max_logit_diff" in h)
+    assert logged["padfree/verify_control_ratio"] > 10, logged
+    report = trainer._padfree_proof.last
+    assert report.ok and report.conclusive and (report.rounding is not None) == bf16, report
+
+
+def test_a_broken_boundary_stops_the_run_before_its_first_optimizer_step(tok, tmp_path, monkeypatch):
+    model = _tiny_for(tok, "qwen3_5_text")
+    trainer = _sft(tok, model, tmp_path)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    exact = scan_mixers.segment_causal_conv1d
+
+    def leaky(x, weight, bias, activation, lay):
+        if isinstance(lay, PackedLayout):
+            lay = PackedLayout.from_position_ids(torch.arange(lay.shape[1]).expand(lay.shape))
+        return exact(x, weight, bias, activation, lay)
+
+    monkeypatch.setattr(scan_mixers, "segment_causal_conv1d", leaky)
+    with pytest.raises(PackingDisabledError, match=r"first diverging module: model\.layers\.\d+\.linear_attn"):
+        trainer.train()
+    assert trainer.state.global_step == 0
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())  # no optimizer step ran
+
+
+def test_padfree_verify_false_runs_no_proof(tok, tmp_path):
+    trainer = _sft(tok, _tiny_for(tok, "llama"), tmp_path, padfree_verify=False)
+    trainer.train()
+    assert trainer._padfree_proof.last is None
+    assert not any("padfree/verify_max_logit_diff" in h for h in trainer.state.log_history)

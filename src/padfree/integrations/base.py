@@ -40,6 +40,7 @@ from padfree.integrations.decide import (
     model_config,
     warn_once,
 )
+from padfree.integrations.inrun import InRunProofMixin
 from padfree.integrations.status import PACKING, PackingStatus, model_facts
 from padfree.integrations.telemetry import TelemetryLogMixin
 from padfree.packing.inputs import as_flag
@@ -60,7 +61,7 @@ class TrainerOptions:
     ``output_dir`` stays the first argument (``class DPOConfig(TrainerOptions, trl.DPOConfig)``).
 
     >>> [f.name for f in dataclasses.fields(TrainerOptions)]
-    ['padding_free', 'auto_padding_free', 'padfree_telemetry']
+    ['padding_free', 'auto_padding_free', 'padfree_telemetry', 'padfree_verify']
     """
 
     padding_free: bool | None = dataclasses.field(
@@ -69,6 +70,9 @@ class TrainerOptions:
         default=True, metadata={"help": "Let padfree turn padding-free batching on when it is safe."})
     padfree_telemetry: bool = dataclasses.field(
         default=True, metadata={"help": "Log packing telemetry (padfree/*) when a padfree mode is on."})
+    padfree_verify: Any = dataclasses.field(
+        default="first_step", metadata={"help": "Prove packed micro-batches against their sequences alone on the "
+                                                "run's own model and precision: 'first_step', 'every:N' or False."})
 
 
 @dataclasses.dataclass
@@ -128,7 +132,7 @@ def plan_fields(plan: Any, sequences_per_piece: int = 1) -> dict[str, Any]:
             "sequences": sequences_per_piece * int(plan.num_pieces)}
 
 
-class TrainerProtocol(TelemetryLogMixin):
+class TrainerProtocol(InRunProofMixin, TelemetryLogMixin):
     """The construction sequence of padfree's TRL trainers (module docstring); a trainer fills in the hooks."""
 
     _padfree_decision: Decision | None = None
@@ -169,6 +173,8 @@ class TrainerProtocol(TelemetryLogMixin):
         self._padfree_tell(args, decision)
         if decision.on and as_flag(getattr(args, "padfree_telemetry", True), "padfree_telemetry"):
             self._padfree_attach_telemetry()
+        if decision.on:
+            self._padfree_attach_proof(getattr(args, "padfree_verify", "first_step"))
         fields = {**model_facts(self.model), **self._padfree_report(decision, plan)}
         self._padfree_status = PackingStatus(mode=decision.mode, reason=decision.reason, auto=decision.auto,
                                              packing=decision.mode == PACKING, padding_free=decision.on, **fields)

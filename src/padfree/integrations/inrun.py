@@ -30,7 +30,7 @@ import numpy as np
 from padfree.errors import InvalidArgumentError, InvalidLayoutError, PackingDisabledError, describe
 from padfree.samples import row_boundaries
 
-__all__ = ["InRunProof", "batch_sequences"]
+__all__ = ["InRunProof", "InRunProofMixin", "batch_sequences"]
 
 logger = logging.getLogger("padfree")
 
@@ -52,6 +52,8 @@ def batch_sequences(inputs: Mapping[str, Any], budget: int = _BUDGET, most: int 
     >>> batch_sequences(batch)
     [[5, 6], [7, 8, 9, 10]]
     """
+    if not hasattr(inputs.get("input_ids"), "dim"):
+        return []  # not a batch of token rows (a preference pair's columns, a classifier's pairs)
     ids = inputs["input_ids"].detach().cpu().reshape(-1).numpy()
     spelling = next(((k, inputs[k]) for k in ("position_ids", "cu_seq_lens_q", "cu_seqlens")
                      if hasattr(inputs.get(k), "dim")), None)
@@ -118,16 +120,18 @@ class InRunProof:
             return not self._done
         return step % self.every == 0
 
-    def prove(self, model: Any, inputs: Mapping[str, Any], step: int) -> dict[str, float] | None:
+    def prove(self, model: Any, inputs: Mapping[str, Any], step: int, compute_dtype: Any = None
+              ) -> dict[str, float] | None:
         """Prove ``inputs`` on ``model`` (see the module docstring); the telemetry to log, or None when the batch
-        holds fewer than two sequences to compare (nothing is proven then, and the next batch is tried)."""
+        holds fewer than two sequences to compare (nothing is proven then, and the next batch is tried).
+        ``compute_dtype``: the dtype of a mixed-precision run whose forward applies autocast itself."""
         from padfree.model.verify import verify
 
         seqs = batch_sequences(inputs)
         if not seqs:
             return None
         start = time.perf_counter()
-        report = verify(model, seqs, atol="auto", check_grads=False)
+        report = verify(model, seqs, atol="auto", check_grads=False, compute_dtype=compute_dtype)
         self.seconds += time.perf_counter() - start
         self.last, self._done = report, True
         ratio = float("nan") if not report.control else report.control / max(report.atol, 1e-12)
@@ -165,3 +169,34 @@ def _first_divergence(model: Any) -> str:
     except Exception as exc:  # locating is a courtesy: the mismatch itself is what is raised
         return f"not located ({type(exc).__name__}: {exc})"
     return name or "none found on the probe"
+
+
+class InRunProofMixin:
+    """For a ``transformers.Trainer`` subclass (before it in the bases): :class:`InRunProof` run in
+    ``training_step`` on the micro-batches it is due for — before their forward, so before the optimizer step they
+    feed — and its telemetry merged into the training log."""
+
+    _padfree_proof: InRunProof | None = None
+    _padfree_proof_logs: dict[str, float] | None = None
+
+    def _padfree_attach_proof(self, option: Any) -> None:
+        self._padfree_proof = InRunProof.from_option(option)
+
+    def training_step(self, model: Any, inputs: Any, *args: Any, **kwargs: Any) -> Any:
+        proof = self._padfree_proof
+        if proof is not None and isinstance(inputs, Mapping) and proof.due(self.state.global_step):
+            import torch
+
+            dtype = torch.bfloat16 if getattr(self.args, "bf16", False) else \
+                torch.float16 if getattr(self.args, "fp16", False) else None
+            with self.compute_loss_context_manager():
+                logs = proof.prove(model, inputs, self.state.global_step, compute_dtype=dtype)
+            if logs:
+                self._padfree_proof_logs = {**logs, "padfree/verify_seconds": proof.seconds}
+        return super().training_step(model, inputs, *args, **kwargs)
+
+    def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
+        if self._padfree_proof_logs and "loss" in logs:
+            logs.update(self._padfree_proof_logs)
+            self._padfree_proof_logs = None
+        super().log(logs, *args, **kwargs)

@@ -9,7 +9,8 @@ loss rule of :mod:`padfree.integrations.step_loss` over every optimizer step, ``
 refuses); :func:`padfree.enable` does the same for your own subclass, and ``padfree.SFTTrainer`` for TRL's.
 
 >>> import transformers
->>> from padfree.integrations.causal_lm import PadfreeTrainerMixin
+>>> from padfree.integrations.inrun import InRunProofMixin
+from padfree.integrations.causal_lm import PadfreeTrainerMixin
 >>> issubclass(Trainer, transformers.Trainer) and issubclass(Trainer, PadfreeTrainerMixin)
 True
 """
@@ -23,6 +24,7 @@ from padfree.data.batch import PackedCollator, PaddingFreeCollator
 from padfree.errors import BackendUnavailableError
 from padfree.integrations.causal_lm import PadfreeTrainerMixin
 from padfree.integrations.decide import configure_model
+from padfree.integrations.inrun import InRunProofMixin
 from padfree.integrations.sequence_parallel import sequence_parallel_size, setup_sequence_parallel
 from padfree.integrations.status import PACKING, PADDING_FREE, STANDARD, PackingStatus, model_facts
 from padfree.integrations.step_loss import LOSS_MODES, refuse_with_own_nll
@@ -45,14 +47,15 @@ def _is_padfree_collator(collator: Any) -> bool:
     return isinstance(collator, (PackedCollator, PaddingFreeCollator))
 
 
-class TrainerMixin(PadfreeTrainerMixin):
+class TrainerMixin(InRunProofMixin, PadfreeTrainerMixin):
     """What :class:`Trainer` adds to ``transformers.Trainer`` (and :func:`padfree.enable` to its subclasses): the
     padfree arguments, ``configure_packing`` when the collator is padfree's, and the recorded
     :class:`~padfree.integrations.status.PackingStatus`."""
 
     def __init__(self, *args: Any, padfree_loss: str = "token", padfree_telemetry: bool = True,
                  padfree_balance: bool = True, padfree_fused_loss: bool = False,
-                 padfree_sequence_parallel: int | None = None, **kwargs: Any) -> None:
+                 padfree_sequence_parallel: int | None = None, padfree_verify: Any = "first_step",
+                 **kwargs: Any) -> None:
         as_choice(padfree_loss, "padfree_loss", LOSS_MODES)
         sp_size = sequence_parallel_size(padfree_sequence_parallel, "padfree_sequence_parallel")
         self.padfree_balance = as_flag(padfree_balance, "padfree_balance")
@@ -80,6 +83,8 @@ class TrainerMixin(PadfreeTrainerMixin):
         else:
             mode, why = STANDARD, "the data collator is not one of padfree's (the loss rule still applies)"
         self._padfree_setup(padfree_loss, telemetry=padfree_telemetry)
+        if mode != STANDARD:
+            self._padfree_attach_proof(padfree_verify)
         self._padfree_status = PackingStatus(mode=mode, reason=why, auto=False, packing=mode == PACKING,
                                              padding_free=mode != STANDARD, loss=padfree_loss,
                                              balance=self._padfree_balance_note(), **model_facts(self.model))
@@ -106,6 +111,10 @@ class Trainer(TrainerMixin, transformers.Trainer):
             ``configure_packing(model, sequence_parallel=...)``; default 1: none). The ranks of a group load the same
             batches and each trains its slice; DDP / FSDP2 over all ranks reduces the gradients. Needs a launcher
             (torchrun, accelerate launch) and the token loss rule.
+        padfree_verify: ``"first_step"`` (default): before the first optimizer step, a few of the first packed
+            micro-batch's sequences run packed and alone on this model, device and precision
+            (:mod:`padfree.integrations.inrun`), logged as ``padfree/verify_*``, the run stopped on a mismatch;
+            ``"every:N"``: every N steps; ``False``: never.
 
     When ``data_collator`` is one of padfree's (:class:`~padfree.PackedRowsCollator`, ``PaddingFreeCollator``,
     ``packed_collate_fn``) the model is passed to :func:`padfree.configure_packing` first, which makes it exact

@@ -199,7 +199,7 @@ def _ce_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 def verify(
     model: torch.nn.Module, data: Any, *, atol: float | str = "auto", check_grads: bool = True,
-    capacity: int | None = None,
+    capacity: int | None = None, compute_dtype: torch.dtype | None = None,
 ) -> VerifyReport:
     """Run ``model`` packed and per sequence on the same weights and compare logits, loss and gradients.
 
@@ -219,6 +219,10 @@ def verify(
         check_grads: also run both backwards and compare every parameter gradient (the model's existing ``.grad``
             are kept and restored).
         capacity: row length when ``data`` is a list.
+        compute_dtype: with ``atol="auto"``, the dtype the model computes in when the call cannot show it (a
+            forward that applies autocast itself, as accelerate's mixed precision does, and returns fp32 logits):
+            the run is calibrated as a low-precision one, against an ordinary padded batch. None: read from the
+            logits' dtype and the autocast around the call.
 
     Raises:
         UnsupportedModelError: ``model`` holds no transformers model, or carries a prompt-learning PEFT adapter
@@ -277,9 +281,9 @@ def verify(
                 total += float(ce_alone.detach())
                 pieces.append((r, c, n, alone.detach()))
             alone_grads = _grads(model) if check_grads else {}
-            if calibrate and _low_precision(logits, device):
+            if calibrate and (compute_dtype not in (None, torch.float32) or _low_precision(logits, device)):
                 calibration = _calibrate(model, batch, pieces, total / max(n_targets, 1), alone_grads, n_targets,
-                                         check_grads)
+                                         check_grads, compute_dtype)
             control = _control(model, batch, pieces) if calibrate else None
         worst, worst_name = None, None
         if check_grads:
@@ -367,7 +371,8 @@ def _padded_runs(model: torch.nn.Module, batch: PackedBatch, pieces: list, n_tar
 
 
 def _calibrate(model: torch.nn.Module, batch: PackedBatch, pieces: list, loss_alone: float,
-               alone_grads: dict[str, torch.Tensor], n_targets: int, check_grads: bool) -> tuple[float, float, float]:
+               alone_grads: dict[str, torch.Tensor], n_targets: int, check_grads: bool,
+               compute_dtype: torch.dtype | None = None) -> tuple[float, float, float]:
     """``(logits, loss, gradient)``: how far rounding alone moves each sequence's run, in the precision of the run.
 
     Under autocast with fp32 weights the reference is each sequence alone with autocast off (fp32), as the support
@@ -376,8 +381,8 @@ def _calibrate(model: torch.nn.Module, batch: PackedBatch, pieces: list, loss_al
     size of the values compared (one unit in the last place can always flip)."""
     device = batch.input_ids.device
     fp32_weights = all(p.dtype == torch.float32 for p in model.parameters() if p.is_floating_point())
-    dtype = torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else \
-        next(p.dtype for p in model.parameters() if p.is_floating_point())
+    dtype = compute_dtype or (torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else
+                              next(p.dtype for p in model.parameters() if p.is_floating_point()))
     if torch.is_autocast_enabled(device.type) and fp32_weights:
         with torch.autocast(device.type, enabled=False):
             ref, ref_loss, ref_grads = _alone_runs(model, batch, pieces, n_targets, check_grads)
