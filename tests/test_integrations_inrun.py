@@ -3,6 +3,8 @@ model and precision (padfree.integrations.inrun), and the trainers that run it b
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -133,3 +135,23 @@ def test_padfree_verify_false_runs_no_proof(tok, tmp_path):
     trainer.train()
     assert trainer._padfree_proof.last is None
     assert not any("padfree/verify_max_logit_diff" in h for h in trainer.state.log_history)
+
+
+def test_dpo_proves_its_pairs_sequences(tok, tmp_path):
+    """DPO's batches are ordinary padded rows (prompt and chosen, prompt and rejected): the proof packs their real
+    tokens itself and runs before the first optimizer step."""
+    from padfree.integrations.dpo import DPOConfig, DPOTrainer
+    from realdata import gsm8k_records
+
+    records = gsm8k_records(8)
+    pairs = datasets.Dataset.from_list([{"prompt": r["instruction"][:80] + "\n", "chosen": " " + r["output"][:60],
+                                         "rejected": " " + r["output"][:20]} for r in records])
+    policy = _tiny_for(tok, "llama")
+    args = DPOConfig(str(tmp_path), report_to="none", use_cpu=True, per_device_train_batch_size=2, max_length=160,
+                     max_steps=1, logging_steps=1, save_strategy="no", bf16=False, padding_free=True)
+    trainer = DPOTrainer(model=policy, ref_model=copy.deepcopy(policy), args=args, train_dataset=pairs,
+                         processing_class=tok)
+    trainer.train()
+    report = trainer._padfree_proof.last
+    assert report is not None and report.ok and report.conclusive and report.num_sequences == 4, report
+    assert any("padfree/verify_control_ratio" in h for h in trainer.state.log_history)

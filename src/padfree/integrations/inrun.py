@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from padfree.errors import InvalidArgumentError, InvalidLayoutError, PackingDisabledError, describe
+from padfree.errors import InvalidArgumentError, InvalidLayoutError, PackingDisabledError, PadfreeError, describe
 from padfree.samples import row_boundaries
 
 __all__ = ["InRunProof", "InRunProofMixin", "batch_sequences"]
@@ -53,12 +53,17 @@ def batch_sequences(inputs: Mapping[str, Any], budget: int = _BUDGET, most: int 
     [[5, 6], [7, 8, 9, 10]]
     """
     if not hasattr(inputs.get("input_ids"), "dim"):
-        return []  # not a batch of token rows (a preference pair's columns, a classifier's pairs)
+        return _choose(_joined(inputs), budget, most)  # prompts and completions (DPO, GRPO), or nothing
     ids = inputs["input_ids"].detach().cpu().reshape(-1).numpy()
     spelling = next(((k, inputs[k]) for k in ("position_ids", "cu_seq_lens_q", "cu_seqlens")
                      if hasattr(inputs.get(k), "dim")), None)
-    if spelling is None:
-        return []
+    if spelling is None:  # an ordinary padded batch (TRL's DPO: chosen and rejected rows): each row's real tokens
+        mask = inputs.get("attention_mask")
+        if not hasattr(mask, "dim") or mask.dim() != 2 or bool((mask > 1).any()):
+            return []
+        rows = inputs["input_ids"].detach().cpu()
+        return _choose([row[m.bool()].tolist() for row, m in zip(rows, mask.detach().cpu(), strict=True)],
+                       budget, most)
     key, value = spelling
     value = value.detach().cpu()
     if key == "position_ids":
@@ -75,6 +80,11 @@ def batch_sequences(inputs: Mapping[str, Any], budget: int = _BUDGET, most: int 
     found = [ids[s:s + n].tolist() for s, n in zip(starts.tolist(), lengths.tolist(), strict=True)
              # a run that trains nothing (its labels all ignored) is padding, not a sequence
              if n >= 2 and (real is None or real[s + 1:s + n].any())]
+    return _choose(found, budget, most)
+
+
+def _choose(found: list[list[int]], budget: int, most: int) -> list[list[int]]:
+    """The shortest of ``found``, at most ``most`` within ``budget`` tokens; fewer than two: none."""
     chosen, used = [], 0
     for seq in sorted(found, key=len):
         if len(chosen) == most or used + len(seq) > budget:
@@ -82,6 +92,30 @@ def batch_sequences(inputs: Mapping[str, Any], budget: int = _BUDGET, most: int 
         chosen.append(seq)
         used += len(seq)
     return chosen if len(chosen) >= 2 else []
+
+
+# batches of prompts and completions, each padded with its mask: (prompt, its mask, (completion, its mask), ...) —
+# TRL's DPO (chosen and rejected) and GRPO; each sequence is a prompt's real tokens and a completion's
+_JOINED = (("prompt_input_ids", "prompt_attention_mask", ("chosen_input_ids", "chosen_attention_mask"),
+            ("rejected_input_ids", "rejected_attention_mask")),
+           ("prompt_ids", "prompt_mask", ("completion_ids", "completion_mask")))
+
+
+def _joined(inputs: Mapping[str, Any]) -> list[list[int]]:
+    for prompt_key, prompt_mask, *completions in _JOINED:
+        if not all(hasattr(inputs.get(k), "dim") for k in (prompt_key, prompt_mask)):
+            continue
+        prompts = [row[mask.bool()].tolist() for row, mask in zip(inputs[prompt_key].cpu(),
+                                                                   inputs[prompt_mask].cpu(), strict=True)]
+        found = []
+        for key, mask_key in completions:
+            if hasattr(inputs.get(key), "dim") and hasattr(inputs.get(mask_key), "dim"):
+                for prompt, row, mask in zip(prompts, inputs[key].cpu(), inputs[mask_key].cpu(), strict=True):
+                    seq = prompt + row[mask.bool()].tolist()
+                    if len(seq) >= 2:
+                        found.append(seq)
+        return found
+    return []
 
 
 @dataclasses.dataclass
@@ -171,6 +205,18 @@ def _first_divergence(model: Any) -> str:
     return name or "none found on the probe"
 
 
+def _causal_lm(model: Any) -> bool:
+    """Whether ``model`` (bare or wrapped) is a causal LM whose logits verify compares (a reward model's scores are
+    not: its backbone is proven by the support table and certification only)."""
+    from padfree.model.kinds import not_a_causal_lm
+    from padfree.model.wrappers import packable_model
+
+    try:
+        return not_a_causal_lm(packable_model(model, "the in-run proof")) is None
+    except PadfreeError:
+        return False
+
+
 class InRunProofMixin:
     """For a ``transformers.Trainer`` subclass (before it in the bases): :class:`InRunProof` run in
     ``training_step`` on the micro-batches it is due for — before their forward, so before the optimizer step they
@@ -184,7 +230,8 @@ class InRunProofMixin:
 
     def training_step(self, model: Any, inputs: Any, *args: Any, **kwargs: Any) -> Any:
         proof = self._padfree_proof
-        if proof is not None and isinstance(inputs, Mapping) and proof.due(self.state.global_step):
+        if proof is not None and isinstance(inputs, Mapping) and proof.due(self.state.global_step) and \
+                _causal_lm(model):
             import torch
 
             dtype = torch.bfloat16 if getattr(self.args, "bf16", False) else \
