@@ -32,6 +32,18 @@ def _batch(seqs=SEQS, width=24):
             "labels": torch.tensor([labels + [-100] * pad])}
 
 
+def _break_gated_delta_net(monkeypatch):
+    """GatedDeltaNet's convolution computed as if every packed row were one sequence (its reset switched off)."""
+    exact = scan_mixers.segment_causal_conv1d
+
+    def leaky(x, weight, bias, activation, lay):
+        if isinstance(lay, PackedLayout):
+            lay = PackedLayout.from_position_ids(torch.arange(lay.shape[1]).expand(lay.shape))
+        return exact(x, weight, bias, activation, lay)
+
+    monkeypatch.setattr(scan_mixers, "segment_causal_conv1d", leaky)
+
+
 def test_the_batch_is_read_into_its_shortest_sequences_padding_left_out():
     assert batch_sequences(_batch()) == [[30, 31, 32], [20, 21, 22, 23], [12, 13, 14, 15, 16, 17],
                                          [5, 6, 7, 8, 9, 10, 11]]
@@ -64,14 +76,7 @@ def test_a_family_whose_reset_is_off_stops_the_run_naming_the_module(monkeypatch
     The proof raises — before any optimizer step — and names the first module whose output diverges."""
     model = build_tiny("qwen3_5_text")
     padfree.configure_packing(model)
-    exact = scan_mixers.segment_causal_conv1d
-
-    def leaky(x, weight, bias, activation, lay):
-        if isinstance(lay, PackedLayout):
-            lay = PackedLayout.from_position_ids(torch.arange(lay.shape[1]).expand(lay.shape))
-        return exact(x, weight, bias, activation, lay)
-
-    monkeypatch.setattr(scan_mixers, "segment_causal_conv1d", leaky)
+    _break_gated_delta_net(monkeypatch)
     with pytest.raises(PackingDisabledError, match=r"in-run proof at step 0 failed.*first diverging module: "
                                                    r"model\.layers\.\d+\.linear_attn"):
         InRunProof.from_option("first_step").prove(model, _batch(), step=0)
@@ -116,14 +121,7 @@ def test_a_broken_boundary_stops_the_run_before_its_first_optimizer_step(tok, tm
     model = _tiny_for(tok, "qwen3_5_text")
     trainer = _sft(tok, model, tmp_path)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
-    exact = scan_mixers.segment_causal_conv1d
-
-    def leaky(x, weight, bias, activation, lay):
-        if isinstance(lay, PackedLayout):
-            lay = PackedLayout.from_position_ids(torch.arange(lay.shape[1]).expand(lay.shape))
-        return exact(x, weight, bias, activation, lay)
-
-    monkeypatch.setattr(scan_mixers, "segment_causal_conv1d", leaky)
+    _break_gated_delta_net(monkeypatch)
     with pytest.raises(PackingDisabledError, match=r"first diverging module: model\.layers\.\d+\.linear_attn"):
         trainer.train()
     assert trainer.state.global_step == 0
