@@ -203,6 +203,7 @@ def test_a_backend_configure_accepts_that_is_not_exact_exits_1(capsys):
 def checkpoint_and_data(tmp_path_factory):
     """A tiny llama over the offline tokenizer's 32k vocabulary, saved, and a JSON-lines file of real text."""
     import pydoc_data.topics
+
     import torch
     import transformers
 

@@ -21,9 +21,9 @@ trl = pytest.importorskip("trl")
 
 import padfree.integrations.sft as psft  # noqa: E402
 from padfree.integrations.status import packing_status  # noqa: E402
-from padfree.integrations.step_loss import token_losses  # noqa: E402
 from padfree.integrations.trainer import Trainer  # noqa: E402
 from padfree.integrations.trainer_data import PackedRowsCollator, pack_for_trainer  # noqa: E402
+from padfree.step_loss import token_losses  # noqa: E402
 from realdata import gsm8k_records  # noqa: E402
 
 datasets.disable_progress_bars()

@@ -19,9 +19,9 @@ pytest.importorskip("accelerate")
 
 
 from multiproc import as_launched_rank, free_port, run_ranks  # noqa: E402
-from padfree.integrations.step_loss import count_loss_items, token_losses  # noqa: E402
 from padfree.integrations.trainer import Trainer  # noqa: E402
 from padfree.integrations.trainer_data import PackedRowsCollator  # noqa: E402
+from padfree.step_loss import count_loss_items, token_losses  # noqa: E402
 
 datasets.disable_progress_bars()
 VOCAB = 96

@@ -20,7 +20,7 @@ mistral_common = pytest.importorskip("mistral_common")
 
 import padfree.integrations.sft as psft  # noqa: E402
 from padfree.errors import InvalidArgumentError  # noqa: E402
-from padfree.integrations.step_loss import token_losses  # noqa: E402
+from padfree.step_loss import token_losses  # noqa: E402
 from realdata import gsm8k_records  # noqa: E402
 from zoo import tiny_model  # noqa: E402
 

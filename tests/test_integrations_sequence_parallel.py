@@ -28,7 +28,7 @@ pytest.importorskip("mistral_common")
 import padfree  # noqa: E402
 from multiproc import as_launched_rank, free_port, run_ranks  # noqa: E402
 from padfree.integrations.sft import SFTConfig, SFTTrainer  # noqa: E402
-from padfree.integrations.step_loss import count_loss_items, token_losses  # noqa: E402
+from padfree.step_loss import count_loss_items, token_losses  # noqa: E402
 from realdata import gsm8k_records, gsm8k_shortest_prompt_completions  # noqa: E402
 from zoo import grad_diff, grads_of, packed_case, tiny_model, vocab_llama  # noqa: E402
 

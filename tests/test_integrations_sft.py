@@ -24,9 +24,9 @@ import padfree.integrations.sft as psft  # noqa: E402
 from padfree.errors import DataLoadError, InvalidArgumentError, UnsupportedModelError  # noqa: E402
 from padfree.integrations.enable import enable  # noqa: E402
 from padfree.integrations.status import packing_status  # noqa: E402
-from padfree.integrations.step_loss import token_losses  # noqa: E402
 from padfree.integrations.telemetry import PackingTelemetryCallback  # noqa: E402
 from padfree.integrations.trainer_data import PackedRowsCollator  # noqa: E402
+from padfree.step_loss import token_losses  # noqa: E402
 from realdata import gsm8k_records  # noqa: E402
 from zoo import with_unknown_mixer  # noqa: E402
 

@@ -20,10 +20,10 @@ mistral_common = pytest.importorskip("mistral_common")
 from padfree.errors import InvalidArgumentError, InvalidLayoutError, UnsupportedModelError  # noqa: E402
 from padfree.integrations.enable import enable  # noqa: E402
 from padfree.integrations.status import packing_status  # noqa: E402
-from padfree.integrations.step_loss import count_loss_items, sequence_ids, token_losses  # noqa: E402
 from padfree.integrations.telemetry import PackingTelemetryCallback  # noqa: E402
 from padfree.integrations.trainer import Trainer  # noqa: E402
 from padfree.integrations.trainer_data import PackedRowsCollator, pack_for_trainer  # noqa: E402
+from padfree.step_loss import count_loss_items, sequence_ids, token_losses  # noqa: E402
 from realdata import gsm8k_records  # noqa: E402
 from zoo import mistral_tokenizer, with_unknown_mixer  # noqa: E402
 
@@ -104,7 +104,7 @@ def test_count_loss_items():
 def test_a_step_count_below_one_per_rank_divides_as_it_is():
     """The loss rule divides by the step's count over the ranks, which is a fraction when the step has fewer
     sequences (or targets) than ranks: 1 sequence over 2 ranks is 0.5, not 1 (only an empty count is replaced)."""
-    from padfree.integrations.step_loss import reduce_loss
+    from padfree.step_loss import reduce_loss
 
     batch = {"labels": torch.tensor([[-100, 6, 7]]), "position_ids": torch.tensor([[0, 1, 2]])}
     loss, mask = torch.tensor([[0.5, 1.5]]), torch.tensor([[True, True]])

@@ -34,12 +34,12 @@ from padfree.errors import (  # noqa: E402
     PackingDisabledError,
     UnsupportedModelError,
 )
-from padfree.integrations.step_loss import token_losses  # noqa: E402
 from padfree.model.sharded import ShardedLayout  # noqa: E402
 from padfree.model.sweep import build_tiny  # noqa: E402
 from padfree.model.tiny import TINY_CONFIGS, VOCAB  # noqa: E402
 from padfree.sequence_parallel import split_for_sequence_parallel  # noqa: E402
 from padfree.sequence_parallel.split import split_rows  # noqa: E402
+from padfree.step_loss import token_losses  # noqa: E402
 from zoo import packed_case  # noqa: E402
 from zoo import tiny_model as _zoo_model  # noqa: E402
 

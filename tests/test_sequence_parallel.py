@@ -87,7 +87,7 @@ def test_the_per_sequence_loss_of_the_slices_adds_up_to_the_rows(rows, size, see
     row (``target_weights``), its share of the sequences is the sum of its weights, and over the slices both add up
     to the rows' sum of sequence means and their sequence count. A plain copy of a slice (no whole-row weights)
     counts each slice's part of a sequence as a sequence of its own."""
-    from padfree.integrations.step_loss import count_loss_items, loss_count, reduce_loss, sequence_weights
+    from padfree.step_loss import count_loss_items, loss_count, reduce_loss, sequence_weights
 
     batch = _row_batch(rows, seed)
     batch["labels"][torch.rand(batch["labels"].shape, generator=torch.Generator().manual_seed(seed)) < 0.2] = -100

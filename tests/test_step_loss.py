@@ -1,4 +1,4 @@
-"""The loss rule (padfree.integrations.step_loss.LossRule): a step's loss is the same mean however its tokens are cut.
+"""The loss rule (padfree.step_loss.LossRule): a step's loss is the same mean however its tokens are cut.
 
 The property: the same sequences, with the same per-target losses, cut into rows (packed back to back, positions
 restarting) and the rows into micro-batches of one optimizer step in two different ways — each micro-batch reduced
@@ -19,7 +19,7 @@ from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 from padfree.errors import InvalidArgumentError  # noqa: E402
-from padfree.integrations.step_loss import LossRule, StepCounts, step_counts  # noqa: E402
+from padfree.step_loss import LossRule, StepCounts, step_counts  # noqa: E402
 
 IGNORE = -100
 

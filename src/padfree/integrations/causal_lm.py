@@ -2,8 +2,8 @@
 rule over the optimizer step, ``eval_loss`` under the same rule, and a rank's slice under sequence parallelism.
 
 :class:`PadfreeTrainerMixin` counts every optimizer step's targets and sequences across its micro-batches and ranks
-(:class:`~padfree.integrations.step_loss.StepCounts`) and computes each micro-batch's share of the step's loss under
-its :class:`~padfree.integrations.step_loss.LossRule` — with the model's logits, or fused with the LM head
+(:class:`~padfree.step_loss.StepCounts`) and computes each micro-batch's share of the step's loss under
+its :class:`~padfree.step_loss.LossRule` — with the model's logits, or fused with the LM head
 (:func:`padfree.causal_lm_loss`). Its loaders (balanced data-parallel steps, a sequence-parallel group's shared
 batches) are :class:`~padfree.integrations.loaders.BalancedLoaderMixin`'s.
 
@@ -21,10 +21,10 @@ from typing import Any
 from padfree.errors import BackendUnavailableError, InvalidArgumentError
 from padfree.integrations.loaders import BalancedLoaderMixin, SamplerEpoch
 from padfree.integrations.status import PackingStatus
-from padfree.integrations.step_loss import LOSS_MODES, LossRule, StepCounts, step_counts, token_losses
 from padfree.integrations.telemetry import TelemetryLogMixin
 from padfree.model.wrappers import unwrap_model
 from padfree.packing.inputs import as_choice
+from padfree.step_loss import LOSS_MODES, LossRule, StepCounts, step_counts, token_losses
 
 try:
     import torch

@@ -94,10 +94,10 @@ from padfree.integrations.preference_data import (
     refuse_long_pairs,
 )
 from padfree.integrations.status import PACKING, PADDING_FREE, STANDARD
-from padfree.integrations.step_loss import LossRule
 from padfree.integrations.unpadded import unpadded_forwards
 from padfree.packing.inputs import as_capacity, as_flag
 from padfree.packing.strategies import DEFAULT_STRATEGY, pack_sequences
+from padfree.step_loss import LossRule
 
 try:
     import datasets

@@ -48,7 +48,7 @@ def enable(trainer_class: type) -> type:
     ...     pass
     >>> names = [c.__name__ for c in enable(Mine).__mro__]
     >>> names[:3], names[names.index("Mine") + 1]
-    (['PadfreeMine', 'TrainerMixin', 'PadfreeTrainerMixin'], 'Trainer')
+    (['PadfreeMine', 'TrainerMixin', 'InRunProofMixin'], 'Trainer')
     """
     if not isinstance(trainer_class, type):
         raise InvalidArgumentError(

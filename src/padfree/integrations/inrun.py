@@ -205,16 +205,21 @@ def _first_divergence(model: Any) -> str:
     return name or "none found on the probe"
 
 
-def _causal_lm(model: Any) -> bool:
-    """Whether ``model`` (bare or wrapped) is a causal LM whose logits verify compares (a reward model's scores are
-    not: its backbone is proven by the support table and certification only)."""
+def _provable(model: Any) -> bool:
+    """Whether the in-run proof runs on ``model`` (bare or wrapped): a causal LM whose logits verify compares (a
+    reward model's scores are not), not split across a sequence-parallel group (every forward of such a model is one
+    rank's slice of a row, which the proof's own forwards are not). The others are proven by the support table and
+    certification only."""
     from padfree.model.kinds import not_a_causal_lm
+    from padfree.model.state import packing_state
     from padfree.model.wrappers import packable_model
 
     try:
-        return not_a_causal_lm(packable_model(model, "the in-run proof")) is None
+        inner = packable_model(model, "the in-run proof")
     except PadfreeError:
         return False
+    state = packing_state(inner)
+    return not_a_causal_lm(inner) is None and getattr(state, "sp", None) is None
 
 
 class InRunProofMixin:
@@ -231,7 +236,7 @@ class InRunProofMixin:
     def training_step(self, model: Any, inputs: Any, *args: Any, **kwargs: Any) -> Any:
         proof = self._padfree_proof
         if proof is not None and isinstance(inputs, Mapping) and proof.due(self.state.global_step) and \
-                _causal_lm(model):
+                _provable(model):
             import torch
 
             dtype = torch.bfloat16 if getattr(self.args, "bf16", False) else \

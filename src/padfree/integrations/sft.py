@@ -56,7 +56,7 @@ too; a plain ``trl.SFTConfig`` cannot tell ``False`` from its default, so use th
 
 After construction ``trainer.args.packing`` and ``trainer.args.padding_free`` tell the truth, and
 ``padfree.packing_status(trainer)`` says which mode is active and why (also logged through the ``padfree`` logger).
-padfree's loss rule (:mod:`padfree.integrations.step_loss`) makes the loss the token mean of the optimizer step
+padfree's loss rule (:mod:`padfree.step_loss`) makes the loss the token mean of the optimizer step
 (``padfree_loss="sequence"``: the mean of per-sequence means), and :class:`~padfree.PackingTelemetryCallback` is
 added when a padfree mode is on.
 
@@ -111,7 +111,6 @@ from padfree.integrations.decide import (
 )
 from padfree.integrations.sequence_parallel import sequence_parallel_size, setup_sequence_parallel
 from padfree.integrations.status import PACKING, PADDING_FREE, STANDARD
-from padfree.integrations.step_loss import LOSS_MODES, refuse_with_own_nll, scored_labels, token_losses
 from padfree.integrations.trainer_data import (
     PackedRowsCollator,
     PackedVisionCollator,
@@ -120,6 +119,7 @@ from padfree.integrations.trainer_data import (
 )
 from padfree.packing.inputs import as_choice, as_flag
 from padfree.packing.strategies import DEFAULT_STRATEGY, STRATEGIES, as_strategy
+from padfree.step_loss import LOSS_MODES, refuse_with_own_nll, scored_labels, token_losses
 
 try:
     import datasets

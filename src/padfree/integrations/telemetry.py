@@ -16,10 +16,10 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from padfree.errors import BackendUnavailableError
-from padfree.integrations.step_loss import sequence_ids
 from padfree.layout import IGNORE_INDEX, segment_ids_to_batch_seq_idx
 from padfree.model.state import packing_state
 from padfree.model.wrappers import unwrap_model
+from padfree.step_loss import sequence_ids
 
 try:
     import torch

@@ -2,15 +2,15 @@
 ``Trainer`` subclass.
 
 :class:`Trainer` is ``transformers.Trainer`` with :class:`~padfree.integrations.causal_lm.PadfreeTrainerMixin` (the
-loss rule of :mod:`padfree.integrations.step_loss` over every optimizer step, ``eval_loss`` under the same rule,
+loss rule of :mod:`padfree.step_loss` over every optimizer step, ``eval_loss`` under the same rule,
 :class:`~padfree.integrations.telemetry.PackingTelemetryCallback`, and the loaders of
-:mod:`padfree.integrations.loaders`: packed rows dealt to data-parallel ranks in balanced steps) and
+:mod:`padfree.integrations.loaders`: packed rows dealt to data-parallel ranks in balanced steps), the in-run proof of
+:mod:`padfree.integrations.inrun` (``padfree_verify``) and
 ``configure_packing`` (called when the collator is one of padfree's, so the model either honours packed rows or
 refuses); :func:`padfree.enable` does the same for your own subclass, and ``padfree.SFTTrainer`` for TRL's.
 
 >>> import transformers
->>> from padfree.integrations.inrun import InRunProofMixin
-from padfree.integrations.causal_lm import PadfreeTrainerMixin
+>>> from padfree.integrations.causal_lm import PadfreeTrainerMixin
 >>> issubclass(Trainer, transformers.Trainer) and issubclass(Trainer, PadfreeTrainerMixin)
 True
 """
@@ -27,8 +27,8 @@ from padfree.integrations.decide import configure_model
 from padfree.integrations.inrun import InRunProofMixin
 from padfree.integrations.sequence_parallel import sequence_parallel_size, setup_sequence_parallel
 from padfree.integrations.status import PACKING, PADDING_FREE, STANDARD, PackingStatus, model_facts
-from padfree.integrations.step_loss import LOSS_MODES, refuse_with_own_nll
 from padfree.packing.inputs import as_choice, as_flag
+from padfree.step_loss import LOSS_MODES, refuse_with_own_nll
 
 try:
     import torch

@@ -36,10 +36,10 @@ import torch
 import torch.nn.functional as F
 
 from padfree.errors import InvalidArgumentError, UnsupportedModelError, describe
-from padfree.integrations.step_loss import LossRule
 from padfree.layout import IGNORE_INDEX
 from padfree.model.wrappers import unwrap_model
 from padfree.packing.inputs import as_int
+from padfree.step_loss import LossRule
 
 __all__ = ["IGNORE_INDEX", "causal_lm_loss", "default_chunk_size", "head_transform", "linear_cross_entropy"]
 

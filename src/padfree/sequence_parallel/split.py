@@ -32,9 +32,9 @@ import torch
 
 from padfree import layout
 from padfree.errors import InvalidArgumentError, InvalidLayoutError, describe
-from padfree.integrations.step_loss import LossRule
 from padfree.layout import IGNORE_INDEX
 from padfree.sequence_parallel.groups import sequence_parallel_group
+from padfree.step_loss import LossRule
 
 __all__ = ["SequenceParallelSlice", "split_for_sequence_parallel", "split_rows"]
 

@@ -51,7 +51,7 @@ from padfree.layout import IGNORE_INDEX, position_ids_to_segment_ids, segment_id
 try:
     import torch
 except ImportError as exc:  # pragma: no cover - torch is installed wherever this module is used
-    raise BackendUnavailableError("padfree.integrations.step_loss needs torch; pip install 'padfree[torch]'") from exc
+    raise BackendUnavailableError("padfree.step_loss needs torch; pip install 'padfree[torch]'") from exc
 
 __all__ = [
     "LOSS_MODES",
