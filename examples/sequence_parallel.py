@@ -21,8 +21,8 @@ import torch.multiprocessing as mp
 
 import padfree
 from padfree.corpus import load_tokenizer
-from padfree.integrations.step_loss import token_losses
 from padfree.model.tiny import tiny_model
+from padfree.step_loss import token_losses
 
 
 def packed_row(tokenizer) -> dict:
