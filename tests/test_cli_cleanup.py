@@ -88,6 +88,19 @@ def hidden(directory: Path, pattern: str) -> list[Path]:
     return sorted(directory.glob(pattern))
 
 
+def settled_size(path: Path) -> int:
+    """``path``'s size once the stopped run's writer threads have flushed what they held (the builder stops at its
+    second batch; the writer may still be writing the first when the marker appears)."""
+    size, deadline = -1, time.monotonic() + 60  # a guard against a hang, not a measurement
+    while time.monotonic() < deadline:
+        now = path.stat().st_size
+        if now == size:
+            return size
+        size = now
+        time.sleep(0.5)
+    return size
+
+
 def test_a_killed_pack_leaves_a_work_directory_the_next_run_removes_and_a_live_one_is_kept(tmp_path, capsys,
                                                                                            ids_parquet):
     out = tmp_path / "outputs"
@@ -144,7 +157,7 @@ def test_a_killed_pack_dataset_leaves_a_temporary_file_the_next_call_removes(tmp
     try:
         writing = hidden(cache, ".b.arrow.*.tmp")
         assert len(writing) == 1
-        size = writing[0].stat().st_size
+        size = settled_size(writing[0])
         killed = stopped(tmp_path, "library", ids_parquet, cache / "a.arrow")
         killed.send_signal(signal.SIGKILL)
         killed.communicate()

@@ -114,7 +114,8 @@ def test_sft_logs_its_in_run_proof_on_the_first_packed_step(tok, tmp_path, bf16)
     logged = next(h for h in trainer.state.log_history if "padfree/verify_max_logit_diff" in h)
     assert logged["padfree/verify_control_ratio"] > 10, logged
     report = trainer._padfree_proof.last
-    assert report.ok and report.conclusive and (report.rounding is not None) == bf16, report
+    assert report.ok and report.conclusive and report.rounding is not None, report
+    assert (report.atol > 1e-4) == bf16, report  # bf16 rounding, far above fp32's 1e-5
 
 
 def test_a_broken_boundary_stops_the_run_before_its_first_optimizer_step(tok, tmp_path, monkeypatch):

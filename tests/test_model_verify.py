@@ -104,11 +104,27 @@ def test_the_same_calibrated_check_catches_a_model_that_leaks():
         report.raise_for_mismatch()
 
 
-def test_fp32_keeps_the_fixed_bound_and_a_given_atol_is_used_as_given(model):
+def test_fp32_keeps_the_1e_5_bound_and_a_given_atol_is_used_as_given(model):
     padfree.configure_packing(model)
     auto = verify(model, SEQS)
-    assert auto.atol == 1e-5 and auto.rounding is None and auto.ok and auto.conclusive
+    assert auto.atol == 1e-5 and auto.rounding < 1e-6 and auto.ok and auto.conclusive  # fp32 rounding: far below
     given = verify(model, SEQS, atol=1e-3)
     assert given.atol == given.loss_atol == given.grad_atol == 1e-3 and given.control is None
     with pytest.raises(InvalidArgumentError, match='atol must be "auto" or a finite number'):
         verify(model, SEQS, atol="rounding")
+
+
+def test_a_model_whose_fp32_rounding_exceeds_1e_5_is_bounded_by_its_own_rounding():
+    """Large weights (a policy far from its initialisation) make fp32 GatedDeltaNet runs differ by ~3e-4 between two
+    exact chunkings; the packed row is within three times that, and the leak is still far beyond it."""
+    model = _tiny("qwen3_5_text")
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.5 * torch.randn_like(p))
+    padfree.configure_packing(model)
+    g = torch.Generator().manual_seed(1)
+    seqs = [torch.randint(3, 90, (n,), generator=g).tolist() for n in (71, 68, 56, 33)]
+    report = verify(model, seqs, check_grads=False)
+    assert report.ok and report.conclusive, report
+    assert report.max_logit_diff > 1e-5, report  # beyond the fixed fp32 bound: rounding, not a leak

@@ -19,8 +19,8 @@ the mean over every next-token target of every sequence in both runs, so the gra
 
 In the precision you train in (bf16 weights, or fp32 weights under autocast) no fixed tolerance fits every model:
 ``atol="auto"`` (the default) takes it from the run itself — three times what rounding alone moves each sequence
-between two exact layouts (alone, and right-padded in one batch) — and runs a leaking control (the rows with
-positions that never restart) that must land beyond it. In fp32 the tolerance is 1e-5.
+between exact computations (alone; right- and left-padded in one batch), at least 1e-5 — and runs a
+leaking control (the rows with positions that never restart) that must land beyond it.
 
 >>> with torch.autocast("cpu", dtype=torch.bfloat16):
 ...     low = verify(model, [[5, 6, 7, 8], [9, 10, 11], [12, 13, 14, 15, 16]])
@@ -211,11 +211,12 @@ def verify(
         data: a list of token-id sequences (each ``(n_i,)``, ``n_i >= 2``), packed here into rows of ``capacity``
             tokens (default: all in one row), or a :class:`~padfree.PackedBatch` (its real sequences are checked;
             padding tails are not sequences).
-        atol: tolerance of :attr:`VerifyReport.ok` for logits, loss and gradients, or ``"auto"``: 1e-5 in fp32;
-            in a lower precision (bf16 / fp16 weights, or autocast around the call) three times what rounding
-            alone moves each sequence — its logits, the loss, every gradient — between two exact layouts (alone,
-            and right-padded with the others in one ordinary batch), and a leaking control (every row with
-            positions that never restart) whose distance must exceed it (:attr:`VerifyReport.conclusive`).
+        atol: tolerance of :attr:`VerifyReport.ok` for logits, loss and gradients, or ``"auto"``: three times what
+            rounding alone moves each sequence — its logits, the loss, every gradient — between exact computations
+            in the run's precision (alone; right-padded with the others in one ordinary batch, or, under autocast
+            with fp32 weights, alone in fp32; left-padded, every sequence at another offset), at
+            least 1e-5 and one unit in the last place of the values compared; and a leaking control (every row
+            with positions that never restart) whose distance must exceed it (:attr:`VerifyReport.conclusive`).
         check_grads: also run both backwards and compare every parameter gradient (the model's existing ``.grad``
             are kept and restored).
         capacity: row length when ``data`` is a list.
@@ -281,10 +282,11 @@ def verify(
                 total += float(ce_alone.detach())
                 pieces.append((r, c, n, alone.detach()))
             alone_grads = _grads(model) if check_grads else {}
-            if calibrate and (compute_dtype not in (None, torch.float32) or _low_precision(logits, device)):
-                calibration = _calibrate(model, batch, pieces, total / max(n_targets, 1), alone_grads, n_targets,
-                                         check_grads, compute_dtype)
             control = _control(model, batch, pieces) if calibrate else None
+            if calibrate:
+                low = compute_dtype not in (None, torch.float32) or _low_precision(logits, device)
+                calibration = _calibrate(model, batch, pieces, total / max(n_targets, 1), alone_grads, n_targets,
+                                         check_grads, compute_dtype if low else torch.float32, control)
         worst, worst_name = None, None
         if check_grads:
             worst, worst_name = _worst(packed_grads, alone_grads)
@@ -300,8 +302,7 @@ def verify(
         tolerances = {"atol": tol, "loss_atol": max(ROUNDING_FACTOR * loss_rounding, tol * max(1.0, loss_separate)),
                       "grad_atol": max(FP32_TOL, ROUNDING_FACTOR * grad_rounding), "rounding": rounding}
     else:
-        tol = FP32_TOL if calibrate else float(atol)
-        tolerances = {"atol": tol, "loss_atol": tol, "grad_atol": tol}
+        tolerances = {"atol": float(atol), "loss_atol": float(atol), "grad_atol": float(atol)}
     return VerifyReport(
         sequences=checks, max_logit_diff=max(s.max_logit_diff for s in checks), loss_packed=float(loss.detach()),
         loss_separate=loss_separate, max_grad_diff=worst, worst_parameter=worst_name,
@@ -348,31 +349,36 @@ def _alone_runs(model: torch.nn.Module, batch: PackedBatch, pieces: list, n_targ
     return logits, total / max(n_targets, 1), grads
 
 
-def _padded_runs(model: torch.nn.Module, batch: PackedBatch, pieces: list, n_targets: int, check_grads: bool
-                 ) -> tuple[list[torch.Tensor], float, dict[str, torch.Tensor]]:
-    """The sequences right-padded in one ordinary batch (``attention_mask``; the model's own unpacked path)."""
+def _padded_runs(model: torch.nn.Module, batch: PackedBatch, pieces: list, n_targets: int, check_grads: bool,
+                 left: bool = False) -> tuple[list[torch.Tensor], float, dict[str, torch.Tensor]]:
+    """The sequences right- (or ``left``-) padded in one ordinary batch (``attention_mask``, positions counting the
+    real tokens; the model's own unpacked path)."""
     device = batch.input_ids.device
     width = max(n for _, _, n, _ in pieces)
     ids = torch.zeros(len(pieces), width, dtype=batch.input_ids.dtype, device=device)
     mask = torch.zeros(len(pieces), width, dtype=torch.long, device=device)
     targets = torch.full((len(pieces), width), IGNORE_INDEX, dtype=batch.labels.dtype, device=device)
+    spans = [slice(width - n, width) if left else slice(0, n) for _, _, n, _ in pieces]
     for j, (r, c, n, _) in enumerate(pieces):
-        ids[j, :n], mask[j, :n], targets[j, :n] = batch.input_ids[r, c:c + n], 1, batch.labels[r, c:c + n]
+        ids[j, spans[j]], mask[j, spans[j]] = batch.input_ids[r, c:c + n], 1
+        targets[j, spans[j]] = batch.labels[r, c:c + n]
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
     for p in model.parameters():
         p.grad = None
-    padded = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
+    padded = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False).logits
     loss = _ce_sum(padded[:, :-1].reshape(-1, padded.shape[-1]), targets[:, 1:].reshape(-1)) / max(n_targets, 1)
     if check_grads and loss.requires_grad:
         loss.backward()
     grads = _grads(model)
     for p in model.parameters():
         p.grad = None
-    return [padded[j, :n].detach() for j, (_, _, n, _) in enumerate(pieces)], float(loss.detach()), grads
+    return [padded[j, spans[j]].detach() for j in range(len(pieces))], float(loss.detach()), grads
 
 
 def _calibrate(model: torch.nn.Module, batch: PackedBatch, pieces: list, loss_alone: float,
                alone_grads: dict[str, torch.Tensor], n_targets: int, check_grads: bool,
-               compute_dtype: torch.dtype | None = None) -> tuple[float, float, float]:
+               compute_dtype: torch.dtype | None = None, control: float | None = None
+               ) -> tuple[float, float, float]:
     """``(logits, loss, gradient)``: how far rounding alone moves each sequence's run, in the precision of the run.
 
     Under autocast with fp32 weights the reference is each sequence alone with autocast off (fp32), as the support
@@ -383,20 +389,28 @@ def _calibrate(model: torch.nn.Module, batch: PackedBatch, pieces: list, loss_al
     fp32_weights = all(p.dtype == torch.float32 for p in model.parameters() if p.is_floating_point())
     dtype = compute_dtype or (torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else
                               next(p.dtype for p in model.parameters() if p.is_floating_point()))
-    if torch.is_autocast_enabled(device.type) and fp32_weights:
+    if torch.is_autocast_enabled(device.type) and fp32_weights and dtype != torch.float32:
         with torch.autocast(device.type, enabled=False):
-            ref, ref_loss, ref_grads = _alone_runs(model, batch, pieces, n_targets, check_grads)
+            references = [_alone_runs(model, batch, pieces, n_targets, check_grads)]
     else:
-        ref, ref_loss, ref_grads = _padded_runs(model, batch, pieces, n_targets, check_grads)
+        references = [_padded_runs(model, batch, pieces, n_targets, check_grads)]
     eps = torch.finfo(dtype).eps
     alone = [p[3] for p in pieces]
+    # the same sequences left-padded: every sequence at another offset, a chunked scan cut elsewhere — as far from
+    # the sequence alone as rounding moves a computation that chunks differently (the packed path does). A model
+    # whose padding leaks into its tokens moves them as far as the leaking control does: such a reference measures
+    # the leak, not rounding, and is left out (kept only within a thousandth of the control)
+    left = _padded_runs(model, batch, pieces, n_targets, check_grads, left=True)
+    moved = max(float((a.float() - b.float()).abs().max()) for a, b in zip(alone, left[0], strict=True))
+    if control is not None and moved <= control / 1000:
+        references.append(left)
     rounding = max(max(float((a.float() - b.float()).abs().max()), eps * float(a.float().abs().max()))
-                   for a, b in zip(alone, ref, strict=True))
+                   for ref, _, _ in references for a, b in zip(alone, ref, strict=True))
     grad_rounding = 0.0
     if check_grads and alone_grads:
-        grad_rounding = max(_worst(alone_grads, ref_grads)[0] or 0.0,
+        grad_rounding = max(max(_worst(alone_grads, grads)[0] or 0.0 for _, _, grads in references),
                             eps * max(float(g.float().abs().max()) for g in alone_grads.values()))
-    return rounding, abs(loss_alone - ref_loss), grad_rounding
+    return rounding, max(abs(loss_alone - loss) for _, loss, _ in references), grad_rounding
 
 
 def _control(model: torch.nn.Module, batch: PackedBatch, pieces: list) -> float | None:
