@@ -205,6 +205,12 @@ def _first_divergence(model: Any) -> str:
     return name or "none found on the probe"
 
 
+def _multimodal(inputs: Mapping[str, Any]) -> bool:
+    """A batch with images, videos or audio: its sequences alone are not the run's computation without them (the
+    support table and the image proofs cover those models; the proof runs again on a text-only batch)."""
+    return any(str(k).startswith(("pixel_values", "image_", "video_", "input_features", "audio")) for k in inputs)
+
+
 def _provable(model: Any) -> bool:
     """Whether the in-run proof runs on ``model`` (bare or wrapped): a causal LM whose logits verify compares (a
     reward model's scores are not), not split across a sequence-parallel group (every forward of such a model is one
@@ -235,8 +241,8 @@ class InRunProofMixin:
 
     def training_step(self, model: Any, inputs: Any, *args: Any, **kwargs: Any) -> Any:
         proof = self._padfree_proof
-        if proof is not None and isinstance(inputs, Mapping) and proof.due(self.state.global_step) and \
-                _provable(model):
+        if proof is not None and isinstance(inputs, Mapping) and not _multimodal(inputs) and \
+                proof.due(self.state.global_step) and _provable(model):
             import torch
 
             dtype = torch.bfloat16 if getattr(self.args, "bf16", False) else \

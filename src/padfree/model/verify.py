@@ -351,8 +351,8 @@ def _alone_runs(model: torch.nn.Module, batch: PackedBatch, pieces: list, n_targ
 
 def _padded_runs(model: torch.nn.Module, batch: PackedBatch, pieces: list, n_targets: int, check_grads: bool,
                  left: bool = False) -> tuple[list[torch.Tensor], float, dict[str, torch.Tensor]]:
-    """The sequences right- (or ``left``-) padded in one ordinary batch (``attention_mask``, positions counting the
-    real tokens; the model's own unpacked path)."""
+    """The sequences right- (or ``left``-) padded in one ordinary batch (``attention_mask``; the model's own unpacked
+    path)."""
     device = batch.input_ids.device
     width = max(n for _, _, n, _ in pieces)
     ids = torch.zeros(len(pieces), width, dtype=batch.input_ids.dtype, device=device)
@@ -362,10 +362,11 @@ def _padded_runs(model: torch.nn.Module, batch: PackedBatch, pieces: list, n_tar
     for j, (r, c, n, _) in enumerate(pieces):
         ids[j, spans[j]], mask[j, spans[j]] = batch.input_ids[r, c:c + n], 1
         targets[j, spans[j]] = batch.labels[r, c:c + n]
-    positions = (mask.cumsum(-1) - 1).clamp(min=0)
     for p in model.parameters():
         p.grad = None
-    padded = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False).logits
+    # no position_ids: the model's own (a rotary model is invariant to the left padding's shift up to rounding; one
+    # that is not moves the sequences as a leak would, and the reference is left out)
+    padded = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
     loss = _ce_sum(padded[:, :-1].reshape(-1, padded.shape[-1]), targets[:, 1:].reshape(-1)) / max(n_targets, 1)
     if check_grads and loss.requires_grad:
         loss.backward()
