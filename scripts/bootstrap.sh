@@ -55,5 +55,8 @@ else
     TORCH=("torch==${PINNED_TORCH}")
 fi
 "$PY" -m pip install --quiet -c "$PINS" pip
-"$PY" -m pip install --quiet -c "$CONSTRAINTS" --build-constraint "$PINS" "${TORCH[@]}" -e ".[${EXTRAS}]"
+if [ ${#TORCH[@]} -gt 0 ]; then  # pip alone finds the local CPU wheel
+    "$PY" -m pip install --quiet -c "$CONSTRAINTS" "${TORCH[@]}"
+fi
+bash scripts/install_pinned.sh "$PY" "$CONSTRAINTS" "$PINS" -e ".[${EXTRAS}]"
 echo "$INPUTS" > "$STAMP"

@@ -2,7 +2,8 @@
 
 The body of ``constraints/ci.txt`` (and of the resolved half of ``constraints/floor.txt``): run it with a venv's
 python, after a green suite, to pin exactly what that suite passed on. padfree itself and torch are left out (torch
-is chosen by ``scripts/bootstrap.sh``); pip and setuptools are added (bootstrap's pip and the editable build's backend).
+is chosen by ``scripts/bootstrap.sh``); pip, uv and setuptools are added (bootstrap's installers and the editable
+build's backend).
 
     .venv/bin/python scripts/pin_versions.py            # padfree[all,dev]
     .venv/bin/python scripts/pin_versions.py all,dev
@@ -42,8 +43,11 @@ def closure(root: str, extras: set[str]) -> dict[str, md.Distribution]:
 def main() -> None:
     extras = set((sys.argv[1] if len(sys.argv) > 1 else "all,dev").split(","))
     pins = {canonicalize_name(d.metadata["Name"]): d.version for d in closure("padfree", extras).values()}
-    for tool in ("pip", "setuptools"):
-        pins[tool] = md.version(tool)
+    for tool in ("pip", "uv", "setuptools"):
+        try:
+            pins[tool] = md.version(tool)
+        except md.PackageNotFoundError:  # a venv bootstrapped by pip alone (PADFREE_NO_UV=1) has no uv
+            pass
     for name in sorted(pins):
         if name not in ("padfree", "torch"):
             print(f"{name}=={pins[name]}")
