@@ -271,7 +271,7 @@ def _fsdp_worker(rank: int, world: int, tmp: str, port: int) -> None:
 
     from torch.distributed.fsdp import fully_shard
 
-    from padfree.integrations.sequence_parallel import group_of
+    from padfree.integrations.loaders import group_of
 
     warnings.filterwarnings("ignore")
     as_launched_rank(rank, world, port)

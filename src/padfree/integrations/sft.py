@@ -109,7 +109,7 @@ from padfree.integrations.decide import (
     skip_reason,
     support_reason,
 )
-from padfree.integrations.sequence_parallel import sequence_parallel_size, setup_sequence_parallel
+from padfree.integrations.loaders import sequence_parallel_size, setup_sequence_parallel
 from padfree.integrations.status import PACKING, PADDING_FREE, STANDARD
 from padfree.integrations.trainer_data import (
     PackedRowsCollator,

@@ -25,7 +25,7 @@ from padfree.errors import BackendUnavailableError
 from padfree.integrations.causal_lm import PadfreeTrainerMixin
 from padfree.integrations.decide import configure_model
 from padfree.integrations.inrun import InRunProofMixin
-from padfree.integrations.sequence_parallel import sequence_parallel_size, setup_sequence_parallel
+from padfree.integrations.loaders import sequence_parallel_size, setup_sequence_parallel
 from padfree.integrations.status import PACKING, PADDING_FREE, STANDARD, PackingStatus, model_facts
 from padfree.packing.inputs import as_choice, as_flag
 from padfree.step_loss import LOSS_MODES, refuse_with_own_nll
