@@ -3,7 +3,7 @@ writes its section of ``BENCHMARKS.md``.
 
 For each config below — the default (7B-class) config of a dense, an MoE, an MLA, a hybrid GatedDeltaNet and a
 Mamba-2 model — a subclass of the model's class (so the support table cannot cover it) is built on the meta device
-(no weights: the user's model is never run), and ``padfree.model.certify.certify`` is timed three ways:
+(no weights: the user's model is never run), and ``padfree.proof.certify.certify`` is timed three ways:
 
 - *cold*: a fresh process state and an empty disk cache — shrink the config, build the tiny fp32 twin, run the proof
   (every sequence alone, forward and backward; the packed forward and backward; the leaking control; the unpacked
@@ -61,7 +61,7 @@ def main() -> None:
     torch.set_num_threads(1)
     transformers.logging.set_verbosity_error()
 
-    from padfree.model import certify
+    from padfree.proof import certify
 
     rows = []
     for label, (class_name, config_cls) in CONFIGS.items():

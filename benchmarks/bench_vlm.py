@@ -34,7 +34,7 @@ two random-pixel images of sizes drawn from :data:`IMAGE_SIZES`, in front of the
 Every sample goes through the same offline ``Qwen2VLProcessor`` (the tokenizer above, ``Qwen2VLImageProcessorPil``
 with its defaults: 14-pixel patches, 2x2 merge).
 
-Model (random weights, fp32, CPU): Qwen2-VL from ``padfree.model.shrink.shrink_config(default_config("qwen2_vl"))``
+Model (random weights, fp32, CPU): Qwen2-VL from ``padfree.proof.shrink.shrink_config(default_config("qwen2_vl"))``
 widened to ``bench_training.py``'s text sizes (vocab 32004, hidden 256, MLP 688, 4 layers, 4 heads, 2 KV heads) and a
 2-block vision tower of width 128.
 
@@ -254,7 +254,7 @@ def build_model(vocab: int, special: dict[str, int]) -> Any:
     import torch
     import transformers
 
-    from padfree.model.shrink import default_config, shrink_config
+    from padfree.proof.shrink import default_config, shrink_config
 
     cfg = shrink_config(default_config("qwen2_vl"))
     text = cfg.get_text_config()

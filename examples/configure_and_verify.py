@@ -12,7 +12,7 @@ from pydoc_data.topics import topics
 
 import padfree
 from padfree.corpus import load_tokenizer
-from padfree.model.tiny import tiny_model
+from padfree.proof.tiny import tiny_model
 
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 parser.add_argument("--model-type", default="qwen3_5_text")

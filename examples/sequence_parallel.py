@@ -21,7 +21,7 @@ import torch.multiprocessing as mp
 
 import padfree
 from padfree.corpus import load_tokenizer
-from padfree.model.tiny import tiny_model
+from padfree.proof.tiny import tiny_model
 from padfree.step_loss import token_losses
 
 

@@ -80,7 +80,7 @@ import padfree
 root = sys.argv[1]
 assert padfree.__file__.startswith(sys.prefix) and not any(p.startswith(root + "/src") for p in sys.path), (
     f"padfree was not imported from the installed wheel: {padfree.__file__}")
-from padfree.model import registry, versions
+from padfree.proof import registry, versions
 assert registry.load()["types"] and all(versions.version_span("transformers")), "the package data did not ship"
 print(f"check_wheel: padfree {padfree.__version__} from {padfree.__file__}")
 PYEOF

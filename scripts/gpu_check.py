@@ -4,7 +4,7 @@ Three steps, each in its own process with its own time budget, so that a step th
 context down records its error (and whatever it measured before) in the section while the others still run:
 
 1. ``matrix`` — packed against each sequence alone (logits, loss, every gradient, with the leaking control) by
-   :func:`padfree.model.proof.prove`, for tiny random-weight models of :data:`MODELS` on every backend of
+   :func:`padfree.proof.compare.prove`, for tiny random-weight models of :data:`MODELS` on every backend of
    :data:`BACKENDS` that ``configure_packing`` accepts there, in every precision of :data:`PRECISIONS`; the hybrids
    once with the mixers' CUDA kernels (flash-linear-attention, causal-conv1d, mamba_ssm) as installed, and once more
    with them hidden from the process (``sys.modules[name] = None``: transformers and padfree both see them as not
@@ -116,8 +116,8 @@ def worker_matrix(spec: dict[str, Any], result: Path) -> None:
 
     _quiet()
     from padfree.model import cuda_kernels
-    from padfree.model.proof import prove
-    from padfree.model.sweep import build_tiny
+    from padfree.proof.compare import prove
+    from padfree.proof.sweep import build_tiny
 
     out: dict[str, Any] = {"variant": spec["variant"], "block": spec["block"], "rows": [], "refused": [],
                            "unrunnable": [], "errors": [], "skipped": [], "notes": [], "mixers": {}, "kernels": {}}
@@ -181,7 +181,7 @@ def worker_verify(spec: dict[str, Any], result: Path) -> None:
 
     _quiet()
     from padfree import configure_packing, verify
-    from padfree.model.proof import FP32_TOL, ROUNDING_FACTOR
+    from padfree.proof.compare import FP32_TOL, ROUNDING_FACTOR
 
     device = torch.device(spec["device"])
     out: dict[str, Any] = {"runs": [], "errors": []}
@@ -437,8 +437,8 @@ def _verdict(row: dict[str, Any]) -> str:
 
 
 def render_matrix(result: dict[str, Any], info: dict[str, Any]) -> list[str]:
-    lines = ["### 1. Exactness: packed vs each sequence alone (`padfree.model.proof.prove`)", "",
-             f"Tiny random-weight models (`padfree.model.sweep.build_tiny`, about 50-150k parameters) on "
+    lines = ["### 1. Exactness: packed vs each sequence alone (`padfree.proof.compare.prove`)", "",
+             f"Tiny random-weight models (`padfree.proof.sweep.build_tiny`, about 50-150k parameters) on "
              f"{'the CPU (dry run)' if info['dry'] else 'CUDA'}: the fixed packed case of `proof.ROWS`, a training "
              "step (forward with `labels=`, the model's own loss, backward) against every sequence alone. *logits* "
              "and *grads*: fp32 the largest scaled `|packed - alone|`, low precisions the largest per-sequence "

@@ -18,7 +18,7 @@ def clean_env(monkeypatch):
 
 
 def test_the_tokenizer_and_the_certification_read_the_same_variable(clean_env, tmp_path):
-    certify = pytest.importorskip("padfree.model.certify")
+    certify = pytest.importorskip("padfree.proof.certify")
     clean_env.setenv("PADFREE_CACHE_DIR", str(tmp_path / "one"))
     assert corpus.cache_dir() == certify.cache_dir() == tmp_path / "one"
     clean_env.setenv("PADFREE_CACHE", str(tmp_path / "old"))  # the new name wins over the alias
@@ -26,7 +26,7 @@ def test_the_tokenizer_and_the_certification_read_the_same_variable(clean_env, t
 
 
 def test_the_former_variable_is_a_deprecated_alias(clean_env, tmp_path):
-    certify = pytest.importorskip("padfree.model.certify")
+    certify = pytest.importorskip("padfree.proof.certify")
     clean_env.setenv("PADFREE_CACHE", str(tmp_path / "old"))
     for where in (corpus.cache_dir, certify.cache_dir):
         with pytest.warns(DeprecationWarning, match=r"\$PADFREE_CACHE is deprecated: set \$PADFREE_CACHE_DIR"):

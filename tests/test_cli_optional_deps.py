@@ -139,8 +139,8 @@ def test_a_missing_package_stops_the_command_up_front(hide, data, tmp_path, bloc
     (("pyarrow.json",), ["analyze", "{data}/texts.jsonl", "--capacity", "64"],
      "padfree analyze could not import pyarrow.json (No module named 'pyarrow.json'); install it with: pip install "
      "'padfree[cli]' (it brings pyarrow)"),
-    (("padfree.model.support",), ["verify", "--model-type", "llama"],
-     "padfree verify could not import padfree.model.support (No module named 'padfree.model.support'); this padfree "
+    (("padfree.proof.backends",), ["verify", "--model-type", "llama"],
+     "padfree verify could not import padfree.proof.backends (No module named 'padfree.proof.backends'); this padfree "
      "installation is incomplete: reinstall padfree"),
 ])
 def test_an_import_error_past_the_checks_is_still_one_line(hide, data, tmp_path, blocked, argv, message):

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from padfree.cli import main
-from padfree.model.tiny import tiny_model
+from padfree.proof.tiny import tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

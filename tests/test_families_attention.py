@@ -2,7 +2,7 @@
 
 BLOOM, MPT and Falcon (ALiBi, and Falcon's RoPE), GPT-NeoX-Japanese (hand-written attention), StableLM (a decoder
 layer that drops the layout), Llama-4 (chunked attention, NoPE query temperature) and Doge (dynamic mask attention,
-CDMoE router) are proven with :func:`padfree.model.proof.prove` — logits, loss and every gradient in fp32, bf16
+CDMoE router) are proven with :func:`padfree.proof.compare.prove` — logits, loss and every gradient in fp32, bf16
 autocast and bf16 weights, under each attention implementation transformers has for them — next to negative
 controls that the same comparison catches, and the refusals. The grouping of segments (``per_bucket``,
 ``buckets``) is tested in tests/test_model_packed.py, the attention backends alone in tests/test_model_attention.py.
@@ -19,8 +19,8 @@ from padfree.model.configure import install_packing, packing_state, unconfigure_
 from padfree.model.families import alibi, attention_variants
 from padfree.model.flight import forward_of
 from padfree.model.packed import PackedLayout
-from padfree.model.proof import FP32_TOL, prove, stock_packed_diff
 from padfree.model.state import PackingState
+from padfree.proof.compare import FP32_TOL, prove, stock_packed_diff
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -2,7 +2,7 @@
 ModernBERT's decoder run per packed sequence — self-attention per bucket of equal-length sequences under the mask each
 sequence gets alone, learned positions restarting.
 
-Every type is proven with the sweep's own measurement (padfree.model.proof.prove: packed against every sequence
+Every type is proven with the sweep's own measurement (padfree.proof.compare.prove: packed against every sequence
 alone, logits, loss and every gradient, in fp32 on sdpa and eager and in bf16 / autocast on sdpa, each with its
 leaking control) on the tiny model of the sweep's config as a decoder (``is_decoder=True``; XLM ``causal=True``),
 and a few in the configs' default bidirectional mode; the same comparison must catch stock transformers and the family
@@ -24,8 +24,8 @@ from padfree.model.configure import install_packing, packing_state, unconfigure_
 from padfree.model.families import encoders  # noqa: E402
 from padfree.model.flight import forward_of  # noqa: E402
 from padfree.model.packed import PackedLayout  # noqa: E402
-from padfree.model.proof import FP32_TOL, prove, stock_packed_diff  # noqa: E402
-from padfree.model.sweep import PRECISIONS, build_tiny  # noqa: E402
+from padfree.proof.compare import FP32_TOL, prove, stock_packed_diff  # noqa: E402
+from padfree.proof.sweep import PRECISIONS, build_tiny  # noqa: E402
 from zoo import alone_logits as _alone  # noqa: E402
 from zoo import packed_case as _rows  # noqa: E402
 from zoo import worst_diff as _worst  # noqa: E402

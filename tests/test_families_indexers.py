@@ -2,7 +2,7 @@
 
 DSA lightning indexers (DeepSeek-V3.2, GLM-MoE-DSA with its reused selections, HY-V4, AXK2, dots3), DeepSeek-V4's
 compressors and indexer, Qwen4-Exp's QSA indexer, n-gram embeddings and GatedDeltaNet are proven
-with :func:`padfree.model.proof.prove` — logits, loss and every gradient in fp32 under each attention implementation
+with :func:`padfree.proof.compare.prove` — logits, loss and every gradient in fp32 under each attention implementation
 the model has, bf16 autocast and bf16 weights — next to negative controls the same comparison catches, the selection
 itself checked against each sequence's own (sequences shorter than ``k`` included), groups of equal lengths, the
 selection merged across layers, the cut masks, and the refusals.
@@ -22,9 +22,9 @@ from padfree.model.configure import install_packing, packing_state, unconfigure_
 from padfree.model.families import indexers  # noqa: E402
 from padfree.model.flight import forward_of  # noqa: E402
 from padfree.model.packed import PackedLayout  # noqa: E402
-from padfree.model.proof import FP32_TOL, prove, stock_packed_diff  # noqa: E402
 from padfree.model.state import PackingState  # noqa: E402
-from padfree.model.sweep import build_tiny  # noqa: E402
+from padfree.proof.compare import FP32_TOL, prove, stock_packed_diff  # noqa: E402
+from padfree.proof.sweep import build_tiny  # noqa: E402
 from zoo import packed_case  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")

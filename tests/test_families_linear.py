@@ -22,9 +22,9 @@ from padfree.model import configure, install  # noqa: E402
 from padfree.model.families import kda, lightning, scan_mixers  # noqa: E402
 from padfree.model.flight import forward_of  # noqa: E402
 from padfree.model.packed import PackedLayout  # noqa: E402
-from padfree.model.proof import prove  # noqa: E402
 from padfree.model.state import packing_state  # noqa: E402
-from padfree.model.sweep import PRECISIONS, _quiet, build_tiny  # noqa: E402
+from padfree.proof.compare import prove  # noqa: E402
+from padfree.proof.sweep import PRECISIONS, _quiet, build_tiny  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

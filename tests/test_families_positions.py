@@ -2,7 +2,7 @@
 hand-written attention of encoder-decoder decoders and GPT-1 run per bucket of sequences, and the row-mixing models
 (CPM-Ant, XLNet, ProphetNet) run per group of equal-length sequences.
 
-Every type is proven with the sweep's own measurement (padfree.model.proof.prove: packed against every sequence
+Every type is proven with the sweep's own measurement (padfree.proof.compare.prove: packed against every sequence
 alone, logits, loss and every gradient, in fp32 on sdpa and eager and in bf16 / autocast on sdpa, each with its
 leaking control) on the sweep's tiny model; stock transformers must leak on the same rows (the negative control).
 The rest covers what the proof does not: config variants the defaults leave off, the grouping primitive against a
@@ -22,8 +22,8 @@ from padfree.model.configure import install_packing, packing_state, unconfigure_
 from padfree.model.families import positions  # noqa: E402
 from padfree.model.flight import forward_of  # noqa: E402
 from padfree.model.packed import PackedLayout  # noqa: E402
-from padfree.model.proof import FP32_TOL, prove, stock_packed_diff  # noqa: E402
-from padfree.model.sweep import PRECISIONS, build_tiny  # noqa: E402
+from padfree.proof.compare import FP32_TOL, prove, stock_packed_diff  # noqa: E402
+from padfree.proof.sweep import PRECISIONS, build_tiny  # noqa: E402
 from zoo import alone_logits as _alone  # noqa: E402
 from zoo import packed_case as _rows  # noqa: E402
 from zoo import worst_diff as _worst  # noqa: E402

@@ -20,8 +20,8 @@ from padfree.model import configure, install, rebind  # noqa: E402
 from padfree.model.families import convs, rglru, rwkv, scan_mixers, xlstm  # noqa: E402
 from padfree.model.flight import forward_of  # noqa: E402
 from padfree.model.packed import PackedLayout  # noqa: E402
-from padfree.model.proof import prove  # noqa: E402
-from padfree.model.sweep import PRECISIONS, _quiet, build_tiny  # noqa: E402
+from padfree.proof.compare import prove  # noqa: E402
+from padfree.proof.sweep import PRECISIONS, _quiet, build_tiny  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -10,8 +10,8 @@ from padfree.model import configure, install
 from padfree.model.configure import install_packing, packing_state, unconfigure_packing
 from padfree.model.flight import forward_of
 from padfree.model.packed import PackedLayout
-from padfree.model.proof import FP32_TOL, prove, stock_packed_diff
-from padfree.model.sweep import build_tiny
+from padfree.proof.compare import FP32_TOL, prove, stock_packed_diff
+from padfree.proof.sweep import build_tiny
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -15,7 +15,7 @@ from padfree.errors import InvalidArgumentError, PackingDisabledError  # noqa: E
 from padfree.integrations.inrun import InRunProof, batch_sequences  # noqa: E402
 from padfree.model.families import scan_mixers  # noqa: E402
 from padfree.model.packed import PackedLayout  # noqa: E402
-from padfree.model.sweep import build_tiny  # noqa: E402
+from padfree.proof.sweep import build_tiny  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -18,8 +18,8 @@ import transformers
 
 import padfree
 from padfree import UnsupportedModelError, configure_packing
-from padfree.model import certify, registry, versions
-from padfree.model.shrink import shrink_config
+from padfree.proof import certify, registry, versions
+from padfree.proof.shrink import shrink_config
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -105,7 +105,7 @@ def test_a_certified_class_is_not_checked_again(monkeypatch):
     configure_packing(model)
     certify._MEMORY.clear()  # a new process: only the disk cache remains
     calls = []
-    monkeypatch.setattr("padfree.model.proof.prove", lambda *a, **k: calls.append(1))
+    monkeypatch.setattr("padfree.proof.compare.prove", lambda *a, **k: calls.append(1))
     report = configure_packing(_model(CertLlamaForCausalLM, CertLlamaConfig, seed=1))
     assert report.supported and "(cached in" in report.proof and not calls
 
@@ -129,7 +129,7 @@ def test_a_transformers_version_outside_the_tested_range_certifies_and_warns(mon
     caplog.set_level(logging.INFO, logger="padfree")
     versions.warn_if_untested.cache_clear()
     monkeypatch.setattr(versions, "version_span", lambda package="transformers": ((99, 0), (99, 1)))
-    monkeypatch.setattr(versions, "installed", lambda package="transformers": "99.0.0")
+    monkeypatch.setattr(registry, "installed", lambda package="transformers": "99.0.0")
     model = transformers.LlamaForCausalLM(shrink_config(transformers.LlamaConfig()))
     report = configure_packing(model)
     assert report.supported and "the support table was proven on transformers" in report.proof
@@ -152,7 +152,7 @@ def test_the_table_covers_llama_without_certifying(monkeypatch):
 def test_a_base_model_is_certified_through_the_causal_lm_around_it(model_type):
     """A backbone without a head (what a reward model's score head sits on) has no logits to compare: its twin is the
     causal LM of the same config, which runs exactly that backbone; a certification then says so by the base's name."""
-    from padfree.model.sweep import build_tiny
+    from padfree.proof.sweep import build_tiny
 
     base = build_tiny(model_type).base_model
     verdict = certify.certify(base, "padfree_sdpa", cache=False)

@@ -17,7 +17,7 @@ transformers = pytest.importorskip("transformers")
 
 import padfree  # noqa: E402
 from padfree.errors import PackingDisabledError  # noqa: E402
-from padfree.model.shrink import default_config, shrink_config  # noqa: E402
+from padfree.proof.shrink import default_config, shrink_config  # noqa: E402
 from zoo import each_alone, packed_step  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -126,7 +126,7 @@ def test_images_under_bf16_autocast_are_exact_within_rounding():
 def tiny_gemma4() -> transformers.PreTrainedModel:
     """A tiny Gemma4 with a vision tower, its text config making images bidirectional (the shipped checkpoints'
     setting): images attend both ways within their block on the sliding layers."""
-    from padfree.model.proof import perturb
+    from padfree.proof.compare import perturb
 
     d = default_config("gemma4").to_dict()
     d["vision_config"] = transformers.Gemma4VisionConfig().to_dict()
@@ -140,7 +140,7 @@ def test_a_packed_row_of_gemma4_samples_with_images_is_exact(backend):
     """Patches with their coordinates (each image padded to one patch budget), pooled to soft tokens; the blocks from
     mm_token_type_ids. The proof: logits, the model's own loss and every gradient (the tower's included) against each
     sample alone; its control (the blocks left out) caught."""
-    from padfree.model.image_proof import prove_images
+    from padfree.proof.compare_images import prove_images
 
     proof = prove_images(tiny_gemma4(), backend=backend)
     assert proof.route == "blocks" and proof.refused is None, proof

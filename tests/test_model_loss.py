@@ -22,7 +22,7 @@ from zoo import CAPACITY, LENGTHS, MIXER_ROWS, MIXER_TYPES, grad_diff, packed_ro
 from zoo import tiny_model as zoo_model  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-TINY_TYPES = sorted(padfree.model.tiny.TINY_CONFIGS)
+TINY_TYPES = sorted(padfree.proof.tiny.TINY_CONFIGS)
 
 
 def _reference(hidden, weight, targets, bias=None, scale=1.0, softcap=None):
@@ -228,7 +228,7 @@ class _DoubledLogits(transformers.LlamaForCausalLM):
 
 
 def test_a_model_whose_logits_it_cannot_reproduce_is_refused():
-    config = padfree.model.tiny.tiny_config("llama")
+    config = padfree.proof.tiny.tiny_config("llama")
     model = _DoubledLogits(config)
     ids = torch.randint(3, 96, (1, 5))
     with pytest.raises(padfree.UnsupportedModelError, match="cannot reproduce the logits of _DoubledLogits"):

@@ -19,7 +19,7 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_
 
 import padfree  # noqa: E402
 from padfree.errors import InvalidLayoutError, PackingDisabledError  # noqa: E402
-from padfree.model.shrink import default_config, shrink_config  # noqa: E402
+from padfree.proof.shrink import default_config, shrink_config  # noqa: E402
 from zoo import each_alone, grad_diff, packed_step  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -22,10 +22,10 @@ transformers = pytest.importorskip("transformers")
 
 from padfree.errors import PackingDisabledError  # noqa: E402
 from padfree.model import images  # noqa: E402
-from padfree.model.image_proof import prove_images  # noqa: E402
 from padfree.model.install import install_packing, unconfigure_packing  # noqa: E402
-from padfree.model.proof import perturb  # noqa: E402
-from padfree.model.shrink import default_config, shrink_config  # noqa: E402
+from padfree.proof.compare import perturb  # noqa: E402
+from padfree.proof.compare_images import prove_images  # noqa: E402
+from padfree.proof.shrink import default_config, shrink_config  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -1,4 +1,4 @@
-"""The proof (padfree.model.proof.prove) runs what a trainer runs: a packed training step with ``labels=``.
+"""The proof (padfree.proof.compare.prove) runs what a trainer runs: a packed training step with ``labels=``.
 
 The forward carries ``labels=`` as a trainer's does (a model may hand them down to its attention with its
 ``**kwargs``, as gemma4 does), the loss compared is the one the model computes itself from them, and its backward
@@ -14,8 +14,8 @@ import re
 import pytest
 import torch
 
-from padfree.model.proof import FP32_TOL, prove
-from padfree.model.sweep import build_tiny
+from padfree.proof.compare import FP32_TOL, prove
+from padfree.proof.sweep import build_tiny
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -35,8 +35,8 @@ from padfree.errors import (  # noqa: E402
     UnsupportedModelError,
 )
 from padfree.model.sharded import ShardedLayout  # noqa: E402
-from padfree.model.sweep import build_tiny  # noqa: E402
-from padfree.model.tiny import TINY_CONFIGS, VOCAB  # noqa: E402
+from padfree.proof.sweep import build_tiny  # noqa: E402
+from padfree.proof.tiny import TINY_CONFIGS, VOCAB  # noqa: E402
 from padfree.sequence_parallel import split_for_sequence_parallel  # noqa: E402
 from padfree.sequence_parallel.split import split_rows  # noqa: E402
 from padfree.step_loss import token_losses  # noqa: E402
@@ -401,7 +401,7 @@ def _render(results: dict[str, tuple]) -> str:
 
 @pytest.mark.slow
 def test_every_type_the_table_proves_exact_splits_exactly_or_is_refused_by_name(tmp_path):
-    from padfree.model import registry
+    from padfree.proof import registry
 
     table = registry.load()
     if table["transformers"] != transformers.__version__:

@@ -1,4 +1,4 @@
-"""The tiny twins of :mod:`padfree.model.shrink`: every causal-LM type of the installed transformers builds a small
+"""The tiny twins of :mod:`padfree.proof.shrink`: every causal-LM type of the installed transformers builds a small
 model that trains on a packed-like batch, and a user's own config keeps its features when it is shrunk."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import transformers
 from transformers import AutoModelForCausalLM
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-from padfree.model.shrink import UNBUILDABLE, VOCAB, default_config, shrink_config
+from padfree.proof.shrink import UNBUILDABLE, VOCAB, default_config, shrink_config
 
 TYPES = sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
 MAX_PARAMETERS = 2_000_000

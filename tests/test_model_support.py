@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from padfree.errors import InvalidArgumentError
-from padfree.model.support import BackendCheck, SupportRow, available_backends, check_support
-from padfree.model.tiny import TINY_CONFIGS, tiny_config, tiny_model
-from padfree.model.verify import verify
+from padfree.proof.backends import BackendCheck, SupportRow, available_backends, check_support
+from padfree.proof.check import verify
+from padfree.proof.tiny import TINY_CONFIGS, tiny_config, tiny_model
 from zoo import with_unknown_mixer
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -1,14 +1,14 @@
 """The support sweep: every causal-LM type of the installed transformers, proven packing-exact or refused.
 
 For each entry of ``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES`` a tiny model is built from its config class's defaults
-(shrunk) and :func:`padfree.model.sweep.sweep_type` proves it: a packed training step — the forward with ``labels=``,
+(shrunk) and :func:`padfree.proof.sweep.sweep_type` proves it: a packed training step — the forward with ``labels=``,
 the model's own loss from them, its backward — against every sequence alone on ``sdpa`` and ``eager`` in fp32
 (logits, loss, every gradient within 1e-5), on ``sdpa`` under ``autocast_bf16`` and with ``bf16``
 weights (within three times what rounding moves the per-sequence run), each with a leaking negative control that must
 exceed the tolerance; an ordinary padded batch must be unchanged by configuring. A type padfree cannot make exact is
 refused with the module and the reason.
 
-The table padfree ships (``src/padfree/model/support.json``, read by ``configure_packing``) and the support tables of
+The table padfree ships (``src/padfree/proof/support.json``, read by ``configure_packing``) and the support tables of
 ``docs/support.md`` are what this sweep found: a plain run fails when they are stale; ``PADFREE_UPDATE_DOCS=1 pytest
 tests/test_model_sweep.py -p no:xdist`` rewrites both (with ``-k``, only the entries of the types that ran).
 """
@@ -24,11 +24,11 @@ import pytest
 import transformers
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-from padfree.model import registry
-from padfree.model.sweep import multimodal_types, sweep_type
+from padfree.proof import registry
+from padfree.proof.sweep import multimodal_types, sweep_type
 
 ROOT = Path(__file__).resolve().parents[1]
-TABLE = ROOT / "src" / "padfree" / "model" / "support.json"
+TABLE = ROOT / "src" / "padfree" / "proof" / "support.json"
 SUPPORT_DOC = ROOT / "docs" / "support.md"
 TYPES = sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
 MULTIMODAL = sorted(multimodal_types())
@@ -64,7 +64,7 @@ def test_every_causal_lm_type_is_exact_or_refused_with_a_reason(model_type):
     if not UPDATE and registry.load()["transformers"] == transformers.__version__:  # (make test-floor: no table)
         shipped = registry.load()["types"].get(model_type)
         assert _comparable(shipped) == _comparable(entry), (
-            f"src/padfree/model/support.json is stale for {model_type}: rerun with PADFREE_UPDATE_DOCS=1")
+            f"src/padfree/proof/support.json is stale for {model_type}: rerun with PADFREE_UPDATE_DOCS=1")
 
 
 @pytest.mark.parametrize("model_type", MULTIMODAL)
@@ -83,7 +83,7 @@ def test_every_vision_language_class_is_exact_on_text_rows_or_refused_with_a_rea
     if not UPDATE and registry.load()["transformers"] == transformers.__version__:
         shipped = registry.load().get("multimodal", {}).get(model_type)
         assert _comparable(shipped) == _comparable(entry), (
-            f"src/padfree/model/support.json is stale for {model_type} (multimodal): rerun with PADFREE_UPDATE_DOCS=1")
+            f"src/padfree/proof/support.json is stale for {model_type} (multimodal): rerun with PADFREE_UPDATE_DOCS=1")
 
 
 SECTIONS = {"types": ("support-table", TYPES, RESULTS), "multimodal": ("multimodal-table", MULTIMODAL,

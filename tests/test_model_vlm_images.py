@@ -6,7 +6,7 @@ padded images with ``image_sizes``), InternVL, Aya Vision, Cohere2 Vision, GOT-O
 (``spatial_shapes``) run their vision tower per image, put the features on the placeholder tokens in order, and give
 their language model 1-D positions under a causal mask only. So a packed row — the samples' pixel inputs
 concatenated in row order, the tokens side by side, positions restarting — is exact once padfree lets the inputs
-through. :func:`padfree.model.image_proof.prove_images` compares it with each sample alone (an image; text only; two
+through. :func:`padfree.proof.compare_images.prove_images` compares it with each sample alone (an image; text only; two
 images, of different sizes where the model takes sizes): logits, the model's own loss, every gradient — the vision
 tower's included — relative to its parameter's scale (fp32, 1e-5); its control (each sample's placeholders given
 another sample's images) must be caught by the same comparison. Qwen2-VL (rope route) and Gemma3 (blocks route) run
@@ -26,9 +26,9 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_
 import padfree  # noqa: E402
 from padfree.errors import InvalidArgumentError, PackingDisabledError  # noqa: E402
 from padfree.model import images  # noqa: E402
-from padfree.model.image_proof import prove_images  # noqa: E402
-from padfree.model.proof import perturb  # noqa: E402
-from padfree.model.shrink import default_config, shrink_config  # noqa: E402
+from padfree.proof.compare import perturb  # noqa: E402
+from padfree.proof.compare_images import prove_images  # noqa: E402
+from padfree.proof.shrink import default_config, shrink_config  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -28,9 +28,9 @@ transformers = pytest.importorskip("transformers")
 
 import padfree  # noqa: E402
 from padfree.model import flight, images  # noqa: E402
-from padfree.model.proof import perturb  # noqa: E402
-from padfree.model.shrink import default_config, shrink_config  # noqa: E402
-from padfree.model.sweep import build_tiny  # noqa: E402
+from padfree.proof.compare import perturb  # noqa: E402
+from padfree.proof.shrink import default_config, shrink_config  # noqa: E402
+from padfree.proof.sweep import build_tiny  # noqa: E402
 from zoo import span_loss  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -1,6 +1,6 @@
 """The README is the front door: short, for a user, and every number in it generated or checked here.
 
-- the support summary is rendered from ``src/padfree/model/support.json`` (``PADFREE_UPDATE_DOCS=1`` rewrites it);
+- the support summary is rendered from ``src/padfree/proof/support.json`` (``PADFREE_UPDATE_DOCS=1`` rewrites it);
 - each figure of the performance table is one that ``BENCHMARKS.md`` holds;
 - the extras table names exactly the extras ``pyproject.toml`` declares for users;
 - every relative link points at a file of the repository;
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from padfree.model import registry
+from padfree.proof import registry
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"

@@ -14,8 +14,8 @@ from __future__ import annotations
 import torch
 import transformers
 
-from padfree.model.tiny import TINY_CONFIGS, VOCAB
-from padfree.model.tiny import tiny_model as _library_tiny_model
+from padfree.proof.tiny import TINY_CONFIGS, VOCAB
+from padfree.proof.tiny import tiny_model as _library_tiny_model
 
 # hybrids: attention layers (sdpa / eager) and sequence mixers; SSM_TYPES: sequence mixers only, no attention
 HYBRID_TYPES = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "olmo_hybrid", "lfm2", "lfm2_moe", "bamba",
@@ -28,7 +28,7 @@ ATTENTION_TYPES = tuple(t for t in TINY_CONFIGS if t not in MIXER_TYPES)
 
 def tiny_model(model_type: str, *, seed: int = 0, attn: str | None = None, **overrides
                ) -> transformers.PreTrainedModel:
-    """:func:`padfree.model.tiny.tiny_model` (the configs live in the library: ``padfree verify`` builds the same
+    """:func:`padfree.proof.tiny.tiny_model` (the configs live in the library: ``padfree verify`` builds the same
     models), with attention ``attn`` (default: sdpa, eager where transformers has no SDPA path, none for
     :data:`SSM_TYPES`)."""
     return _library_tiny_model(model_type, seed=seed, attn_implementation=attn, **overrides)

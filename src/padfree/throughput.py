@@ -63,8 +63,11 @@ from padfree.samples import TokenBuffers, read_tokens
 
 __all__ = [
     "MODES",
+    "ModeResult",
     "Plan",
     "Step",
+    "ThroughputReport",
+    "boundary_leak",
     "build_plans",
     "compare_training",
     "plans_to",
@@ -629,7 +632,7 @@ def compare_training(
     import torch
 
     from padfree.model.configure import configure_packing
-    from padfree.model.verify import verify
+    from padfree.proof.check import verify
 
     repetitions = as_positive_int(repetitions, "repetitions")
     if not (isinstance(lr, (int, float)) and math.isfinite(lr) and lr > 0):

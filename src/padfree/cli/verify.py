@@ -83,7 +83,7 @@ def run(args: argparse.Namespace) -> int:
     if args.data is not None:
         return _verify_data(args, device, atol)
     from padfree.model.configure import check_packing_support
-    from padfree.model.support import check_support
+    from padfree.proof.backends import check_support
 
     model = _load_model(args).to(device)
     support = check_packing_support(model)  # what configure_packing decides: the support table, or certification
@@ -196,8 +196,8 @@ _CHECKPOINT = "a local checkpoint directory of a causal LM (written by save_pret
 
 def _load_model(args: argparse.Namespace) -> Any:
     if args.model_type is not None:  # the tiny model the support sweep proves for that type
-        from padfree.model.shrink import UNBUILDABLE
-        from padfree.model.sweep import build_tiny
+        from padfree.proof.shrink import UNBUILDABLE
+        from padfree.proof.sweep import build_tiny
 
         if args.model_type in UNBUILDABLE:
             raise UnsupportedModelError(f"--model-type {args.model_type!r}: {UNBUILDABLE[args.model_type]}")

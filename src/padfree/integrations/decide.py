@@ -8,7 +8,7 @@ runs :func:`padfree.configure_packing` and words its refusal for the mode that a
 its :class:`Cause` (the user's setting, the model's limits, the data, or none), which is what decides whether a
 skip is worth a warning — never the wording of its reason.
 
->>> from padfree.model.sweep import build_tiny
+>>> from padfree.proof.sweep import build_tiny
 >>> support_reason(build_tiny("llama")) is None
 True
 """
@@ -45,6 +45,7 @@ __all__ = [
     "configure_for",
     "configure_model",
     "default_output_dir",
+    "env_flag",
     "first_sample",
     "holds_images",
     "image_reason",
@@ -53,6 +54,8 @@ __all__ = [
     "refuse_prompt_learning",
     "refuse_unsafe",
     "skip_reason",
+    "support_reason",
+    "vlm_reason",
     "warn_once",
 ]
 
@@ -71,12 +74,12 @@ def support_reason(model: Any, config: Any = None) -> str | None:
     (a name) is judged from its config against the support table, and decided for good once loaded.
 
     >>> import transformers
-    >>> from padfree.model.sweep import build_tiny
+    >>> from padfree.proof.sweep import build_tiny
     >>> support_reason(build_tiny("llama")) is None
     True
     """
-    from padfree.model import registry
     from padfree.model.configure import check_packing_support
+    from padfree.proof import registry
 
     instance = unwrap_model(model) if not isinstance(model, str) else None
     if isinstance(instance, transformers.PreTrainedModel):
@@ -193,13 +196,13 @@ def image_reason(model: Any) -> str | None:
     model has a route padfree lays images out by (:func:`padfree.model.images.image_route`: each sample's mRoPE
     positions from its own grids, Gemma-style image blocks made per sample, or LLaVA-style causal image tokens) and
     images through it are proven exact — by the support sweep for its type, or on a tiny twin of its class and
-    config (:func:`padfree.model.certify.certify_images`, the check configure_packing's hook runs).
+    config (:func:`padfree.proof.certify.certify_images`, the check configure_packing's hook runs).
 
-    >>> from padfree.model.sweep import build_tiny
+    >>> from padfree.proof.sweep import build_tiny
     >>> image_reason(build_tiny("llama"))
     'LlamaForCausalLM takes no images'
     """
-    from padfree.model.certify import certify_images
+    from padfree.proof.certify import certify_images
 
     inner = unwrap_model(model)
     name = type(inner).__name__

@@ -30,7 +30,7 @@ import numpy as np
 from padfree.errors import InvalidArgumentError, InvalidLayoutError, PackingDisabledError, PadfreeError, describe
 from padfree.samples import row_boundaries
 
-__all__ = ["InRunProofMixin"]
+__all__ = ["InRunProof", "InRunProofMixin", "batch_sequences"]
 
 logger = logging.getLogger("padfree")
 
@@ -124,7 +124,7 @@ class InRunProof:
 
     Attributes:
         every: prove every ``every`` optimizer steps (0: the first step only; None: never).
-        last: the last :class:`~padfree.model.verify.VerifyReport`, or None.
+        last: the last :class:`~padfree.proof.check.VerifyReport`, or None.
         seconds: the time the proofs took, all together.
     """
 
@@ -159,7 +159,7 @@ class InRunProof:
         """Prove ``inputs`` on ``model`` (see the module docstring); the telemetry to log, or None when the batch
         holds fewer than two sequences to compare (nothing is proven then, and the next batch is tried).
         ``compute_dtype``: the dtype of a mixed-precision run whose forward applies autocast itself."""
-        from padfree.model.verify import verify
+        from padfree.proof.check import verify
 
         seqs = batch_sequences(inputs)
         if not seqs:
@@ -186,12 +186,12 @@ class InRunProof:
 
 
 def _first_divergence(model: Any) -> str:
-    """The first module whose outputs diverge on a packed probe (:func:`padfree.model.proof.first_divergence`),
+    """The first module whose outputs diverge on a packed probe (:func:`padfree.proof.compare.first_divergence`),
     run in fp32 where the weights are; the model is left unconfigured (the run stops)."""
     import torch
 
-    from padfree.model.proof import first_divergence
     from padfree.model.wrappers import packable_model
+    from padfree.proof.compare import first_divergence
 
     inner = packable_model(model, "the in-run proof")
     device = next(inner.parameters()).device

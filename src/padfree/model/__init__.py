@@ -4,5 +4,6 @@
 - :mod:`padfree.model.attention` — boundary-exact attention backends registered with transformers;
 - :mod:`padfree.model.install` — the machinery: scan, padfree attention backend, families, fail-closed hooks;
 - :mod:`padfree.model.configure` — ``configure_packing``: install, then accept from the support table or certify;
-- :mod:`padfree.model.verify` — ``verify``: packed vs per-sequence logits, loss and gradients.
+
+The proofs (the sweep, on-the-spot certification, ``verify``) live in :mod:`padfree.proof`.
 """

@@ -14,10 +14,10 @@ forwards take no ``position_ids``) that, for every call,
    lets transformers run exactly its own code.
 
 Support is proven, never listed: a model is accepted when the support table that the test suite's sweep writes
-(:mod:`padfree.model.registry`, one tiny model per causal-LM type of transformers, packed against per-sequence in
+(:mod:`padfree.proof.registry`, one tiny model per causal-LM type of transformers, packed against per-sequence in
 every backend and precision) covers it — its type, class, module classes, config features and transformers
 version — or else when an on-the-spot certification of a tiny twin of its own class and config proves it exact
-(:mod:`padfree.model.certify`, cached on disk). Anything else is refused with :class:`UnsupportedModelError`
+(:mod:`padfree.proof.certify`, cached on disk). Anything else is refused with :class:`UnsupportedModelError`
 naming the module and the reason, unless ``strict=False``. Only the configured model is touched.
 
 >>> import torch, transformers
@@ -44,13 +44,13 @@ from collections.abc import Mapping
 from typing import Any
 
 from padfree.errors import UnsupportedModelError
-from padfree.model import certify, registry, versions
 from padfree.model.install import (
+    BACKEND_CHOICES,
     PackingReport,
+    families,
     install_packing,
     unconfigure_packing,
 )
-from padfree.model.install import families as families
 from padfree.model.state import packing_state
 from padfree.model.wrappers import (
     adapter_problems,
@@ -60,11 +60,15 @@ from padfree.model.wrappers import (
     prompt_learning_adapter,
     transformers_model,
 )
+from padfree.proof import certify, registry, versions
 
 __all__ = [
+    "BACKEND_CHOICES",
     "PackingReport",
     "check_packing_support",
     "configure_packing",
+    "families",
+    "install_packing",
     "packing_state",
     "refresh_packing",
     "unconfigure_packing",
@@ -201,7 +205,7 @@ def _joined(problems: Mapping[str, str]) -> str:
 
 def check_packing_support(model: Any, *, backend: str = "auto") -> Any:
     """Whether :func:`configure_packing` would accept ``model`` on ``backend``, without configuring it: a
-    :class:`~padfree.model.registry.Verdict` (``ok``, ``how``, ``reason``, ``module``) from the scan, the support
+    :class:`~padfree.proof.registry.Verdict` (``ok``, ``how``, ``reason``, ``module``) from the scan, the support
     table, or an on-the-spot certification (cached). Trainers ask this before choosing a padding-free mode.
 
     ``model`` is what :func:`configure_packing` takes, wrapped or not; anything with no transformers model inside

@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["bind", "find_cache", "find_dense_mask", "is_cache", "parameters"]
+__all__ = ["bind", "find_cache", "find_dense_mask", "installed", "is_cache", "parameters"]
 
 # parameter names that announce a cache (``cache``, ``past_key_values``, ``cache_params``, ``layer_past``,
 # ``past_key_value``, ``mems``, ``state`` in recurrent models ...); ``use_cache`` and ``cache_position`` are not caches
@@ -139,3 +139,14 @@ def find_dense_mask(named: dict[str, Any], shape: tuple[int, int]) -> str | None
         if what is not None:
             return f"{name} ({what})"
     return None
+
+
+def installed(package: str = "transformers") -> str:
+    """The installed version of ``package`` (``"?"`` when it cannot be read): refusals name the release whose code
+    they found."""
+    try:
+        from importlib.metadata import version
+
+        return version(package)
+    except Exception:  # pragma: no cover - a package without metadata
+        return "?"

@@ -17,7 +17,7 @@ else makes such a row exact depends on how the model places its image tokens —
 
 :func:`probe_samples` builds three tiny samples (an image; text only; two images, of different sizes where the model
 takes sizes) as a processor returns them, and :func:`pack_samples` lays them out as one packed row — what
-:func:`padfree.model.image_proof.prove_images` compares against each sample alone.
+:func:`padfree.proof.compare_images.prove_images` compares against each sample alone.
 
 >>> image_route(torch.nn.Linear(2, 2)) is None  # no language model, no images
 True
@@ -35,7 +35,8 @@ import torch
 from padfree.model import mrope
 from padfree.model.packed import BLOCK_RULES, BlockRule
 
-__all__ = ["block_rule", "image_inputs", "image_refusal", "image_route", "pack_samples", "probe_samples"]
+__all__ = ["IMAGE_INPUTS", "block_rule", "image_inputs", "image_refusal", "image_route", "pack_samples",
+           "probe_samples"]
 
 #: the forward arguments that carry a row's images on the causal route, each concatenated in row order: per image
 #: (``pixel_values`` — on its image axis, or its patch axis —, ``image_sizes``, ``pixel_attention_mask``,

@@ -14,7 +14,7 @@ is not run), then applies the head the way the model does — its scale (Cohere'
 reproduce (checked once per model on a few tokens).
 
 >>> import torch
->>> from padfree.model.tiny import tiny_model
+>>> from padfree.proof.tiny import tiny_model
 >>> model = tiny_model("llama")
 >>> ids = torch.tensor([[5, 6, 7, 8, 9, 10]])
 >>> labels = torch.tensor([[-100, 6, 7, -100, 9, 10]])  # two sequences: [5, 6, 7] and [8, 9, 10]
@@ -41,7 +41,7 @@ from padfree.model.wrappers import unwrap_model
 from padfree.packing.inputs import as_int
 from padfree.step_loss import LossRule
 
-__all__ = ["causal_lm_loss", "linear_cross_entropy"]
+__all__ = ["IGNORE_INDEX", "causal_lm_loss", "default_chunk_size", "head_transform", "linear_cross_entropy"]
 
 _INT64_MAX = 2**63 - 1
 _CHUNK_BYTES = 1 << 27  # one chunk of float32 logits: 128 MiB (1,024 positions of a 32k vocabulary)
@@ -332,7 +332,7 @@ def head_transform(model: Any) -> tuple[float, float | None]:
     ``final_logit_softcapping``; everything else is ``(1.0, None)``. :func:`causal_lm_loss` checks the result on
     the model itself before trusting it.
 
-    >>> from padfree.model.tiny import tiny_model
+    >>> from padfree.proof.tiny import tiny_model
     >>> head_transform(tiny_model("llama")), head_transform(tiny_model("cohere"))
     ((1.0, None), (0.0625, None))
     """

@@ -39,12 +39,13 @@ from typing import Any
 import torch
 
 from padfree.errors import PackingDisabledError, UnsupportedModelError
-from padfree.model import guards, versions
+from padfree.model import guards
 from padfree.model.packed import PackedLayout
 from padfree.model.state import current_layout, hooks_live, patch, unpatch
 
-__all__ = ["Mixer", "Primitives", "current_call", "globals_used", "install_mixer", "no_decode", "no_fused_path",
-           "packed_forward", "rebind", "uninstall", "unwrap_function"]
+__all__ = ["PER_TOKEN_GLOBALS", "Mixer", "Primitives", "current_call", "globals_used", "install_mixer",
+           "mixer_forward", "no_decode", "no_fused_path", "packed_forward", "rebind", "run_packed", "uninstall",
+           "unwrap_function"]
 
 #: global names a mixer's forward may use besides the primitives it has replaced: per-token helpers, modules and
 #: builtins (Zamba loops over its Mamba heads with range())
@@ -110,7 +111,7 @@ def packed_forward(cls: type, replace: Mapping[str, Callable], signatures: Mappi
     unknown = sorted(used - set(replace) - PER_TOKEN_GLOBALS - classes)
     if missing or unknown:
         raise UnsupportedModelError(
-            f"{cls.__name__}.forward (transformers {versions.installed()}) does not have the shape padfree proved "
+            f"{cls.__name__}.forward (transformers {guards.installed()}) does not have the shape padfree proved "
             f"exact: missing calls {missing}, unknown global functions {unknown}; it cannot be made packing-exact "
             f"until it is proven again")
     for name, params in signatures.items():

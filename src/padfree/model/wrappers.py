@@ -17,7 +17,7 @@ both are refused. ``modules_to_save`` deep-copies a module with its config: a co
 the base attention implementation, so its config follows the model's (:func:`follow_copied_configs`).
 
 >>> import torch
->>> from padfree.model.tiny import tiny_model
+>>> from padfree.proof.tiny import tiny_model
 >>> model = tiny_model("llama")
 >>> unwrap_model(torch.compile(model)) is model
 True
@@ -39,6 +39,7 @@ import torch
 from padfree.errors import UnsupportedModelError, describe
 
 __all__ = [
+    "COPIED_CONFIG_ATTR",
     "adapter_problems",
     "chain_names",
     "follow_copied_configs",
@@ -47,6 +48,7 @@ __all__ = [
     "restore_copied_configs",
     "transformers_model",
     "unwrap_model",
+    "wrapper_chain",
 ]
 
 #: marks a module holding its own copy of the model's config, which :func:`follow_copied_configs` switched with the

@@ -36,9 +36,11 @@ from typing import Any
 import torch
 
 from padfree.errors import PackingDisabledError, UnsupportedModelError
-from padfree.model import rebind, scans, versions
+from padfree.model import guards, rebind, scans
 from padfree.model.families import scan_mixers
 from padfree.model.packed import PackedLayout
+
+__all__ = ["CLASSES", "install", "segment_kimi_delta_attention", "uninstall"]
 
 #: the classes this module makes boundary-exact (read by :func:`padfree.configure_packing`)
 CLASSES: dict[str, str] = {
@@ -125,7 +127,7 @@ def _packed(cls: type) -> tuple[Any, Callable]:
     module_globals = sys.modules[rebind.unwrap_function(cls.forward).__module__].__dict__
     if _CHUNK_RULE not in module_globals:
         raise UnsupportedModelError(f"{cls.__name__}: its module has no {_CHUNK_RULE} (transformers "
-                                    f"{versions.installed()}); refusing rather than guessing")
+                                    f"{guards.installed()}); refusing rather than guessing")
     replace = {
         "causal_conv1d_fn": scan_mixers.packed_conv1d,
         "causal_conv1d_update": rebind.no_decode,

@@ -37,9 +37,11 @@ import torch
 import torch.nn.functional as F
 
 from padfree.errors import PackingDisabledError, UnsupportedModelError
-from padfree.model import guards, rebind, versions
+from padfree.model import guards, rebind
 from padfree.model.packed import PackedLayout
 from padfree.model.state import current_layout, hooks_live, patch, unpatch
+
+__all__ = ["CLASSES", "install", "segment_lightning_attention", "uninstall"]
 
 #: the classes this module makes boundary-exact (read by :func:`padfree.configure_packing`)
 CLASSES: dict[str, str] = {
@@ -117,7 +119,7 @@ def _check_forward(cls: type) -> None:
     extra, missing = sorted(names - _PROVEN_NAMES), sorted(_PROVEN_NAMES - names)
     if extra or missing:
         raise UnsupportedModelError(
-            f"{cls.__name__}.forward (transformers {versions.installed()}) is not the lightning attention padfree "
+            f"{cls.__name__}.forward (transformers {guards.installed()}) is not the lightning attention padfree "
             f"proved exact (it reads {extra} in addition, and no longer reads {missing}); it cannot be made "
             f"packing-exact until it is proven again")
 

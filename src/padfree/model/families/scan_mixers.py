@@ -41,7 +41,8 @@ from padfree.model.scans import (
 )
 from padfree.model.sharded import ShardedLayout, conv_window, selective_scan_channels
 
-__all__ = ["packed_conv1d"]
+__all__ = ["CLASSES", "MIXER_CLASSES", "PRIMITIVES", "SEQUENCE_PARALLEL", "describe_mixer", "install",
+           "packed_conv1d", "sharding_problem", "uninstall"]
 
 log = logging.getLogger("padfree")
 

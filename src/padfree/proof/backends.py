@@ -10,7 +10,7 @@ or on this device, with its reason) or ``unavailable`` (it cannot run here: a pa
 missing). It also records which backend ``configure_packing(backend="auto")`` picks here. The row is exact when
 every backend ``configure_packing`` accepts here is proven exact — the one ``auto`` picks among them.
 
->>> from padfree.model.tiny import tiny_model
+>>> from padfree.proof.tiny import tiny_model
 >>> row = check_support(tiny_model("llama"), backends=["sdpa", "eager"])
 >>> row.ok, row.auto_backend, [(c.backend, c.status, c.auto) for c in row.checks]
 (True, 'padfree_sdpa', [('padfree_sdpa', 'exact', True), ('padfree_eager', 'exact', False)])
@@ -30,7 +30,7 @@ import torch
 from padfree.data.batch import as_device
 from padfree.errors import BackendUnavailableError, InvalidArgumentError, PadfreeError, describe
 from padfree.model.configure import configure_packing, unconfigure_packing
-from padfree.model.verify import VerifyReport, verify
+from padfree.proof.check import VerifyReport, verify
 
 __all__ = ["BackendCheck", "SupportRow", "available_backends", "check_support"]
 
@@ -49,7 +49,7 @@ class BackendCheck:
     Attributes:
         requested: the ``backend=`` passed to :func:`~padfree.configure_packing`.
         backend: the implementation it resolved to (``padfree_sdpa``, ...), or None when it was not configured.
-        report: the :class:`~padfree.model.verify.VerifyReport` (None when the backend was not configured).
+        report: the :class:`~padfree.proof.check.VerifyReport` (None when the backend was not configured).
         error: why ``configure_packing`` did not configure it here (None when it was).
         unavailable: the backend cannot run here (``configure_packing`` raised
             :class:`~padfree.errors.BackendUnavailableError`: a package or a device it needs is missing); False

@@ -2,7 +2,7 @@
 
 ``padfree/tested_versions.json`` records the floor (``make test-floor``) and the newest version (the pins of
 ``make test``). On a transformers outside that range :func:`padfree.configure_packing` logs one warning and proves
-each model on the spot (:mod:`padfree.model.certify`) instead of trusting the support table.
+each model on the spot (:mod:`padfree.proof.certify`) instead of trusting the support table.
 
 >>> floor, newest = version_span()
 >>> floor is None or floor <= newest
@@ -16,19 +16,9 @@ import json
 import logging
 from importlib import resources
 
-__all__ = ["installed", "version_span", "warn_if_untested", "within_span"]
+__all__ = ["version_span", "warn_if_untested", "within_span"]
 
 log = logging.getLogger("padfree")
-
-
-def installed(package: str = "transformers") -> str:
-    """The installed version of ``package`` (``"?"`` when it cannot be read), for messages and the support table."""
-    try:
-        from importlib.metadata import version
-
-        return version(package)
-    except Exception:  # pragma: no cover - a package without metadata
-        return "?"
 
 
 def _key(version: str) -> tuple[int, ...]:

@@ -2,15 +2,15 @@
 
 A model type registered at run time, a custom subclass, a transformers version the table was not proven on, or a
 config with features the sweep did not see: :func:`certify` builds a tiny fp32 twin of the model's *own class* from
-a shrunk copy of its *own config* (:func:`padfree.model.shrink.shrink_config`), installs padfree on it with the
+a shrunk copy of its *own config* (:func:`padfree.proof.shrink.shrink_config`), installs padfree on it with the
 backend the model is about to use, and
 
-1. runs :func:`padfree.model.proof.prove` — packed against every sequence alone, logits, loss and every gradient,
+1. runs :func:`padfree.proof.compare.prove` — packed against every sequence alone, logits, loss and every gradient,
    with the leaking negative control — and checks that an ordinary padded batch is unchanged;
 2. checks the guards: a packed batch with ``use_cache=True``, with a 0/1 mask and with the model's own cache object
    is refused;
 3. accepts only if all of that holds; otherwise it names the first module whose packed output diverges from the
-   per-sequence one (:func:`padfree.model.proof.first_divergence`).
+   per-sequence one (:func:`padfree.proof.compare.first_divergence`).
 
 The verdict is cached on disk (``$PADFREE_CACHE_DIR``, else ``$XDG_CACHE_HOME/padfree`` or ``~/.cache/padfree``)
 under a key made of the class, the source of every module its class hierarchy lives in, the config's features, the
@@ -18,7 +18,7 @@ backend, and the padfree, transformers and torch versions — so a cached class 
 class or library is checked again.
 
 >>> import transformers
->>> from padfree.model.shrink import shrink_config
+>>> from padfree.proof.shrink import shrink_config
 >>> class MyLlama(transformers.LlamaForCausalLM):  # a custom subclass: not in the support table
 ...     pass
 >>> model = MyLlama(shrink_config(transformers.LlamaConfig()))
@@ -44,7 +44,7 @@ import torch
 
 from padfree import cachedir
 from padfree.errors import PackingDisabledError, PadfreeError
-from padfree.model.registry import Verdict, features
+from padfree.proof.registry import Verdict, features
 
 __all__ = ["cache_dir", "certify", "certify_images"]
 
@@ -144,8 +144,8 @@ def _twin_class(model: Any) -> type:
 def _twin(model: Any, device: torch.device) -> Any:
     """A tiny fp32 model of ``type(model)`` (:func:`_twin_class`) from a shrunk copy of its config, deterministic
     weights."""
-    from padfree.model.shrink import shrink_config
     from padfree.model.state import packing_state
+    from padfree.proof.shrink import shrink_config
 
     config = shrink_config(model.config)
     state = packing_state(model)
@@ -163,7 +163,7 @@ def _twin(model: Any, device: torch.device) -> Any:
             twin = cls._from_config(config, **kwargs) if hasattr(cls, "_from_config") else cls(config)
     finally:
         transformers.logging.set_verbosity(verbosity)
-    from padfree.model.proof import perturb
+    from padfree.proof.compare import perturb
 
     return perturb(twin.float().eval())
 
@@ -201,8 +201,8 @@ def certify(model: Any, backend: str, *, why: str = "", cache: bool = True) -> V
         why: why the support table did not cover the model (for the verdict's text).
         cache: read and write the on-disk cache.
     """
-    from padfree.model.proof import first_divergence, prove
-    from padfree.model.shrink import shrink_config
+    from padfree.proof.compare import first_divergence, prove
+    from padfree.proof.shrink import shrink_config
 
     start = time.perf_counter()
     try:
@@ -262,17 +262,18 @@ def certify(model: Any, backend: str, *, why: str = "", cache: bool = True) -> V
 
 def certify_images(model: Any, backend: str) -> str | None:
     """None when images in packed rows are proven exact for ``model``: the support table's images verdict for its
-    type where the table covers its config (:func:`padfree.model.registry.lookup`), else
-    :func:`padfree.model.image_proof.prove_images` on a tiny twin of its class and config (kept for the process);
+    type where the table covers its config (:func:`padfree.proof.registry.lookup`), else
+    :func:`padfree.proof.compare_images.prove_images` on a tiny twin of its class and config (kept for the process);
     otherwise why not, naming the module where padfree refuses the model's images.
 
     Args:
         model: the user's vision-language model (configured or not); it is not run or modified.
         backend: the resolved backend its packed rows run on.
     """
-    from padfree.model import images, registry
-    from padfree.model.image_proof import prove_images
-    from padfree.model.shrink import shrink_config
+    from padfree.model import images
+    from padfree.proof import registry
+    from padfree.proof.compare_images import prove_images
+    from padfree.proof.shrink import shrink_config
 
     route = images.image_route(model)
     if route is None:

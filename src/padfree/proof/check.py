@@ -54,10 +54,10 @@ from padfree.errors import (
     describe,
 )
 from padfree.layout import IGNORE_INDEX
-from padfree.model.proof import FP32_TOL, ROUNDING_FACTOR
 from padfree.model.wrappers import packable_model
 from padfree.packing.inputs import as_positive_int
 from padfree.packing.strategies import pack_sequences
+from padfree.proof.compare import FP32_TOL, ROUNDING_FACTOR
 from padfree.samples import check_tokens, read_tokens
 
 __all__ = ["SequenceCheck", "VerifyReport", "verify"]

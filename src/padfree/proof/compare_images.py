@@ -9,11 +9,11 @@ the vision tower's included, and runs a negative control the same comparison mus
 order (causal route), positions that never restart (rope route), the blocks left out (blocks route).
 
 Under ``precision="autocast_bf16"`` (fp32 weights, bf16 autocast, as users train) the packed row may differ from the
-samples alone by :data:`padfree.model.proof.ROUNDING_FACTOR` times what rounding moves the samples alone from their
+samples alone by :data:`padfree.proof.compare.ROUNDING_FACTOR` times what rounding moves the samples alone from their
 fp32 run — per measure —, and the control must land beyond that.
 
 >>> import transformers
->>> from padfree.model.shrink import default_config, shrink_config
+>>> from padfree.proof.shrink import default_config, shrink_config
 >>> torch.manual_seed(0) and None
 >>> model = transformers.LlavaForConditionalGeneration(shrink_config(default_config("llava")))
 >>> proof = prove_images(model)
@@ -36,7 +36,7 @@ from padfree.errors import InvalidArgumentError, PadfreeError
 from padfree.layout import IGNORE_INDEX
 from padfree.model import images
 from padfree.model.install import install_packing, unconfigure_packing
-from padfree.model.proof import ROUNDING_FACTOR
+from padfree.proof.compare import ROUNDING_FACTOR
 
 __all__ = ["FP32_TOL", "IMAGE_PRECISIONS", "ImageProof", "prove_images"]
 

@@ -7,7 +7,7 @@ features of the tiny model it proved, and what stock transformers does with the 
 
 :func:`decide` accepts a model from the table when everything the proof depended on matches — the transformers
 version, the model type and class, no module class the swept model did not have, the same config features
-(:func:`features`), a backend the sweep ran — and otherwise certifies it on the spot (:mod:`padfree.model.certify`):
+(:func:`features`), a backend the sweep ran — and otherwise certifies it on the spot (:mod:`padfree.proof.certify`):
 a tiny twin of the model's own class and config, packed against per-sequence, cached on disk.
 
 >>> table = load()
@@ -26,7 +26,7 @@ from collections.abc import Mapping
 from importlib import resources
 from typing import Any
 
-from padfree.model import versions
+from padfree.model.guards import installed
 
 __all__ = ["Verdict", "features", "load", "markdown_table", "module_classes", "support_summary", "supported_types"]
 
@@ -64,7 +64,7 @@ class Verdict:
 def load() -> dict[str, Any]:
     """The shipped support table (``{"transformers": version or None, "types": {...}}``; empty before a sweep)."""
     try:
-        text = resources.files("padfree.model").joinpath("support.json").read_text()
+        text = resources.files("padfree.proof").joinpath("support.json").read_text()
     except FileNotFoundError:
         return {"transformers": None, "types": {}}
     return json.loads(text)
@@ -114,16 +114,16 @@ def _features(d: dict[str, Any]) -> dict[str, Any]:
 
 def lookup(model: Any, backend: str) -> tuple[str, dict[str, Any] | None]:
     """``("covered" | "refused" | "uncovered: why", entry)``: what the table says of ``model`` on ``backend``."""
-    from padfree.model.shrink import shrink_config
+    from padfree.proof.shrink import shrink_config
 
     table = load()
     model_type = str(getattr(model.config, "model_type", ""))
     entry = _entry(table, model_type, type(model).__name__)
     if table["transformers"] is None:
         return "uncovered: padfree ships no support table", None
-    if table["transformers"] != versions.installed():
+    if table["transformers"] != installed():
         return (f"uncovered: the support table was proven on transformers {table['transformers']}, "
-                f"{versions.installed()} is installed"), None
+                f"{installed()} is installed"), None
     if entry is None:
         return f"uncovered: model type {model_type!r} is not in the support table", None
     if type(model).__name__ not in (entry["class"], entry.get("base_class")):

@@ -22,7 +22,7 @@ certification of a model the table does not cover, and ``padfree verify --model-
    rounding cannot show it in bf16, and its bf16 checks are marked so), so a proof that cannot see a leak never
    passes.
 
->>> from padfree.model.tiny import tiny_model
+>>> from padfree.proof.tiny import tiny_model
 >>> result = prove(tiny_model("llama"), backends=["sdpa"], precisions=["fp32", "autocast_bf16"])
 >>> [(c.backend, c.precision, c.ok) for c in result.checks]
 [('padfree_sdpa', 'fp32', True), ('padfree_sdpa', 'autocast_bf16', True)]

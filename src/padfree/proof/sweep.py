@@ -1,14 +1,14 @@
 """The support sweep: one tiny model per causal-LM type, proven (or refused with a reason), as a table entry.
 
 The test suite runs :func:`sweep_type` for every entry of the installed transformers' causal-LM mapping and writes
-the results to ``padfree/model/support.json`` (the table :mod:`padfree.model.registry` reads) and to the README's
+the results to ``padfree/proof/support.json`` (the table :mod:`padfree.proof.registry` reads) and to the README's
 support table; ``padfree verify --model-type T`` runs the same function for one type. For each type:
 
-1. the config class's defaults, shrunk (:func:`padfree.model.shrink.shrink_config`), and — for the families whose
+1. the config class's defaults, shrunk (:func:`padfree.proof.shrink.shrink_config`), and — for the families whose
    features the defaults leave off (a sliding window, say) — a second variant with them on
-   (:data:`padfree.model.tiny.TINY_CONFIGS`);
+   (:data:`padfree.proof.tiny.TINY_CONFIGS`);
 2. what stock transformers does with the packed rows (restarting ``position_ids``, no mask, no cache);
-3. :func:`padfree.model.proof.prove` on ``sdpa`` and ``eager`` in fp32 — a packed training step: the forward with
+3. :func:`padfree.proof.compare.prove` on ``sdpa`` and ``eager`` in fp32 — a packed training step: the forward with
    ``labels=`` (which a model may hand down to its attention with its ``**kwargs``), the model's own loss from
    them, and its backward; logits, loss, every gradient — and on ``sdpa`` in ``autocast_bf16`` and ``bf16``
    weights, each with its leaking negative control;
@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from padfree.errors import InvalidArgumentError, PadfreeError, describe
-from padfree.model.registry import features, module_classes
+from padfree.proof.registry import features, module_classes
 
 __all__ = ["BACKENDS", "PRECISIONS", "build_tiny", "multimodal_types", "sweep_type"]
 
@@ -77,12 +77,12 @@ def build_tiny(model_type: str, variant: Mapping[str, Any] | None = None, *, see
                multimodal: bool = False) -> torch.nn.Module:
     """The tiny fp32 causal LM of ``model_type`` (with ``multimodal``, its vision-language class of
     :func:`multimodal_types`): its config class's defaults shrunk, ``variant`` fields on top, built with ``sdpa``
-    where the class has it, ``eager`` otherwise, every weight offset a little (:func:`padfree.model.proof.perturb`:
+    where the class has it, ``eager`` otherwise, every weight offset a little (:func:`padfree.proof.compare.perturb`:
     no path silenced by a zero initialisation)."""
     import transformers
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
-    from padfree.model.shrink import default_config, shrink_config
+    from padfree.proof.shrink import default_config, shrink_config
 
     if model_type not in CONFIG_MAPPING:
         raise InvalidArgumentError(f"model_type={model_type!r} is not a model type of transformers "
@@ -108,15 +108,15 @@ def build_tiny(model_type: str, variant: Mapping[str, Any] | None = None, *, see
                 last = exc
         else:  # pragma: no cover
             raise last
-    from padfree.model.proof import perturb
+    from padfree.proof.compare import perturb
 
     return perturb(model.float().eval(), seed=seed)
 
 
 def _variants(model_type: str) -> list[dict[str, Any]]:
     """The shrunk defaults, and the hand-made tiny config where it switches on features the defaults leave off."""
-    from padfree.model.shrink import default_config, shrink_config
-    from padfree.model.tiny import TINY_CONFIGS, tiny_config
+    from padfree.proof.shrink import default_config, shrink_config
+    from padfree.proof.tiny import TINY_CONFIGS, tiny_config
 
     variants: list[dict[str, Any]] = [{}]
     if model_type in TINY_CONFIGS:
@@ -134,7 +134,7 @@ def _variants(model_type: str) -> list[dict[str, Any]]:
 
 
 def _stock(model: torch.nn.Module) -> str:
-    from padfree.model.proof import FP32_TOL, stock_packed_diff
+    from padfree.proof.compare import FP32_TOL, stock_packed_diff
 
     try:
         with _quiet():
@@ -150,7 +150,7 @@ def _refused(entry: dict[str, Any], reason: str, module: str | None, model: torc
     features is then certified on the spot instead of refused)."""
     entry.update(verdict="refused", reason=reason, module=module)
     if model is not None:
-        from padfree.model.shrink import shrink_config
+        from padfree.proof.shrink import shrink_config
 
         try:
             with _quiet():
@@ -170,10 +170,10 @@ def sweep_type(model_type: str, *, precisions: Mapping[str, Sequence[str]] | Non
     ``params`` and ``seconds``."""
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, MODEL_MAPPING_NAMES
 
-    from padfree.model import shrink
     from padfree.model.install import install_packing, unconfigure_packing
-    from padfree.model.proof import first_divergence, prove
-    from padfree.model.shrink import shrink_config
+    from padfree.proof import shrink
+    from padfree.proof.compare import first_divergence, prove
+    from padfree.proof.shrink import shrink_config
 
     classes = multimodal_types() if multimodal else MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
     if not isinstance(model_type, str) or model_type not in classes:
@@ -265,12 +265,12 @@ def sweep_type(model_type: str, *, precisions: Mapping[str, Sequence[str]] | Non
 
 
 def _images(model: torch.nn.Module) -> dict[str, Any]:
-    """The images verdict of a vision-language model (:func:`padfree.model.image_proof.prove_images`): ``exact``,
+    """The images verdict of a vision-language model (:func:`padfree.proof.compare_images.prove_images`): ``exact``,
     ``refused`` (padfree refuses its images, naming the module, or the packed row differs) or ``not proven`` (no
     probe samples could be built for the swept config: configure_packing proves a user's own config on the spot);
     with the route padfree lays its images out by."""
     from padfree.model import images
-    from padfree.model.image_proof import prove_images
+    from padfree.proof.compare_images import prove_images
 
     route = images.image_route(model)
     if route is None:
