@@ -431,3 +431,150 @@ def test_every_family_module_keeps_the_family_contract():
         assert set(shards) <= set(module.CLASSES), name
     claimed = install.families()  # raises when two families claim one class
     assert len(claimed) == sum(len(m.CLASSES) for m in found.values())
+
+
+# ---- a small, stated surface ---------------------------------------------------------------------------------------
+#
+# The public modules are the ones README.md and docs/*.md tell users to import from (one line each in
+# docs/architecture.md); every name in their ``__all__`` must resolve. Every other module's ``__all__`` holds only the
+# names that something else imports from it: another module of src/padfree (``from m import x``, or ``m.x`` through a
+# module bound by an import), the top-level tables of ``padfree/__init__.py`` (``_LAZY``, ``_MOVED``: a module that
+# a name lives in), or the code under benchmarks/, scripts/ and examples/. Tests may import any name and do not count.
+
+#: the modules the docs tell users to import from
+PUBLIC_MODULES = frozenset({
+    "padfree",
+    "padfree.analysis",
+    "padfree.corpus",
+    "padfree.errors",
+    "padfree.integrations.unpadded",
+    "padfree.layout",
+    "padfree.packing",
+    "padfree.proof.shrink",
+    "padfree.rows",
+    "padfree.samples",
+    "padfree.sequence_parallel",
+    "padfree.step_loss",
+})
+#: folders of the repository whose code imports from padfree like a user's (their imports count as uses)
+IMPORTING_FOLDERS = ("benchmarks", "scripts", "examples")
+
+
+def module_exports(path: Path) -> list[str] | None:
+    """The names of a module's top-level ``__all__ = [...]`` (None: it has none)."""
+    for node in ast.parse(path.read_text(), str(path)).body:
+        if isinstance(node, ast.Assign):
+            targets = node.targets
+        elif isinstance(node, ast.AnnAssign):
+            targets = [node.target]
+        else:
+            continue
+        if any(isinstance(t, ast.Name) and t.id == "__all__" for t in targets):
+            return [ast.literal_eval(e) for e in node.value.elts]
+    return None
+
+
+def _dotted_name(node: ast.expr) -> str | None:
+    parts = []
+    while isinstance(node, ast.Attribute):
+        parts.append(node.attr)
+        node = node.value
+    return ".".join([node.id, *reversed(parts)]) if isinstance(node, ast.Name) else None
+
+
+def imported_names(root: Path = SRC, package: str = "padfree", extra: tuple[Path, ...] = ()) -> dict[str, set[str]]:
+    """Module of ``package`` -> the names other code takes from it: the modules of ``package`` and the ``extra``
+    files, by ``from m import x`` or ``m.x`` (``m`` a module bound by ``import`` or ``from ... import``), and the
+    package's own tables of ``name: "module"`` (the lazy top level)."""
+    modules = module_names(root, package)
+    sources = [(name, path) for name, path in modules.items()] + [(f"<{path}>", path) for path in extra]
+    taken: dict[str, set[str]] = {}
+    for name, path in sources:
+        tree = ast.parse(path.read_text(), str(path))
+        aliases: dict[str, str] = {}  # a local name bound to one of our modules (or to the package's top)
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                for alias in node.names:
+                    if alias.name.split(".")[0] == package:
+                        top = alias.name.split(".")[0]
+                        aliases[alias.asname or top] = alias.name if alias.asname else top
+            elif isinstance(node, ast.ImportFrom):
+                *_, base = _resolve(node, name, path.name == "__init__.py")
+                for alias in node.names:
+                    if f"{base}.{alias.name}" in modules:
+                        aliases[alias.asname or alias.name] = f"{base}.{alias.name}"
+                    elif base in modules and base != name:
+                        taken.setdefault(base, set()).add(alias.name)
+        for node in ast.walk(tree):
+            dotted = _dotted_name(node.value) if isinstance(node, ast.Attribute) else None
+            head, _, rest = (dotted or "").partition(".")
+            if head in aliases:
+                module = aliases[head] + (f".{rest}" if rest else "")
+                if module in modules and module != name and f"{module}.{node.attr}" not in modules:
+                    taken.setdefault(module, set()).add(node.attr)
+        if name == package:  # the lazy tables: name -> the module it is imported from on first use
+            for node in tree.body:
+                if isinstance(node, ast.Assign) and isinstance(node.value, ast.Dict):
+                    for key, value in zip(node.value.keys, node.value.values, strict=True):
+                        if isinstance(key, ast.Constant) and isinstance(value, ast.Constant) and value.value in modules:
+                            taken.setdefault(value.value, set()).add(key.value)
+    return taken
+
+
+def unused_exports(root: Path = SRC, package: str = "padfree", public: frozenset[str] = PUBLIC_MODULES,
+                   extra: tuple[Path, ...] = ()) -> dict[str, list[str]]:
+    """Module outside ``public`` -> the names of its ``__all__`` that nothing else imports from it."""
+    taken = imported_names(root, package, extra)
+    found = {}
+    for name, path in module_names(root, package).items():
+        exports = module_exports(path)
+        if name in public or exports is None:
+            continue
+        unused = [n for n in exports if n not in taken.get(name, set())]
+        if unused:
+            found[name] = unused
+    return found
+
+
+def test_unused_exports_are_found_and_every_kind_of_import_counts(tmp_path):
+    root = _tree(tmp_path, {
+        "__init__.py": "_LAZY = {'Lazy': 'pkg.lazy'}\n__all__ = ['Lazy']\n",
+        "lazy.py": "__all__ = ['Lazy', 'Unused']\n",
+        "a.py": "__all__ = ['f', 'g', 'h', 'k', 'own']\nown = 1\nfrom pkg.a import own\n",
+        "b.py": "from pkg.a import f\nfrom pkg import a as mod\nmod.g\n",
+        "sub/__init__.py": "__all__ = ['Public', 'Unused']\n",
+        "sub/c.py": "import pkg.a\n__all__ = ['C']\n\ndef use():\n    from . import d\n    return pkg.a.h, d.D\n",
+        "sub/d.py": "__all__ = ['D']\n",
+        "tool.py": "__all__ = ['tool']\n",
+    })
+    bench = tmp_path / "bench.py"
+    bench.write_text("from pkg.a import k\nfrom pkg.sub.c import C\n")
+    public = frozenset({"pkg", "pkg.sub"})
+    assert unused_exports(root, "pkg", public, (bench,)) == {
+        "pkg.a": ["own"], "pkg.lazy": ["Unused"], "pkg.tool": ["tool"]}
+    # without the bench file, its imports are unused; with every module public, nothing is
+    assert unused_exports(root, "pkg", public)["pkg.sub.c"] == ["C"]
+    assert "pkg.a" in unused_exports(root, "pkg", public) and unused_exports(root, "pkg", frozenset({
+        "pkg", "pkg.a", "pkg.lazy", "pkg.sub", "pkg.sub.c", "pkg.sub.d", "pkg.tool"})) == {}
+
+
+def test_every_name_a_module_exports_is_imported_elsewhere_unless_the_module_is_public():
+    extra = tuple(p for folder in IMPORTING_FOLDERS for p in sorted((SRC.parent / folder).glob("*.py")))
+    assert extra and "padfree.integrations.trainer" in imported_names(extra=extra)
+    found = unused_exports(extra=extra)
+    listed = "; ".join(f"{module}: {', '.join(names)}" for module, names in sorted(found.items()))
+    assert not found, (f"names in __all__ that no other module imports: {listed}; drop them from __all__ (tests may "
+                       f"import any name), or add the module to PUBLIC_MODULES if the docs tell users to import it")
+
+
+def test_every_public_module_exists_and_its_exports_resolve():
+    import importlib
+
+    modules = module_names(SRC)
+    assert not PUBLIC_MODULES - set(modules), sorted(PUBLIC_MODULES - set(modules))
+    for name in sorted(PUBLIC_MODULES):
+        module = importlib.import_module(name)
+        exports = module_exports(modules[name])
+        assert exports, f"{name} is public but states no __all__"
+        missing = [n for n in exports if not hasattr(module, n)]
+        assert not missing, f"{name}.__all__ names what it does not define: {missing}"

@@ -16,7 +16,7 @@ import numpy as np
 
 from padfree.errors import BackendUnavailableError
 
-__all__ = ["NUMPY", "NumpyOps", "TorchOps", "backend_of", "import_torch", "torch_module"]
+__all__ = ["NumpyOps", "TorchOps", "backend_of", "import_torch", "torch_module"]
 
 
 # ---- the two backends -----------------------------------------

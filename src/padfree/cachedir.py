@@ -17,7 +17,7 @@ import os
 import warnings
 from pathlib import Path
 
-__all__ = ["VARIABLE", "cache_dir"]
+__all__ = ["cache_dir"]
 
 #: the environment variable that names the cache directory
 VARIABLE = "PADFREE_CACHE_DIR"

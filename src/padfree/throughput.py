@@ -63,11 +63,8 @@ from padfree.samples import TokenBuffers, read_tokens
 
 __all__ = [
     "MODES",
-    "ModeResult",
     "Plan",
     "Step",
-    "ThroughputReport",
-    "boundary_leak",
     "build_plans",
     "compare_training",
     "plans_to",

@@ -44,11 +44,11 @@ from padfree import __version__
 from padfree.cli import analyze, bench, demo, pack, verify
 from padfree.cli._optional import install_hint
 from padfree.cli._output import HelpFormatter, one_line
-from padfree.cli.demo import DEMO_PNG
+from padfree.cli.demo import DEMO_PNG as DEMO_PNG
 from padfree.data._scratch import os_error_message
 from padfree.errors import PadfreeError
 
-__all__ = ["COMMANDS", "DEMO_PNG", "Terminated", "build_parser", "main"]
+__all__ = ["main"]
 
 logger = logging.getLogger("padfree")
 

@@ -37,7 +37,7 @@ from padfree.packing import PackResult
 from padfree.packing.inputs import MAX_CAPACITY
 from padfree.rows import fill_rows, mask_labels
 
-__all__ = ["Column", "Options", "Plan", "Source", "plan", "table", "write_file"]
+__all__ = ["plan", "table", "write_file"]
 
 #: The columns with one value per row slot (the others have one per piece).
 _TOKEN_COLUMNS = ("input_ids", "attention_mask", "labels", "position_ids")

@@ -52,10 +52,10 @@ except ImportError as exc:  # pragma: no cover - torch is installed wherever thi
 
 
 # torch and its dataset classes are imported here once, with the error a missing torch deserves, for both datasets
-__all__ = ["FINGERPRINTS", "FINGERPRINT_SAMPLES", "FINGERPRINT_TOKENS", "READ_BLOCK", "SEED_ORDER", "SEED_PACK",
-           "STATE_VERSION", "Column", "PackingBase", "SequentialSampler", "TorchDataset", "TorchIterableDataset",
-           "arrow_chunks", "as_count", "check_lengths", "crc32", "derived_seed", "get_worker_info", "hf_class",
-           "loader_batch_size", "packed_row", "torch"]
+__all__ = ["FINGERPRINT_SAMPLES", "FINGERPRINT_TOKENS", "READ_BLOCK", "SEED_ORDER", "SEED_PACK", "Column",
+           "PackingBase", "SequentialSampler", "TorchDataset", "TorchIterableDataset", "arrow_chunks", "as_count",
+           "check_lengths", "crc32", "derived_seed", "get_worker_info", "hf_class", "loader_batch_size", "packed_row",
+           "torch"]
 
 logger = logging.getLogger("padfree")
 

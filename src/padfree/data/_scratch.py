@@ -36,8 +36,7 @@ try:
 except ImportError:  # pragma: no cover - Windows
     fcntl = None  # type: ignore[assignment]
 
-__all__ = ["GRACE_SECONDS", "LOCK_NAME", "ScratchDir", "ScratchFile", "alive", "os_error_message", "remove_stale",
-           "umask", "with_path"]
+__all__ = ["ScratchDir", "ScratchFile", "os_error_message", "remove_stale", "umask", "with_path"]
 
 logger = logging.getLogger("padfree")
 

@@ -121,9 +121,7 @@ from padfree.samples import as_fill_value, read_arrow_chunks, read_tokens, refus
 
 __all__ = [
     "COLUMNS",
-    "DEFAULT_CHUNK_TOKENS",
     "DEFAULT_COLUMNS",
-    "IN_MEMORY_MAX_BYTES",
     "LABEL_MASK_COLUMNS",
     "NOT_CARRIED",
     "pack_dataset",

@@ -45,7 +45,6 @@ __all__ = [
     "configure_for",
     "configure_model",
     "default_output_dir",
-    "env_flag",
     "first_sample",
     "holds_images",
     "image_reason",
@@ -54,8 +53,6 @@ __all__ = [
     "refuse_prompt_learning",
     "refuse_unsafe",
     "skip_reason",
-    "support_reason",
-    "vlm_reason",
     "warn_once",
 ]
 

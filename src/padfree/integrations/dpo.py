@@ -110,7 +110,7 @@ except ImportError as exc:  # pragma: no cover - trl is installed wherever this 
         "padfree.integrations.dpo needs trl, transformers and datasets; pip install 'padfree[trl]'"
     ) from exc
 
-__all__ = ["DPOConfig", "DPOMixin", "DPOTrainer", "PairBinsCollator", "bin_sequence_lengths", "pack_pairs"]
+__all__ = ["DPOConfig", "DPOTrainer"]
 
 logger = logging.getLogger("padfree")
 

@@ -67,7 +67,7 @@ except ImportError as exc:  # pragma: no cover - trl is installed wherever this 
         "padfree.integrations.grpo needs trl; pip install 'padfree[trl]'"
     ) from exc
 
-__all__ = ["GRPOConfig", "GRPOMixin", "GRPOTrainer"]
+__all__ = ["GRPOConfig", "GRPOTrainer"]
 
 logger = logging.getLogger("padfree")
 

@@ -30,7 +30,7 @@ import numpy as np
 from padfree.errors import InvalidArgumentError, InvalidLayoutError, PackingDisabledError, PadfreeError, describe
 from padfree.samples import row_boundaries
 
-__all__ = ["InRunProof", "InRunProofMixin", "batch_sequences"]
+__all__ = ["InRunProofMixin"]
 
 logger = logging.getLogger("padfree")
 

@@ -52,7 +52,7 @@ except ImportError as exc:  # pragma: no cover - transformers is installed where
     ) from exc
 
 __all__ = ["BalancedLoaderMixin", "SamplerEpoch", "balance_note", "balanced_sampler", "batch_sampler_dataloader",
-           "group_of", "loaders_for_group", "sequence_parallel_size", "setup_sequence_parallel"]
+           "sequence_parallel_size", "setup_sequence_parallel"]
 
 
 def balanced_sampler(trainer: Any, data: Any, kind: str, *, num_replicas: int, micro_batch_size: int) -> Any:

@@ -58,8 +58,8 @@ except ImportError as exc:  # pragma: no cover - datasets is installed wherever 
         "padfree.integrations.preference_data needs datasets; pip install 'padfree[trl]'"
     ) from exc
 
-__all__ = ["DPO_DATA", "GRPO_DATA", "REWARD_DATA", "DataSpec", "DropRule", "check_dataset", "check_datasets",
-           "dataset_label", "drop_counted", "list_lengths", "refuse_long_pairs"]
+__all__ = ["DPO_DATA", "GRPO_DATA", "REWARD_DATA", "DropRule", "check_dataset", "check_datasets", "dataset_label",
+           "drop_counted", "refuse_long_pairs"]
 
 logger = logging.getLogger("padfree")
 

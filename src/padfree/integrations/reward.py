@@ -100,7 +100,7 @@ except ImportError as exc:  # pragma: no cover - trl is installed wherever this 
         "padfree.integrations.reward needs trl and transformers; pip install 'padfree[trl]'"
     ) from exc
 
-__all__ = ["RewardConfig", "RewardMixin", "RewardTrainer", "score_head_reason", "unpadded_scores"]
+__all__ = ["RewardConfig", "RewardTrainer"]
 
 logger = logging.getLogger("padfree")
 

@@ -94,9 +94,9 @@ from padfree.errors import (
 )
 from padfree.integrations.base import Construction, TrainerOptions, TrainerProtocol, as_config, plan_fields
 from padfree.integrations.causal_lm import PadfreeTrainerMixin
+from padfree.integrations.decide import ENV_DISABLE_AUTO as ENV_DISABLE_AUTO
+from padfree.integrations.decide import ENV_RETURN_LOGITS as ENV_RETURN_LOGITS
 from padfree.integrations.decide import (
-    ENV_DISABLE_AUTO,
-    ENV_RETURN_LOGITS,
     Cause,
     Decision,
     Skip,
@@ -107,7 +107,6 @@ from padfree.integrations.decide import (
     image_reason,
     refuse_unsafe,
     skip_reason,
-    support_reason,
 )
 from padfree.integrations.loaders import sequence_parallel_size, setup_sequence_parallel
 from padfree.integrations.status import PACKING, PADDING_FREE, STANDARD
@@ -131,12 +130,8 @@ except ImportError as exc:  # pragma: no cover - trl is installed wherever this 
     ) from exc
 
 __all__ = [
-    "ENV_DISABLE_AUTO",
-    "ENV_RETURN_LOGITS",
     "SFTConfig",
-    "SFTMixin",
     "SFTTrainer",
-    "support_reason",
 ]
 
 logger = logging.getLogger("padfree")

@@ -30,7 +30,7 @@ except ImportError as exc:  # pragma: no cover - transformers is installed where
         "padfree.integrations.status needs transformers; pip install 'padfree[torch,hf]'"
     ) from exc
 
-__all__ = ["MODES", "PACKING", "PADDING_FREE", "STANDARD", "PackingStatus", "model_facts", "packing_status"]
+__all__ = ["PACKING", "PADDING_FREE", "STANDARD", "PackingStatus", "model_facts", "packing_status"]
 
 PACKING, PADDING_FREE, STANDARD = "sample packing", "padding-free batching", "standard batching"
 MODES = (PACKING, PADDING_FREE, STANDARD)

@@ -29,7 +29,7 @@ except ImportError as exc:  # pragma: no cover - transformers is installed where
         "padfree.integrations.telemetry needs torch and transformers; pip install 'padfree[torch,hf]'"
     ) from exc
 
-__all__ = ["PackingTelemetryCallback", "TelemetryLogMixin", "attach_telemetry", "is_train_log"]
+__all__ = ["PackingTelemetryCallback", "TelemetryLogMixin"]
 
 logger = logging.getLogger("padfree")
 

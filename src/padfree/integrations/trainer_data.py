@@ -24,7 +24,7 @@ from padfree.errors import InvalidArgumentError, InvalidLayoutError, InvalidSamp
 from padfree.layout import IGNORE_INDEX
 from padfree.packing.strategies import DEFAULT_STRATEGY, pack_sequences
 
-__all__ = ["PackedRowsCollator", "PackedVisionCollator", "VisionRows", "pack_for_trainer", "pack_vision_rows"]
+__all__ = ["PackedRowsCollator", "PackedVisionCollator", "pack_for_trainer", "pack_vision_rows"]
 
 class PackedRowsCollator(PaddingFreeCollator):
     """A :class:`~padfree.PaddingFreeCollator` for the ``Trainer``: every loader batch becomes one row with

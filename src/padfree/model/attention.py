@@ -58,7 +58,7 @@ from padfree.errors import BackendUnavailableError, PackingDisabledError, Unsupp
 from padfree.model.packed import PackedLayout
 from padfree.model.sharded import ShardedLayout
 
-__all__ = ["BACKENDS", "LAYOUT_KWARG", "Backend", "packed_forward", "register_backends", "sharded_forward"]
+__all__ = ["BACKENDS", "LAYOUT_KWARG", "register_backends"]
 
 LAYOUT_KWARG = "padfree_layout"
 """Name of the keyword argument that carries the :class:`PackedLayout` from the model's forward hook to attention."""

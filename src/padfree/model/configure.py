@@ -45,12 +45,11 @@ from typing import Any
 
 from padfree.errors import UnsupportedModelError
 from padfree.model.install import (
-    BACKEND_CHOICES,
     PackingReport,
-    families,
     install_packing,
     unconfigure_packing,
 )
+from padfree.model.install import families as families
 from padfree.model.state import packing_state
 from padfree.model.wrappers import (
     adapter_problems,
@@ -63,12 +62,9 @@ from padfree.model.wrappers import (
 from padfree.proof import certify, registry, versions
 
 __all__ = [
-    "BACKEND_CHOICES",
     "PackingReport",
     "check_packing_support",
     "configure_packing",
-    "families",
-    "install_packing",
     "packing_state",
     "refresh_packing",
     "unconfigure_packing",

@@ -20,8 +20,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["broken_reason", "causal_conv1d_kernel", "gated_delta_rule_kernel", "kernel_name", "kernel_status",
-           "ssd_kernel"]
+__all__ = ["broken_reason", "causal_conv1d_kernel", "gated_delta_rule_kernel", "kernel_status", "ssd_kernel"]
 
 log = logging.getLogger("padfree")
 

@@ -45,8 +45,7 @@ import torch
 
 from padfree.errors import PackingDisabledError
 
-__all__ = ["LAYER_ATTR", "Frame", "bind_checkpoints", "enter", "forward_of", "layer_hooks", "layout_in_flight", "leave",
-           "unbind_checkpoints"]
+__all__ = ["LAYER_ATTR", "bind_checkpoints", "enter", "layer_hooks", "layout_in_flight", "leave", "unbind_checkpoints"]
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

@@ -35,8 +35,7 @@ import torch
 from padfree.model import mrope
 from padfree.model.packed import BLOCK_RULES, BlockRule
 
-__all__ = ["IMAGE_INPUTS", "block_rule", "image_inputs", "image_refusal", "image_route", "pack_samples",
-           "probe_samples"]
+__all__ = ["block_rule", "image_inputs", "image_refusal", "image_route", "pack_samples", "probe_samples"]
 
 #: the forward arguments that carry a row's images on the causal route, each concatenated in row order: per image
 #: (``pixel_values`` — on its image axis, or its patch axis —, ``image_sizes``, ``pixel_attention_mask``,

@@ -57,16 +57,13 @@ from padfree.model.attention import (
 from padfree.model.families import discover
 from padfree.model.packed import BlockRule, PackedLayout
 from padfree.model.sharded import ShardedLayout, gather_boundaries, refuse_together
-from padfree.model.state import PackingState, current_layout, packing_state
+from padfree.model.state import PackingState, packing_state
 from padfree.packing.inputs import as_flag
 from padfree.sequence_parallel.groups import sequence_parallel_group
 
 __all__ = [
-    "BACKEND_CHOICES",
     "PackingReport",
-    "current_layout",
     "install_packing",
-    "packing_state",
     "unconfigure_packing",
 ]
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-__all__ = ["generating_mappings", "not_a_causal_lm"]
+__all__ = ["not_a_causal_lm"]
 
 _HEADS = {
     "SequenceClassification": "a sequence-classification head",

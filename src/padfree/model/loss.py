@@ -41,7 +41,7 @@ from padfree.model.wrappers import unwrap_model
 from padfree.packing.inputs import as_int
 from padfree.step_loss import LossRule
 
-__all__ = ["IGNORE_INDEX", "causal_lm_loss", "default_chunk_size", "head_transform", "linear_cross_entropy"]
+__all__ = ["causal_lm_loss", "linear_cross_entropy"]
 
 _INT64_MAX = 2**63 - 1
 _CHUNK_BYTES = 1 << 27  # one chunk of float32 logits: 128 MiB (1,024 positions of a 32k vocabulary)

@@ -24,7 +24,7 @@ import torch
 
 from padfree.errors import PackingDisabledError
 
-__all__ = ["ROPE_INPUTS", "packed_rope_rows", "rope_index", "segment_rows"]
+__all__ = ["ROPE_INPUTS", "packed_rope_rows", "rope_index"]
 
 # what the common rope-index function (qwen2_vl, qwen2_5_vl, qwen3_vl, qwen3_5, glm4v, ... in transformers 5.24)
 # reads besides the token ids: per token (laid out per sample here) and per image / video (concatenated in order)

@@ -34,8 +34,7 @@ from padfree import layout
 from padfree.errors import InvalidArgumentError, InvalidLayoutError, describe
 from padfree.packing.inputs import as_int
 
-__all__ = ["BLOCK_RULES", "BlockRule", "Buckets", "PackedLayout", "blocks_from_token_types", "bucket_length",
-           "per_bucket"]
+__all__ = ["BLOCK_RULES", "BlockRule", "Buckets", "PackedLayout", "bucket_length", "per_bucket"]
 
 _GROUPINGS = ("bucket", "length", "sequence")
 

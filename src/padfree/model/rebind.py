@@ -43,9 +43,8 @@ from padfree.model import guards
 from padfree.model.packed import PackedLayout
 from padfree.model.state import current_layout, hooks_live, patch, unpatch
 
-__all__ = ["PER_TOKEN_GLOBALS", "Mixer", "Primitives", "current_call", "globals_used", "install_mixer",
-           "mixer_forward", "no_decode", "no_fused_path", "packed_forward", "rebind", "run_packed", "uninstall",
-           "unwrap_function"]
+__all__ = ["Mixer", "Primitives", "current_call", "globals_used", "install_mixer", "no_decode", "no_fused_path",
+           "packed_forward", "rebind", "uninstall", "unwrap_function"]
 
 #: global names a mixer's forward may use besides the primitives it has replaced: per-token helpers, modules and
 #: builtins (Zamba loops over its Mamba heads with range())

@@ -34,7 +34,6 @@ import torch.nn.functional as F
 from padfree.model.packed import PackedLayout
 
 __all__ = [
-    "DECAY_FLOOR",
     "gdr_groups",
     "segment_causal_conv1d",
     "segment_gated_delta_rule",

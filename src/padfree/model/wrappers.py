@@ -39,7 +39,6 @@ import torch
 from padfree.errors import UnsupportedModelError, describe
 
 __all__ = [
-    "COPIED_CONFIG_ATTR",
     "adapter_problems",
     "chain_names",
     "follow_copied_configs",
@@ -48,7 +47,6 @@ __all__ = [
     "restore_copied_configs",
     "transformers_model",
     "unwrap_model",
-    "wrapper_chain",
 ]
 
 #: marks a module holding its own copy of the model's config, which :func:`follow_copied_configs` switched with the

@@ -32,12 +32,8 @@ from padfree.packing.result import PackResult
 __all__ = [
     "DEFAULT_STRATEGY",
     "STRATEGIES",
-    "Packer",
     "Strategy",
     "as_strategy",
-    "obfdp_shards",
-    "pack_sequences",
-    "parallel_best_fit_decreasing",
     "place",
 ]
 

@@ -36,7 +36,7 @@ from padfree.layout import IGNORE_INDEX
 from padfree.sequence_parallel.groups import sequence_parallel_group
 from padfree.step_loss import LossRule
 
-__all__ = ["SequenceParallelSlice", "split_for_sequence_parallel", "split_rows"]
+__all__ = ["SequenceParallelSlice", "split_for_sequence_parallel"]
 
 # boundary spellings the slice replaces with the row's position_ids (the model rebuilds every other form from them)
 _BOUNDARIES = ("attention_mask", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx")

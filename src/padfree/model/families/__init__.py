@@ -37,7 +37,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-__all__ = ["Family", "discover"]
+__all__ = ["discover"]
 
 
 @runtime_checkable

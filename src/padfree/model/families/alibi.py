@@ -37,8 +37,6 @@ import torch
 from padfree.model.families import attention_variants
 from padfree.model.families.attention_variants import Replay
 
-__all__ = ["CLASSES", "REPLAYS", "install", "uninstall"]
-
 _FALCON = Replay("its own forward per bucket of sequences, with each sequence's ALiBi bias or rotary table (positions "
                  "from 0)", heads=("alibi",))
 REPLAYS: dict[str, Replay] = {

@@ -46,7 +46,7 @@ from padfree.model.families import replay
 from padfree.model.packed import PackedLayout
 from padfree.model.state import unpatch
 
-__all__ = ["CLASSES", "REPLAYS", "Replay", "install", "uninstall"]
+__all__ = ["Replay", "install", "uninstall"]
 
 
 @dataclasses.dataclass(frozen=True)

@@ -22,8 +22,6 @@ import torch
 from padfree.errors import UnsupportedModelError
 from padfree.model import rebind
 
-__all__ = ["CLASSES", "install", "uninstall"]
-
 # classes whose own forward restarts its windows at every change of a ``seq_idx`` keyword argument
 _SEQ_IDX = ("Inkling2DynamicShortConvolution", "Inkling2LoopDynamicShortConvolution")
 

@@ -21,8 +21,6 @@ from padfree.model import guards
 from padfree.model.attention import PACKED_FORWARD
 from padfree.model.state import patch, unpatch
 
-__all__ = ["CLASSES", "SEQUENCE_PARALLEL", "install", "uninstall"]
-
 _WHAT = "attention over each token's own block outputs (no token reads another): transformers' forward"
 _BLOCKS = ("self", "block_states", "partial_block_states")
 # class -> the forward's parameters padfree proved

@@ -44,8 +44,6 @@ from padfree.model.flight import layout_in_flight
 from padfree.model.packed import PackedLayout
 from padfree.model.state import current_layout, hooks_live, patch, unpatch
 
-__all__ = ["CLASSES", "bucket_masks", "install", "per_segment", "uninstall"]
-
 _ATTR = "_padfree_encoder"
 # keyword arguments that describe the whole packed row: a per-bucket call must not carry them into attention
 _ROW_KWARGS = ("padfree_layout", "position_ids", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")

@@ -49,8 +49,6 @@ from padfree.model.families import replay
 from padfree.model.packed import PackedLayout
 from padfree.model.state import unpatch
 
-__all__ = ["CLASSES", "SPECS", "Spec", "install", "merge_selection", "uninstall"]
-
 
 def _always(module: torch.nn.Module) -> bool:
     return True

@@ -40,8 +40,6 @@ from padfree.model import guards, rebind, scans
 from padfree.model.families import scan_mixers
 from padfree.model.packed import PackedLayout
 
-__all__ = ["CLASSES", "install", "segment_kimi_delta_attention", "uninstall"]
-
 #: the classes this module makes boundary-exact (read by :func:`padfree.configure_packing`)
 CLASSES: dict[str, str] = {
     "KimiLinearDeltaAttention": "Kimi delta attention (kimi_linear): conv taps and KDA state reset at every segment "

@@ -41,8 +41,6 @@ from padfree.model import guards, rebind
 from padfree.model.packed import PackedLayout
 from padfree.model.state import current_layout, hooks_live, patch, unpatch
 
-__all__ = ["CLASSES", "install", "segment_lightning_attention", "uninstall"]
-
 #: the classes this module makes boundary-exact (read by :func:`padfree.configure_packing`)
 CLASSES: dict[str, str] = {
     "MiniMaxLightningAttention": "lightning attention (MiniMax): carried state reset and cross-segment pairs masked "

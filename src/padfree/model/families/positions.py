@@ -47,8 +47,6 @@ from padfree.model.flight import layout_in_flight
 from padfree.model.packed import Buckets, PackedLayout, bucket_length
 from padfree.model.state import hooks_live, patch, unpatch
 
-__all__ = ["CLASSES", "SEQUENCE_PARALLEL", "bucketed", "install", "uninstall"]
-
 # nn.Embedding subclasses whose forward returns ``weight[arange(cache_length, cache_length + T) + offset]``
 _TABLES = (
     "BartLearnedPositionalEmbedding", "MBartLearnedPositionalEmbedding", "PLBartLearnedPositionalEmbedding",

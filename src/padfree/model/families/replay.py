@@ -37,7 +37,7 @@ from padfree.model import guards
 from padfree.model.packed import PackedLayout, per_bucket
 from padfree.model.state import current_layout, hooks_live, patch
 
-__all__ = ["Plan", "check", "cut_heads", "cut_mask", "cut_rows", "cut_table", "record", "run", "shared"]
+__all__ = ["Plan", "check", "cut_mask", "record", "run", "shared"]
 
 # stitches the per-group values of one entry of the forward's output (in the order of ``lay.buckets(by)``) into the
 # row's: (values, lay, by) -> value

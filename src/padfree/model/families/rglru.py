@@ -42,7 +42,7 @@ from padfree.model.packed import PackedLayout
 from padfree.model.scans import segment_causal_conv1d
 from padfree.model.state import current_layout, hooks_live, patch, unpatch
 
-__all__ = ["CLASSES", "install", "segment_positions", "uninstall"]
+__all__ = ["segment_positions"]
 
 CLASSES: dict[str, str] = {
     "RecurrentGemmaRecurrentBlock": "temporal conv1d restarted and RG-LRU state reset at every sequence start",

@@ -38,8 +38,6 @@ from padfree.model.families.rglru import segment_positions
 from padfree.model.packed import PackedLayout
 from padfree.model.state import current_layout, hooks_live, patch, unpatch
 
-__all__ = ["CLASSES", "install", "segment_wkv", "uninstall"]
-
 CLASSES: dict[str, str] = {
     "RwkvSelfAttention": "time mixing: token shift and WKV state restarted at every sequence start",
     "RwkvFeedForward": "channel mixing: token shift restarted at every sequence start",

@@ -41,8 +41,7 @@ from padfree.model.scans import (
 )
 from padfree.model.sharded import ShardedLayout, conv_window, selective_scan_channels
 
-__all__ = ["CLASSES", "MIXER_CLASSES", "PRIMITIVES", "SEQUENCE_PARALLEL", "describe_mixer", "install",
-           "packed_conv1d", "sharding_problem", "uninstall"]
+__all__ = ["packed_conv1d"]
 
 log = logging.getLogger("padfree")
 

@@ -39,8 +39,6 @@ from padfree.model import rebind
 from padfree.model.packed import PackedLayout
 from padfree.model.state import current_layout, hooks_live, patch, unpatch
 
-__all__ = ["CLASSES", "chunk_plan", "install", "segment_mlstm", "uninstall"]
-
 CLASSES: dict[str, str] = {
     "xLSTMLayer": "mLSTM: every sequence on chunks of its own, state restarted at every sequence start",
     "xLSTMFeedForward": "per-token feed-forward: nothing crosses tokens",

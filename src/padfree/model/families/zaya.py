@@ -24,8 +24,6 @@ from padfree.model import guards
 from padfree.model.packed import per_bucket
 from padfree.model.state import current_layout, hooks_live, patch, unpatch
 
-__all__ = ["CLASSES", "install", "uninstall"]
-
 CLASSES: dict[str, str] = {
     "ZayaCCAProjection": "q/k convolutions and the delayed value half restarted at every sequence start: its own "
                          "forward per bucket of sequences",
