@@ -32,7 +32,7 @@ from padfree.errors import BackendUnavailableError, InvalidArgumentError, Padfre
 from padfree.model.configure import configure_packing, unconfigure_packing
 from padfree.proof.check import VerifyReport, verify
 
-__all__ = ["BackendCheck", "SupportRow", "available_backends", "check_support"]
+__all__ = ["check_support"]
 
 #: three sequences per row, two rows (capacity 20: [9, 8, 3] and [7, 6, 5] + 2 padding), as the test matrix uses
 LENGTHS = (9, 8, 7, 6, 5, 3)

@@ -46,7 +46,7 @@ from padfree import cachedir
 from padfree.errors import PackingDisabledError, PadfreeError
 from padfree.proof.registry import Verdict, features
 
-__all__ = ["cache_dir", "certify", "certify_images"]
+__all__ = ["certify", "certify_images"]
 
 log = logging.getLogger("padfree")
 

@@ -60,7 +60,7 @@ from padfree.packing.strategies import pack_sequences
 from padfree.proof.compare import FP32_TOL, ROUNDING_FACTOR
 from padfree.samples import check_tokens, read_tokens
 
-__all__ = ["SequenceCheck", "VerifyReport", "verify"]
+__all__ = ["VerifyReport", "verify"]
 
 
 @dataclasses.dataclass(frozen=True)

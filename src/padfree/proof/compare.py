@@ -45,7 +45,7 @@ import torch.nn.functional as F
 from padfree.errors import InvalidArgumentError, PadfreeError, describe
 from padfree.layout import IGNORE_INDEX
 
-__all__ = ["PRECISIONS", "ROWS", "Check", "Proof", "first_divergence", "perturb", "prove", "stock_packed_diff"]
+__all__ = ["first_divergence", "perturb", "prove", "stock_packed_diff"]
 
 #: sequence lengths per packed row; the second row ends in an 11-token filler run (a padding segment)
 ROWS: tuple[tuple[int, ...], ...] = ((1, 3, 70, 9), (2, 40, 30))

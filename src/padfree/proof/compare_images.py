@@ -38,7 +38,7 @@ from padfree.model import images
 from padfree.model.install import install_packing, unconfigure_packing
 from padfree.proof.compare import ROUNDING_FACTOR
 
-__all__ = ["FP32_TOL", "IMAGE_PRECISIONS", "ImageProof", "prove_images"]
+__all__ = ["prove_images"]
 
 FP32_TOL = 1e-5
 #: the precisions :func:`prove_images` runs in

@@ -28,7 +28,7 @@ from typing import Any
 
 from padfree.model.guards import installed
 
-__all__ = ["Verdict", "features", "load", "markdown_table", "module_classes", "support_summary", "supported_types"]
+__all__ = ["Verdict", "features", "load", "module_classes", "supported_types"]
 
 log = logging.getLogger("padfree")
 

@@ -32,8 +32,6 @@ import torch
 from padfree.errors import InvalidArgumentError, PadfreeError, describe
 from padfree.proof.registry import features, module_classes
 
-__all__ = ["BACKENDS", "PRECISIONS", "build_tiny", "multimodal_types", "sweep_type"]
-
 #: the backends every type is proven on (flex_attention has no backward on the CPU: certified on the spot instead)
 BACKENDS = ("sdpa", "eager")
 #: backend -> precisions of the sweep

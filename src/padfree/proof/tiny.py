@@ -20,7 +20,7 @@ from typing import Any
 
 from padfree.errors import InvalidArgumentError
 
-__all__ = ["TINY_CONFIGS", "VOCAB", "tiny_config", "tiny_model"]
+__all__ = ["TINY_CONFIGS", "tiny_config", "tiny_model"]
 
 VOCAB = 96
 

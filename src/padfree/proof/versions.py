@@ -16,7 +16,7 @@ import json
 import logging
 from importlib import resources
 
-__all__ = ["version_span", "warn_if_untested", "within_span"]
+__all__ = ["warn_if_untested"]
 
 log = logging.getLogger("padfree")
 
