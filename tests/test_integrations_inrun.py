@@ -15,7 +15,7 @@ from padfree.errors import InvalidArgumentError, PackingDisabledError  # noqa: E
 from padfree.integrations.inrun import InRunProof, batch_sequences  # noqa: E402
 from padfree.model.families import scan_mixers  # noqa: E402
 from padfree.model.packed import PackedLayout  # noqa: E402
-from padfree.proof.sweep import build_tiny  # noqa: E402
+from padfree.proof.tiny import build_tiny  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -154,3 +154,37 @@ def test_dpo_proves_its_pairs_sequences(tok, tmp_path):
     report = trainer._padfree_proof.last
     assert report is not None and report.ok and report.conclusive and report.num_sequences == 4, report
     assert any("padfree/verify_control_ratio" in h for h in trainer.state.log_history)
+
+
+def _grpo(tok, model, out, **options):
+    """GRPO on real GSM8K prompts; the proof runs on its scoring batch (prompt + generated completion per row),
+    before the policy's forward whose gradients the first step applies."""
+    import padfree.integrations.grpo as pgrpo
+    from realdata import gsm8k_records
+
+    prompts = datasets.Dataset.from_list([{"prompt": r["instruction"][:120]} for r in gsm8k_records(8)])
+    args = pgrpo.GRPOConfig(output_dir=str(out), max_steps=1, per_device_train_batch_size=4, num_generations=2,
+                            max_completion_length=6, learning_rate=1e-2, optim="sgd", report_to="none",
+                            save_strategy="no", use_cpu=True, disable_tqdm=True, logging_steps=1, seed=0, bf16=False,
+                            activation_checkpointing=False, padding_free=True, **options)
+    return pgrpo.GRPOTrainer(model=model, reward_funcs=lambda completions, **kw: [float(len(c)) for c in completions],
+                             args=args, train_dataset=prompts, processing_class=tok)
+
+
+def test_grpo_proves_its_generated_completions(tok, tmp_path):
+    trainer = _grpo(tok, _tiny_for(tok, "llama"), tmp_path)
+    trainer.train()
+    report = trainer._padfree_proof.last
+    assert report is not None and report.ok and report.conclusive and report.num_sequences == 4, report
+    assert any(h.get("padfree/verify_control_ratio", 0) > 10 for h in trainer.state.log_history)
+
+
+def test_grpo_with_a_broken_boundary_stops_before_its_first_optimizer_step(tok, tmp_path, monkeypatch):
+    model = _tiny_for(tok, "qwen3_5_text")
+    trainer = _grpo(tok, model, tmp_path)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    _break_gated_delta_net(monkeypatch)
+    with pytest.raises(PackingDisabledError, match=r"first diverging module: model\.layers\.\d+\.linear_attn"):
+        trainer.train()
+    assert trainer.state.global_step == 0
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())

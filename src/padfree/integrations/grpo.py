@@ -170,9 +170,11 @@ class GRPOMixin(TrainerProtocol):
                 f"({', '.join(given) or 'positional arguments'}): a packed row cannot carry them; use "
                 f"GRPOConfig(padding_free=False)")
         self._padfree_count(attention_mask, batch_size or input_ids.size(0))
-        if self._padfree_telemetry is not None and torch.is_grad_enabled():  # the policy's training forward
-            for rows in attention_mask.split(batch_size or input_ids.size(0)):
-                self._padfree_telemetry.observe_unpadded(rows)
+        if torch.is_grad_enabled():  # the policy's training forward: its completions proven, then measured
+            self._padfree_prove(model, {"input_ids": input_ids, "attention_mask": attention_mask})
+            if self._padfree_telemetry is not None:
+                for rows in attention_mask.split(batch_size or input_ids.size(0)):
+                    self._padfree_telemetry.observe_unpadded(rows)
         with unpadded_forwards(model):
             return super()._get_per_token_logps_and_entropies(model, input_ids, attention_mask, logits_to_keep,
                                                               batch_size, **kwargs)

@@ -240,18 +240,24 @@ class InRunProofMixin:
         self._padfree_proof = InRunProof.from_option(option)
 
     def training_step(self, model: Any, inputs: Any, *args: Any, **kwargs: Any) -> Any:
-        proof = self._padfree_proof
-        if proof is not None and isinstance(inputs, Mapping) and not _multimodal(inputs) and \
-                proof.due(self.state.global_step) and _provable(model):
-            import torch
-
-            dtype = torch.bfloat16 if getattr(self.args, "bf16", False) else \
-                torch.float16 if getattr(self.args, "fp16", False) else None
-            with self.compute_loss_context_manager():
-                logs = proof.prove(model, inputs, self.state.global_step, compute_dtype=dtype)
-            if logs:
-                self._padfree_proof_logs = {**logs, "padfree/verify_seconds": proof.seconds}
+        if isinstance(inputs, Mapping):  # GRPO's are prompts, to be generated from: it proves its scoring batch
+            self._padfree_prove(model, inputs)
         return super().training_step(model, inputs, *args, **kwargs)
+
+    def _padfree_prove(self, model: Any, inputs: Mapping[str, Any]) -> None:
+        """Prove ``inputs`` (a packed micro-batch, or padded rows whose real tokens the proof packs itself) if a
+        proof is due at this optimizer step; called before the forward whose gradients the step applies."""
+        proof = self._padfree_proof
+        if proof is None or _multimodal(inputs) or not proof.due(self.state.global_step) or not _provable(model):
+            return
+        import torch
+
+        dtype = torch.bfloat16 if getattr(self.args, "bf16", False) else \
+            torch.float16 if getattr(self.args, "fp16", False) else None
+        with self.compute_loss_context_manager():
+            logs = proof.prove(model, inputs, self.state.global_step, compute_dtype=dtype)
+        if logs:
+            self._padfree_proof_logs = {**logs, "padfree/verify_seconds": proof.seconds}
 
     def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
         if self._padfree_proof_logs and "loss" in logs:
