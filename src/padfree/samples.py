@@ -415,7 +415,15 @@ def _from_arrow(tokens: Any, name: str) -> TokenBuffers:
     chunks = read_arrow_chunks(tokens, name)
     if len(chunks) == 1:
         return chunks[0]
-    return concat([c.values[c.offsets[0]:c.offsets[-1]] for c in chunks]) if chunks else concat([])
+    if not chunks:
+        return concat([])
+    # several chunks: their values one copy, their sequences' offsets rebased onto it (each chunk's own offsets may
+    # start past 0, in a sliced parent)
+    values = np.concatenate([c.values[c.offsets[0]:c.offsets[-1]] for c in chunks], dtype=np.int64, casting="unsafe")
+    lengths = np.concatenate([c.lengths for c in chunks])
+    offsets = np.zeros(lengths.shape[0] + 1, np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    return TokenBuffers(values, offsets)
 
 
 def read_arrow_chunks(column: Any, name: str, *, kind: str = "ids", vocab_size: int | None = None,
