@@ -117,7 +117,7 @@ def worker_matrix(spec: dict[str, Any], result: Path) -> None:
     _quiet()
     from padfree.model import cuda_kernels
     from padfree.proof.compare import prove
-    from padfree.proof.sweep import build_tiny
+    from padfree.proof.tiny import build_tiny
 
     out: dict[str, Any] = {"variant": spec["variant"], "block": spec["block"], "rows": [], "refused": [],
                            "unrunnable": [], "errors": [], "skipped": [], "notes": [], "mixers": {}, "kernels": {}}
@@ -438,7 +438,7 @@ def _verdict(row: dict[str, Any]) -> str:
 
 def render_matrix(result: dict[str, Any], info: dict[str, Any]) -> list[str]:
     lines = ["### 1. Exactness: packed vs each sequence alone (`padfree.proof.compare.prove`)", "",
-             f"Tiny random-weight models (`padfree.proof.sweep.build_tiny`, about 50-150k parameters) on "
+             f"Tiny random-weight models (`padfree.proof.tiny.build_tiny`, about 50-150k parameters) on "
              f"{'the CPU (dry run)' if info['dry'] else 'CUDA'}: the fixed packed case of `proof.ROWS`, a training "
              "step (forward with `labels=`, the model's own loss, backward) against every sequence alone. *logits* "
              "and *grads*: fp32 the largest scaled `|packed - alone|`, low precisions the largest per-sequence "

@@ -12,7 +12,7 @@ from padfree.model import configure, install
 from padfree.model.configure import install_packing, unconfigure_packing
 from padfree.model.state import packing_state
 from padfree.proof.compare import FP32_TOL
-from padfree.proof.sweep import build_tiny
+from padfree.proof.tiny import build_tiny
 from zoo import max_diff, packed_rows, run_packed, run_separately
 
 pytestmark = pytest.mark.usefixtures("one_thread")

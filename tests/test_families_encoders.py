@@ -25,7 +25,8 @@ from padfree.model.families import encoders  # noqa: E402
 from padfree.model.flight import forward_of  # noqa: E402
 from padfree.model.packed import PackedLayout  # noqa: E402
 from padfree.proof.compare import FP32_TOL, prove, stock_packed_diff  # noqa: E402
-from padfree.proof.sweep import PRECISIONS, build_tiny  # noqa: E402
+from padfree.proof.sweep import PRECISIONS  # noqa: E402
+from padfree.proof.tiny import build_tiny  # noqa: E402
 from zoo import alone_logits as _alone  # noqa: E402
 from zoo import packed_case as _rows  # noqa: E402
 from zoo import worst_diff as _worst  # noqa: E402

@@ -24,7 +24,7 @@ from padfree.model.flight import forward_of  # noqa: E402
 from padfree.model.packed import PackedLayout  # noqa: E402
 from padfree.model.state import PackingState  # noqa: E402
 from padfree.proof.compare import FP32_TOL, prove, stock_packed_diff  # noqa: E402
-from padfree.proof.sweep import build_tiny  # noqa: E402
+from padfree.proof.tiny import build_tiny  # noqa: E402
 from zoo import packed_case  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")

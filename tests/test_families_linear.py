@@ -24,7 +24,9 @@ from padfree.model.flight import forward_of  # noqa: E402
 from padfree.model.packed import PackedLayout  # noqa: E402
 from padfree.model.state import packing_state  # noqa: E402
 from padfree.proof.compare import prove  # noqa: E402
-from padfree.proof.sweep import PRECISIONS, _quiet, build_tiny  # noqa: E402
+from padfree.proof.sweep import PRECISIONS  # noqa: E402
+from padfree.proof.tiny import build_tiny  # noqa: E402
+from padfree.proof.tiny import quiet as _quiet  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

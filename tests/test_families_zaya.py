@@ -11,7 +11,7 @@ from padfree.model.configure import install_packing, packing_state, unconfigure_
 from padfree.model.flight import forward_of
 from padfree.model.packed import PackedLayout
 from padfree.proof.compare import FP32_TOL, prove, stock_packed_diff
-from padfree.proof.sweep import build_tiny
+from padfree.proof.tiny import build_tiny
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -212,6 +212,55 @@ def test_no_module_takes_another_modules_private_names():
     assert not found, (f"private names taken from another module: {listed}; make them public, or give what the "
                        f"modules share a home of its own")
 
+#: the modules that run in a training step (the first part of their name under ``padfree``)
+RUN_TIME = ("model", "integrations", "sequence_parallel", "data", "packing", "rows", "samples", "layout", "step_loss")
+#: the arrows from run time to the proof package: configure's decision (the support table, on-the-spot
+#: certification), the trainers' decision (the table for a model still to be loaded, the images check) and the
+#: in-run proof (the check on the user's own model)
+PROOF_ARROWS = frozenset({"model.configure", "integrations.decide", "integrations.inrun"})
+
+
+def proof_imports(graph: dict[str, dict[str, int]], package: str = "padfree") -> dict[str, list[str]]:
+    """Run-time module -> the modules of ``<package>.proof`` it imports (module- or function-level), for every
+    run-time module outside :data:`PROOF_ARROWS`."""
+    proof = f"{package}.proof"
+    found = {}
+    for importer, edges in graph.items():
+        name = importer.removeprefix(f"{package}.")
+        if importer == package or name.split(".")[0] not in RUN_TIME or name in PROOF_ARROWS:
+            continue
+        hits = sorted(t for t in edges if t == proof or t.startswith(f"{proof}."))
+        if hits:
+            found[importer] = hits
+    return found
+
+
+def test_a_run_time_module_importing_the_proof_package_is_found(tmp_path):
+    root = _tree(tmp_path, {
+        "__init__.py": "def __getattr__(name):\n    from pkg.proof import check\n",
+        "cli.py": "from pkg.proof.check import verify\n",
+        "layout.py": "import pkg.proof.check\n",
+        "model/__init__.py": "",
+        "model/configure.py": "from pkg.proof import certify, versions\n",
+        "model/rebind.py": "def message():\n    from pkg.proof import versions\n",
+        "model/install.py": "from pkg import layout\n",
+        "proof/__init__.py": "",
+        "proof/certify.py": "from pkg.model import install\n",
+        "proof/check.py": "", "proof/versions.py": "",
+    })
+    assert proof_imports(import_graph(root, "pkg"), "pkg") == {
+        "pkg.layout": ["pkg.proof.check"], "pkg.model.rebind": ["pkg.proof.versions"]}
+
+
+def test_run_time_modules_do_not_import_the_proof_package():
+    """The proof package (sweep, certification, verify) builds on the run-time model layer, never the reverse: a
+    training step reaches it only through configure's decision, the trainers' decision and the in-run proof."""
+    graph = import_graph()
+    assert "padfree.proof.certify" in graph and "padfree.model.install" in graph
+    found = proof_imports(graph)
+    listed = "; ".join(f"{importer} imports {', '.join(hits)}" for importer, hits in sorted(found.items()))
+    assert not found, f"run-time modules importing the proof package: {listed}"
+
 
 # ---- no test asserts nothing -------------------------------------------------------------------------------------
 #

@@ -27,7 +27,7 @@ from padfree.errors import InvalidArgumentError, UnsupportedModelError  # noqa: 
 from padfree.integrations.dpo import DPOConfig, DPOTrainer  # noqa: E402
 from padfree.integrations.status import packing_status  # noqa: E402
 from padfree.integrations.unpadded import unpadded_forwards  # noqa: E402
-from padfree.proof.sweep import build_tiny  # noqa: E402
+from padfree.proof.tiny import build_tiny  # noqa: E402
 from test_integrations_vlm import MODELS, config, qwen_processor, relative, step, zero_token_types  # noqa: E402
 
 datasets.disable_progress_bars()

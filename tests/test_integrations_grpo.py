@@ -29,7 +29,7 @@ from padfree.errors import InvalidArgumentError, UnsupportedModelError  # noqa: 
 from padfree.integrations import grpo as pgrpo  # noqa: E402
 from padfree.integrations.decide import ENV_DISABLE_AUTO, ENV_RETURN_LOGITS  # noqa: E402
 from padfree.integrations.unpadded import Unpadded  # noqa: E402
-from padfree.proof.sweep import build_tiny  # noqa: E402
+from padfree.proof.tiny import build_tiny  # noqa: E402
 from realdata import gsm8k_records  # noqa: E402
 from zoo import with_unknown_mixer  # noqa: E402
 

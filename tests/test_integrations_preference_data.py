@@ -32,7 +32,7 @@ from padfree.integrations.dpo import DPOConfig, DPOTrainer, pack_pairs  # noqa: 
 from padfree.integrations.grpo import GRPOConfig, GRPOTrainer  # noqa: E402
 from padfree.integrations.preference_data import DPO_DATA, GRPO_DATA, REWARD_DATA, check_dataset  # noqa: E402
 from padfree.integrations.reward import RewardConfig, RewardTrainer  # noqa: E402
-from padfree.proof.sweep import build_tiny  # noqa: E402
+from padfree.proof.tiny import build_tiny  # noqa: E402
 from realdata import gsm8k_records  # noqa: E402
 
 datasets.disable_progress_bars()

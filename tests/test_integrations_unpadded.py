@@ -14,7 +14,7 @@ from hypothesis import strategies as st  # noqa: E402
 import padfree  # noqa: E402
 from padfree.errors import InvalidArgumentError  # noqa: E402
 from padfree.integrations.unpadded import Unpadded, unpadded_forwards  # noqa: E402
-from padfree.proof.sweep import build_tiny  # noqa: E402
+from padfree.proof.tiny import build_tiny  # noqa: E402
 
 
 @st.composite

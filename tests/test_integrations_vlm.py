@@ -29,7 +29,7 @@ from padfree.errors import UnsupportedModelError  # noqa: E402
 from padfree.integrations.status import packing_status  # noqa: E402
 from padfree.integrations.trainer_data import PackedRowsCollator, PackedVisionCollator  # noqa: E402
 from padfree.proof.shrink import default_config, shrink_config  # noqa: E402
-from padfree.proof.sweep import build_tiny  # noqa: E402
+from padfree.proof.tiny import build_tiny  # noqa: E402
 
 datasets.disable_progress_bars()
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -22,7 +22,7 @@ import padfree
 from padfree.errors import BackendUnavailableError, InvalidLayoutError, PackingDisabledError
 from padfree.model.attention import BACKENDS, LAYOUT_KWARG, PACKED_FORWARD, packed_forward, register_backends
 from padfree.model.packed import PackedLayout
-from padfree.proof.sweep import build_tiny
+from padfree.proof.tiny import build_tiny
 from zoo import packed_case
 
 pytestmark = pytest.mark.usefixtures("one_thread")

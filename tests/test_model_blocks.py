@@ -31,7 +31,7 @@ from multiproc import free_port, run_ranks
 from padfree.errors import InvalidArgumentError, InvalidLayoutError
 from padfree.model.attention import LAYOUT_KWARG, PACKED_FORWARD, packed_forward, register_backends
 from padfree.model.packed import BLOCK_RULES, PackedLayout, blocks_from_token_types
-from padfree.proof.sweep import build_tiny
+from padfree.proof.tiny import build_tiny
 from zoo import tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -152,7 +152,7 @@ def test_the_table_covers_llama_without_certifying(monkeypatch):
 def test_a_base_model_is_certified_through_the_causal_lm_around_it(model_type):
     """A backbone without a head (what a reward model's score head sits on) has no logits to compare: its twin is the
     causal LM of the same config, which runs exactly that backbone; a certification then says so by the base's name."""
-    from padfree.proof.sweep import build_tiny
+    from padfree.proof.tiny import build_tiny
 
     base = build_tiny(model_type).base_model
     verdict = certify.certify(base, "padfree_sdpa", cache=False)

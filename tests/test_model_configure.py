@@ -358,7 +358,7 @@ def test_a_multimodal_model_packs_text_only_and_refuses_images_in_a_packed_batch
     """Gemma3ForConditionalGeneration builds its per-layer-type masks above the language model: a packed text batch
     runs exactly (the sweep proves it), and a packed batch carrying pixel_values without the token types that make
     its images' blocks is refused before any work."""
-    from padfree.proof.sweep import build_tiny
+    from padfree.proof.tiny import build_tiny
 
     model = build_tiny("gemma3")
     report = configure_packing(model)
@@ -382,7 +382,7 @@ def test_a_multimodal_model_packs_text_only_and_refuses_images_in_a_packed_batch
 def test_the_report_says_when_a_models_attention_cannot_be_switched():
     """GPT-Neo computes its attention in its own code: transformers cannot switch it to padfree's backend, and the
     report says what runs instead of claiming padfree's (the sweep proved it exact as it runs)."""
-    from padfree.proof.sweep import build_tiny
+    from padfree.proof.tiny import build_tiny
 
     neo = build_tiny("gpt_neo")
     report = padfree.configure_packing(neo)

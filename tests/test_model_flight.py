@@ -23,7 +23,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoi
 import padfree  # noqa: E402
 from padfree.errors import PackingDisabledError  # noqa: E402
 from padfree.model import flight  # noqa: E402
-from padfree.proof.sweep import build_tiny  # noqa: E402
+from padfree.proof.tiny import build_tiny  # noqa: E402
 from zoo import MIXER_TYPES, grad_diff, packed_case, tiny_model  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -21,7 +21,7 @@ transformers = pytest.importorskip("transformers")
 import padfree  # noqa: E402
 from padfree.errors import PackingDisabledError  # noqa: E402
 from padfree.proof.shrink import default_config, shrink_config  # noqa: E402
-from padfree.proof.sweep import build_tiny  # noqa: E402
+from padfree.proof.tiny import build_tiny  # noqa: E402
 from zoo import grad_diff, packed_case, tiny_model  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from padfree.proof.compare import FP32_TOL, prove
-from padfree.proof.sweep import build_tiny
+from padfree.proof.tiny import build_tiny
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

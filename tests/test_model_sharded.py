@@ -35,8 +35,7 @@ from padfree.errors import (  # noqa: E402
     UnsupportedModelError,
 )
 from padfree.model.sharded import ShardedLayout  # noqa: E402
-from padfree.proof.sweep import build_tiny  # noqa: E402
-from padfree.proof.tiny import TINY_CONFIGS, VOCAB  # noqa: E402
+from padfree.proof.tiny import TINY_CONFIGS, VOCAB, build_tiny  # noqa: E402
 from padfree.sequence_parallel import split_for_sequence_parallel  # noqa: E402
 from padfree.sequence_parallel.split import split_rows  # noqa: E402
 from padfree.step_loss import token_losses  # noqa: E402

@@ -25,7 +25,8 @@ import transformers
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 from padfree.proof import registry
-from padfree.proof.sweep import multimodal_types, sweep_type
+from padfree.proof.sweep import sweep_type
+from padfree.proof.tiny import multimodal_types
 
 ROOT = Path(__file__).resolve().parents[1]
 TABLE = ROOT / "src" / "padfree" / "proof" / "support.json"

@@ -67,7 +67,7 @@ SEQS = [[5, 6, 7, 8, 9, 10, 11], [12, 13, 14, 15, 16, 17], [20, 21, 22, 23]]
 
 
 def _tiny(model_type: str, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
-    from padfree.proof.sweep import build_tiny
+    from padfree.proof.tiny import build_tiny
 
     return build_tiny(model_type).to(dtype)
 

@@ -13,7 +13,7 @@ import torch
 
 import padfree
 from padfree.errors import InvalidLayoutError, UnsupportedModelError
-from padfree.proof.sweep import build_tiny
+from padfree.proof.tiny import build_tiny
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

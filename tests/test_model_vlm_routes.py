@@ -30,7 +30,7 @@ import padfree  # noqa: E402
 from padfree.model import flight, images  # noqa: E402
 from padfree.proof.compare import perturb  # noqa: E402
 from padfree.proof.shrink import default_config, shrink_config  # noqa: E402
-from padfree.proof.sweep import build_tiny  # noqa: E402
+from padfree.proof.tiny import build_tiny  # noqa: E402
 from zoo import span_loss  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")

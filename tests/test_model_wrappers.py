@@ -28,7 +28,7 @@ from padfree import configure_packing, unconfigure_packing, verify  # noqa: E402
 from padfree.errors import UnsupportedModelError, describe  # noqa: E402
 from padfree.model.configure import check_packing_support, packing_state, refresh_packing  # noqa: E402
 from padfree.model.wrappers import transformers_model, unwrap_model, wrapper_chain  # noqa: E402
-from padfree.proof.sweep import build_tiny  # noqa: E402
+from padfree.proof.tiny import build_tiny  # noqa: E402
 from zoo import max_diff, packed_rows, run_packed, run_separately, tiny_model  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")

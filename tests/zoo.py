@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 import transformers
 
-from padfree.proof.tiny import TINY_CONFIGS, VOCAB
+from padfree.proof.tiny import TINY_CONFIGS, VOCAB, build
 from padfree.proof.tiny import tiny_model as _library_tiny_model
 
 # hybrids: attention layers (sdpa / eager) and sequence mixers; SSM_TYPES: sequence mixers only, no attention
@@ -28,8 +28,8 @@ ATTENTION_TYPES = tuple(t for t in TINY_CONFIGS if t not in MIXER_TYPES)
 
 def tiny_model(model_type: str, *, seed: int = 0, attn: str | None = None, **overrides
                ) -> transformers.PreTrainedModel:
-    """:func:`padfree.proof.tiny.tiny_model` (the configs live in the library: ``padfree verify`` builds the same
-    models), with attention ``attn`` (default: sdpa, eager where transformers has no SDPA path, none for
+    """:func:`padfree.proof.tiny.tiny_model` (the configs and the builder live in the library: ``padfree verify``
+    builds the same models), with attention ``attn`` (default: sdpa, eager where transformers has no SDPA path, none for
     :data:`SSM_TYPES`)."""
     return _library_tiny_model(model_type, seed=seed, attn_implementation=attn, **overrides)
 
@@ -37,10 +37,9 @@ def tiny_model(model_type: str, *, seed: int = 0, attn: str | None = None, **ove
 def vocab_llama(vocab: int) -> transformers.LlamaForCausalLM:
     """A tiny llama (hidden 32, 2 layers, 4 heads over 2 key/value heads) over a real tokenizer's ``vocab``, seed 0:
     the trainer tests' model."""
-    torch.manual_seed(0)
     config = transformers.LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024)
-    return transformers.LlamaForCausalLM(config)
+    return build(config, seed=0)
 
 
 class ToyRecurrentMixer(torch.nn.Module):

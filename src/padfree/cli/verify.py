@@ -197,7 +197,7 @@ _CHECKPOINT = "a local checkpoint directory of a causal LM (written by save_pret
 def _load_model(args: argparse.Namespace) -> Any:
     if args.model_type is not None:  # the tiny model the support sweep proves for that type
         from padfree.proof.shrink import UNBUILDABLE
-        from padfree.proof.sweep import build_tiny
+        from padfree.proof.tiny import build_tiny
 
         if args.model_type in UNBUILDABLE:
             raise UnsupportedModelError(f"--model-type {args.model_type!r}: {UNBUILDABLE[args.model_type]}")

@@ -8,7 +8,7 @@ runs :func:`padfree.configure_packing` and words its refusal for the mode that a
 its :class:`Cause` (the user's setting, the model's limits, the data, or none), which is what decides whether a
 skip is worth a warning — never the wording of its reason.
 
->>> from padfree.proof.sweep import build_tiny
+>>> from padfree.proof.tiny import build_tiny
 >>> support_reason(build_tiny("llama")) is None
 True
 """
@@ -71,7 +71,7 @@ def support_reason(model: Any, config: Any = None) -> str | None:
     (a name) is judged from its config against the support table, and decided for good once loaded.
 
     >>> import transformers
-    >>> from padfree.proof.sweep import build_tiny
+    >>> from padfree.proof.tiny import build_tiny
     >>> support_reason(build_tiny("llama")) is None
     True
     """
@@ -195,7 +195,7 @@ def image_reason(model: Any) -> str | None:
     images through it are proven exact — by the support sweep for its type, or on a tiny twin of its class and
     config (:func:`padfree.proof.certify.certify_images`, the check configure_packing's hook runs).
 
-    >>> from padfree.proof.sweep import build_tiny
+    >>> from padfree.proof.tiny import build_tiny
     >>> image_reason(build_tiny("llama"))
     'LlamaForCausalLM takes no images'
     """

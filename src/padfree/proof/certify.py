@@ -143,29 +143,19 @@ def _twin_class(model: Any) -> type:
 
 def _twin(model: Any, device: torch.device) -> Any:
     """A tiny fp32 model of ``type(model)`` (:func:`_twin_class`) from a shrunk copy of its config, deterministic
-    weights."""
+    weights (:func:`padfree.proof.tiny.build`, on the model's attention implementation from before padfree's)."""
     from padfree.model.state import packing_state
+    from padfree.proof.compare import perturb
     from padfree.proof.shrink import shrink_config
+    from padfree.proof.tiny import build
 
     config = shrink_config(model.config)
     state = packing_state(model)
     base = state.previous[0][""] if state is not None and state.previous[0] else None
     config._attn_implementation_internal = None
-    torch.manual_seed(0)
-    import transformers
-
-    verbosity = transformers.logging.get_verbosity()
-    transformers.logging.set_verbosity_error()  # tiny configs trip harmless rope / vocabulary warnings
-    try:
-        with torch.device(device):
-            kwargs = {"attn_implementation": base} if base else {}
-            cls = _twin_class(model)
-            twin = cls._from_config(config, **kwargs) if hasattr(cls, "_from_config") else cls(config)
-    finally:
-        transformers.logging.set_verbosity(verbosity)
-    from padfree.proof.compare import perturb
-
-    return perturb(twin.float().eval())
+    with torch.device(device):
+        twin = build(config, seed=0, attn_implementation=base or None, model_class=_twin_class(model))
+    return perturb(twin.eval())
 
 
 def _guards_hold(twin: Any, backend: str) -> str | None:

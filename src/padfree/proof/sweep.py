@@ -23,7 +23,6 @@ support table; ``padfree verify --model-type T`` runs the same function for one 
 from __future__ import annotations
 
 import time
-import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -31,84 +30,12 @@ import torch
 
 from padfree.errors import InvalidArgumentError, PadfreeError, describe
 from padfree.proof.registry import features, module_classes
+from padfree.proof.tiny import build_tiny, multimodal_types, quiet
 
 #: the backends every type is proven on (flex_attention has no backward on the CPU: certified on the spot instead)
 BACKENDS = ("sdpa", "eager")
 #: backend -> precisions of the sweep
 PRECISIONS: Mapping[str, Sequence[str]] = {"sdpa": ("fp32", "autocast_bf16", "bf16"), "eager": ("fp32",)}
-
-
-def _quiet():
-    import transformers
-
-    class Quiet:
-        def __enter__(self):
-            self.level = transformers.logging.get_verbosity()
-            transformers.logging.set_verbosity_error()  # tiny configs trip harmless rope / vocabulary warnings
-            self.warnings = warnings.catch_warnings()
-            self.warnings.__enter__()
-            warnings.simplefilter("ignore")
-
-        def __exit__(self, *exc):
-            self.warnings.__exit__(*exc)
-            transformers.logging.set_verbosity(self.level)
-
-    return Quiet()
-
-
-def multimodal_types() -> dict[str, str]:
-    """The vision-language types the sweep proves apart from the causal-LM mapping: every image-text-to-text
-    (and video-text-to-text) type whose class is not the causal-LM mapping's class of that type — model type ->
-    class name. Their entries sit in the support table's ``multimodal`` section."""
-    from transformers.models.auto import modeling_auto
-
-    causal = modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-    found: dict[str, str] = {}
-    for name in ("MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES", "MODEL_FOR_VIDEO_TEXT_TO_TEXT_MAPPING_NAMES"):
-        for model_type, cls in getattr(modeling_auto, name, {}).items():
-            if isinstance(cls, str) and causal.get(model_type) != cls:
-                found.setdefault(model_type, cls)
-    return found
-
-
-def build_tiny(model_type: str, variant: Mapping[str, Any] | None = None, *, seed: int = 0,
-               multimodal: bool = False) -> torch.nn.Module:
-    """The tiny fp32 causal LM of ``model_type`` (with ``multimodal``, its vision-language class of
-    :func:`multimodal_types`): its config class's defaults shrunk, ``variant`` fields on top, built with ``sdpa``
-    where the class has it, ``eager`` otherwise, every weight offset a little (:func:`padfree.proof.compare.perturb`:
-    no path silenced by a zero initialisation)."""
-    import transformers
-    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
-
-    from padfree.proof.shrink import default_config, shrink_config
-
-    if model_type not in CONFIG_MAPPING:
-        raise InvalidArgumentError(f"model_type={model_type!r} is not a model type of transformers "
-                                   f"{transformers.__version__}")
-    if multimodal and model_type not in multimodal_types():
-        raise InvalidArgumentError(f"model_type={model_type!r} has no vision-language class apart from its causal "
-                                   f"LM in transformers {transformers.__version__}")
-    with _quiet():
-        config = shrink_config(default_config(model_type), **dict(variant or {}))
-        torch.manual_seed(seed)
-        for attn in ("sdpa", "eager", None):
-            try:
-                kwargs = {} if attn is None else {"attn_implementation": attn}
-                if multimodal:
-                    cls = getattr(transformers, multimodal_types()[model_type])
-                    model = cls._from_config(config, **kwargs)
-                else:
-                    model = transformers.AutoModelForCausalLM.from_config(config, **kwargs)
-                break
-            except (ValueError, TypeError, ImportError) as exc:
-                if attn is None:
-                    raise
-                last = exc
-        else:  # pragma: no cover
-            raise last
-    from padfree.proof.compare import perturb
-
-    return perturb(model.float().eval(), seed=seed)
 
 
 def _variants(model_type: str) -> list[dict[str, Any]]:
@@ -119,7 +46,7 @@ def _variants(model_type: str) -> list[dict[str, Any]]:
     variants: list[dict[str, Any]] = [{}]
     if model_type in TINY_CONFIGS:
 
-        with _quiet():
+        with quiet():
             try:
                 default = features(shrink_config(default_config(model_type)))
                 hand = tiny_config(model_type)
@@ -135,7 +62,7 @@ def _stock(model: torch.nn.Module) -> str:
     from padfree.proof.compare import FP32_TOL, stock_packed_diff
 
     try:
-        with _quiet():
+        with quiet():
             diff = stock_packed_diff(model)
     except Exception as exc:
         return f"crashes ({type(exc).__name__})"
@@ -151,7 +78,7 @@ def _refused(entry: dict[str, Any], reason: str, module: str | None, model: torc
         from padfree.proof.shrink import shrink_config
 
         try:
-            with _quiet():
+            with quiet():
                 entry["failed"] = {"features": features(shrink_config(model.config)), "modules": module_classes(model)}
         except Exception:  # refusing the type as such is the safe side
             pass
@@ -203,7 +130,7 @@ def sweep_type(model_type: str, *, precisions: Mapping[str, Sequence[str]] | Non
         if not variant:
             entry["stock"] = _stock(model)
         try:  # refusals by name (a module no family handles, a table of another shape) before any proof runs
-            with _quiet():
+            with quiet():
                 install_packing(model)
         except PadfreeError as exc:
             msg = str(exc).splitlines()[0].removeprefix(f"cannot make {type(model).__name__} packing-exact: ")
@@ -212,7 +139,7 @@ def sweep_type(model_type: str, *, precisions: Mapping[str, Sequence[str]] | Non
         finally:
             unconfigure_packing(model)
         try:
-            with _quiet():
+            with quiet():
                 proof = prove(model, backends=list(plan), precisions=plan)
         except PadfreeError as exc:
             return _refused(entry, str(exc).splitlines()[0], type(model).__name__)
@@ -229,7 +156,7 @@ def sweep_type(model_type: str, *, precisions: Mapping[str, Sequence[str]] | Non
                                    f"proof cannot tell a leak from rounding for this model", type(model).__name__,
                             model)
         if bad or not proof.unpacked_unchanged:
-            with _quiet():
+            with quiet():
                 module = first_divergence(model, next(iter(plan))) or type(model).__name__
             if bad:
                 c = bad[0]
@@ -248,11 +175,11 @@ def sweep_type(model_type: str, *, precisions: Mapping[str, Sequence[str]] | Non
         entry["mixers"] = sorted(set(entry["mixers"]) | set(proof.mixers.values()))
         if proof.unrunnable:  # the model's own code fails there: not proven, and said so
             entry.setdefault("unrunnable", {}).update(proof.unrunnable)
-        with _quiet():
+        with quiet():
             proven = features(shrink_config(model.config))  # what registry.lookup compares a user's config with
         entry["variants"].append({"features": proven, "modules": module_classes(model)})
         if not variant and getattr(model.config, "vision_config", None) is not None:
-            with _quiet():
+            with quiet():
                 entry["images"] = _images(model)
     order = ("fp32", "autocast_bf16", "bf16", "autocast_fp16", "fp16")
     entry["backends"] = {b: [p for p in order if p in ps] for b, ps in sorted(backends.items())}

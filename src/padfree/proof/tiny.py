@@ -1,26 +1,37 @@
-"""Tiny random-weight causal LMs built from configs: one per model type padfree supports.
+"""The one builder of tiny random-weight models (:func:`build`), and the configs it builds from.
 
-``padfree verify --model-type T`` checks a model type without downloading anything, and the test suite proves the
-support matrix on the same models. Every model has hidden size 64, 4 query heads over 2 key/value heads (GQA, head
-dim 16) and a vocabulary of 96; sliding windows are 5 tokens, so sequences of 6+ tokens exercise them; MoE models get
-4 experts, 2 per token; recurrent mixers get short kernels (4 taps) and short chunks (8), so a few dozen tokens cross
-every code path of the packed formulations.
+Every tiny model of padfree — the sweep's, on-the-spot certification's, ``padfree verify --model-type``'s, the test
+suite's — is built by :func:`build`: a config, a seed, the class (the causal-LM class of the config's type, or a
+vision-language class), the attention implementation where the class has one, fp32. Two configs feed it:
+
+- :func:`build_tiny`: a model type's config class defaults shrunk (:func:`padfree.proof.shrink.shrink_config`), in
+  eval mode and with every weight offset a little (:func:`padfree.proof.compare.perturb`: no path silenced by a zero
+  initialisation) — what the sweep proves;
+- :func:`tiny_model`: a hand-made config of :data:`TINY_CONFIGS` (hidden size 64, 4 query heads over 2 key/value
+  heads, head dim 16, a vocabulary of 96; sliding windows of 5 tokens, so sequences of 6+ tokens exercise them;
+  MoE models with 4 experts, 2 per token; recurrent mixers with 4-tap kernels and chunks of 8, so a few dozen tokens
+  cross every code path of the packed formulations), in training mode with its initial weights.
 
 >>> model = tiny_model("llama")
->>> type(model).__name__, model.config.hidden_size, model.dtype
-('LlamaForCausalLM', 64, torch.float32)
+>>> type(model).__name__, model.config.hidden_size, model.dtype, model.training
+('LlamaForCausalLM', 64, torch.float32, True)
+>>> twin = build_tiny("mamba")  # a class without attention: built without an attention implementation
+>>> type(twin).__name__, twin.training
+('MambaForCausalLM', False)
 >>> "qwen3_5_text" in TINY_CONFIGS and "mamba" in TINY_CONFIGS
 True
 """
 
 from __future__ import annotations
 
-import logging
+import contextlib
+import warnings
+from collections.abc import Iterator, Mapping
 from typing import Any
 
-from padfree.errors import InvalidArgumentError
+from padfree.errors import BackendUnavailableError, InvalidArgumentError
 
-__all__ = ["TINY_CONFIGS", "tiny_config", "tiny_model"]
+__all__ = ["TINY_CONFIGS", "build", "build_tiny", "multimodal_types", "quiet", "tiny_config", "tiny_model"]
 
 VOCAB = 96
 
@@ -97,10 +108,110 @@ TINY_CONFIGS: dict[str, dict[str, Any]] = {
     # not all powers of two, where a leak of the bias shows)
 }
 
-# transformers has no SDPA path for these (logit softcapping, attention sinks): they are built with eager
-_EAGER_ONLY = frozenset({"gemma2", "gpt_oss"})
-# no attention layers at all: transformers refuses any attn_implementation for them
-_NO_ATTENTION = frozenset({"mamba", "mamba2", "falcon_mamba"})
+
+@contextlib.contextmanager
+def quiet() -> Iterator[None]:
+    """transformers logs only errors and Python warnings are ignored inside: tiny configs trip harmless rope /
+    vocabulary warnings."""
+    import transformers
+
+    level = transformers.logging.get_verbosity()
+    transformers.logging.set_verbosity_error()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        transformers.logging.set_verbosity(level)
+
+
+def build(config: Any, *, seed: int = 0, attn_implementation: str | None = None, model_class: Any = None) -> Any:
+    """A model of ``config`` with random weights, deterministic for ``seed``, in fp32 (training mode, as built).
+
+    Args:
+        config: a transformers config.
+        seed: the torch seed the weights are drawn with.
+        attn_implementation: the attention implementation to build with; None: ``"sdpa"`` where the class has it,
+            ``"eager"`` where it has not, none for a class without attention (Mamba).
+        model_class: the class to build (a vision-language class, say); None: the causal-LM class of the config's
+            model type.
+
+    Raises:
+        InvalidArgumentError: the class has no ``attn_implementation`` path
+            (:class:`~padfree.errors.BackendUnavailableError` where its package is not installed).
+
+    >>> import transformers
+    >>> config = transformers.LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+    ...                                   num_attention_heads=2, num_key_value_heads=1)
+    >>> a, b = build(config, seed=3), build(config, seed=3)
+    >>> bool((a.lm_head.weight == b.lm_head.weight).all()), a.config._attn_implementation
+    (True, 'sdpa')
+    """
+    import torch
+    import transformers
+
+    tries = (attn_implementation,) if attn_implementation is not None else ("sdpa", "eager", None)
+    with quiet():
+        for attn in tries:
+            kwargs = {} if attn is None else {"attn_implementation": attn}
+            torch.manual_seed(seed)  # every try from the same seed: a refused one may have drawn weights
+            try:
+                if model_class is None:
+                    model = transformers.AutoModelForCausalLM.from_config(config, **kwargs)
+                else:
+                    model = model_class._from_config(config, **kwargs)
+                break
+            except (ValueError, TypeError, ImportError) as exc:
+                # a class without this attention path (SDPA for softcapping, sinks, MegatronBert; any for Mamba)
+                if attn is not tries[-1]:
+                    continue
+                if attn_implementation is None:
+                    raise
+                name = getattr(model_class, "__name__", None) or type(config).__name__
+                error = BackendUnavailableError if isinstance(exc, ImportError) else InvalidArgumentError
+                raise error(f"attn_implementation={attn_implementation!r} cannot build {name} "
+                            f"({type(exc).__name__}: {str(exc).splitlines()[0][:200]}); accepted: an attention "
+                            f"implementation the class has, or None (sdpa, eager or none, by what it has)") from exc
+    return model.float()
+
+
+def multimodal_types() -> dict[str, str]:
+    """The vision-language types the sweep proves apart from the causal-LM mapping: every image-text-to-text
+    (and video-text-to-text) type whose class is not the causal-LM mapping's class of that type — model type ->
+    class name. Their entries sit in the support table's ``multimodal`` section."""
+    from transformers.models.auto import modeling_auto
+
+    causal = modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    found: dict[str, str] = {}
+    for name in ("MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES", "MODEL_FOR_VIDEO_TEXT_TO_TEXT_MAPPING_NAMES"):
+        for model_type, cls in getattr(modeling_auto, name, {}).items():
+            if isinstance(cls, str) and causal.get(model_type) != cls:
+                found.setdefault(model_type, cls)
+    return found
+
+
+def build_tiny(model_type: str, variant: Mapping[str, Any] | None = None, *, seed: int = 0,
+               multimodal: bool = False) -> Any:
+    """The tiny fp32 causal LM of ``model_type`` (with ``multimodal``, its vision-language class of
+    :func:`multimodal_types`): its config class's defaults shrunk, ``variant`` fields on top, built by :func:`build`
+    (``sdpa`` where the class has it, ``eager`` otherwise), in eval mode, every weight offset a little
+    (:func:`padfree.proof.compare.perturb`: no path silenced by a zero initialisation)."""
+    import transformers
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    from padfree.proof.compare import perturb
+    from padfree.proof.shrink import default_config, shrink_config
+
+    if model_type not in CONFIG_MAPPING:
+        raise InvalidArgumentError(f"model_type={model_type!r} is not a model type of transformers "
+                                   f"{transformers.__version__}")
+    if multimodal and model_type not in multimodal_types():
+        raise InvalidArgumentError(f"model_type={model_type!r} has no vision-language class apart from its causal "
+                                   f"LM in transformers {transformers.__version__}")
+    with quiet():
+        config = shrink_config(default_config(model_type), **dict(variant or {}))
+    cls = getattr(transformers, multimodal_types()[model_type]) if multimodal else None
+    return perturb(build(config, seed=seed, model_class=cls).eval(), seed=seed)
 
 
 def tiny_config(model_type: str, **overrides: Any) -> Any:
@@ -120,28 +231,7 @@ def tiny_config(model_type: str, **overrides: Any) -> Any:
 
 
 def tiny_model(model_type: str, *, seed: int = 0, attn_implementation: str | None = None, **overrides: Any) -> Any:
-    """A tiny fp32 ``*ForCausalLM`` of ``model_type`` with random weights, deterministic for ``seed``.
-
-    ``attn_implementation`` defaults to ``"sdpa"`` (``"eager"`` for the types transformers runs only eagerly or
-    whose class has no SDPA path, none for the types without attention).
-    """
-    import torch
-    import transformers
-
-    config = tiny_config(model_type, **overrides)
-    impl = attn_implementation or ("eager" if model_type in _EAGER_ONLY else "sdpa")
-    extra = {} if model_type in _NO_ATTENTION else {"attn_implementation": impl}
-    torch.manual_seed(seed)
-    log = logging.getLogger("transformers")
-    level = log.level
-    transformers.logging.set_verbosity_error()  # tiny configs trip harmless rope / vocabulary warnings
-    try:
-        try:
-            return transformers.AutoModelForCausalLM.from_config(config, **extra).float()
-        except ValueError:  # a class without an SDPA path (MegatronBert, RemBert, ...) when none was asked for
-            if attn_implementation is not None or impl != "sdpa":
-                raise
-            torch.manual_seed(seed)
-            return transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager").float()
-    finally:
-        log.setLevel(level)
+    """A tiny fp32 ``*ForCausalLM`` of ``model_type``'s hand-made config (:func:`tiny_config`, ``overrides``
+    applied last) with random weights, deterministic for ``seed``, built by :func:`build` (``attn_implementation``:
+    None picks sdpa, eager or none by what the class has)."""
+    return build(tiny_config(model_type, **overrides), seed=seed, attn_implementation=attn_implementation)
