@@ -104,7 +104,7 @@ def test_strategy_table_matches_the_engine():
         assert row.lower_bound == -(-kept // 512)
         assert row.efficiency == pytest.approx(kept / (ref.num_bins * 512))
         assert row.padding_tokens == ref.num_bins * 512 - kept
-        assert row.online == STRATEGIES[row.name].online
+        assert row.online == STRATEGIES[row.name].input_order
         assert row.time_ms > 0
     assert a.overlong == int((lengths > 512).sum())
     # the candidate at the requested capacity is the default strategy's row of the table

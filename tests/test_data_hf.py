@@ -23,14 +23,24 @@ from padfree import (
     InvalidSampleError,
     InvalidTokensError,
     OverlongSequenceError,
+    PackingSpec,
     PadfreeError,
+    RowSpec,
     pack_sequences,
 )
-from padfree.data.hf import COLUMNS, DEFAULT_COLUMNS, pack_dataset, pack_dataset_from_result
+from padfree.data.hf import COLUMNS, DEFAULT_COLUMNS, pack_dataset, pack_dataset_from_result, plan_dataset
 from padfree.rows import packed_rows
 from realdata import gsm8k_records
 
 ALL = list(COLUMNS)
+_PLANNING = ("capacity", "strategy", "seed")
+
+
+def pack_with_plan(data, *args, **kwargs):
+    """``pack_dataset(data, *args, **kwargs)`` and :func:`plan_dataset` of the same packing settings."""
+    planning = dict(zip(_PLANNING, args, strict=False))
+    planning |= {k: kwargs[k] for k in ("overlong", "max_sequences_per_bin") if k in kwargs}
+    return pack_dataset(data, *args, **kwargs), plan_dataset(data, **planning)
 
 datasets.disable_progress_bars()
 
@@ -85,9 +95,9 @@ def test_every_sequence_comes_back_exactly_once(seqs, capacity, policy, strategy
     labels = [[t if rng.random() < 0.7 else -100 for t in s] for s in seqs]
     if padding == 64:
         padding = max(capacity, 64)
-    ds, plan = pack_dataset(seqs, capacity, strategy, seed, overlong=policy, padding=padding,
-                            pad_to_multiple_of=multiple, attention_mask=mask, columns=ALL, labels=labels,
-                            chunk_tokens=chunk, return_result=True)
+    ds, plan = pack_with_plan(seqs, capacity, strategy, seed, overlong=policy, padding=padding,
+                              pad_to_multiple_of=multiple, attention_mask=mask, columns=ALL, labels=labels,
+                              chunk_tokens=chunk)
     assert len(ds) == plan.num_bins
     assert ds.column_names == ALL
     widths = [len(row) for row in ds[:]["input_ids"]]
@@ -237,7 +247,7 @@ def test_memory_mapped_dataset_with_many_chunks(tmp_path):
     src.save_to_disk(str(tmp_path / "src"), max_shard_size="200KB")  # several files, 1,000-row batches
     ds = datasets.load_from_disk(str(tmp_path / "src"))
     assert ds.data.column("input_ids").num_chunks > 3
-    packed, _plan = pack_dataset(ds, 256, columns=ALL, return_result=True, keep_in_memory=False)
+    packed = pack_dataset(ds, 256, columns=ALL, keep_in_memory=False)
     # written next to the input's own files, as datasets' map does
     assert os.path.dirname(packed.cache_files[0]["filename"]) == str(tmp_path / "src")
     ref = pack_dataset(src["input_ids"][:], 256, columns=ALL)
@@ -312,11 +322,90 @@ def gsm8k() -> datasets.Dataset:
     return ds
 
 
+@pytest.mark.parametrize("strategy", ["obfd", "ffs", "wrapped"])
+def test_the_spec_route_writes_the_rows_of_the_keyword_route_on_real_text(gsm8k, strategy):
+    overlong = "split" if strategy == "wrapped" else "error"
+    spec = PackingSpec(capacity=512, strategy=strategy, seed=3, overlong=overlong)
+    rows = RowSpec(padding="longest", pad_to_multiple_of=64, padding_value=gsm8k.tokenizer.eos_token_id,
+                   label_padding_value=-1, attention_mask="segments")
+    by_spec = pack_dataset(gsm8k, spec=spec, rows=rows, columns=ALL)
+    by_keywords = pack_dataset(gsm8k, 512, strategy, 3, gsm8k.tokenizer.eos_token_id, -1, overlong=overlong,
+                               padding="longest", pad_to_multiple_of=64, attention_mask="segments", columns=ALL)
+    assert by_spec[:] == by_keywords[:] and len(by_spec) > 1
+    plan = plan_dataset(gsm8k, spec=spec)
+    assert pack_dataset_from_result(plan, gsm8k, rows=rows, columns=ALL)[:] == by_spec[:]
+    assert plan.bins == plan_dataset(gsm8k, 512, strategy, 3, overlong=overlong).bins
+    if strategy == "wrapped":  # full rows in input order; every cut piece a sequence of its own
+        assert plan.bin_fill[:-1].tolist() == [512] * (plan.num_bins - 1)
+        assert plan.piece_starts is not None and int(plan.piece_starts.max()) > 0
+        assert all(sum(row) == fill for row, fill in zip(by_spec[:]["seq_lens"], plan.bin_fill.tolist(),
+                                                         strict=True))
+
+
+def test_a_setting_given_both_ways_is_refused_naming_both():
+    data = [[1, 2, 3], [4, 5]]
+    with pytest.raises(InvalidArgumentError, match=r"overlong='drop' is given both as a keyword and in spec "
+                                                   r"\(spec\.overlong='split'\)"):
+        pack_dataset(data, spec=PackingSpec(4, overlong="split"), overlong="drop")
+    with pytest.raises(InvalidArgumentError, match=r"capacity=4 is given both as a keyword and in spec "
+                                                   r"\(spec\.capacity=4\)"):
+        pack_dataset(data, 4, spec=PackingSpec(4))
+    with pytest.raises(InvalidArgumentError, match=r"padding=None is given both as a keyword and in rows "
+                                                   r"\(rows\.padding='longest'\)"):
+        pack_dataset(data, 4, rows=RowSpec(padding="longest"), padding=None)
+    with pytest.raises(InvalidArgumentError, match=r"spec must be a PackingSpec or None, got"):
+        plan_dataset(data, spec={"capacity": 4})
+    with pytest.raises(InvalidArgumentError, match=r"rows must be a RowSpec or None, got"):
+        pack_dataset_from_result(pack_sequences([3, 2], 4), data, rows=PackingSpec(4))
+
+
+@pytest.mark.parametrize(("keywords", "fields"), [
+    ({"capacity": 0}, {"capacity": 0}),
+    ({"capacity": 4, "strategy": "best"}, {"capacity": 4, "strategy": "best"}),
+    ({"capacity": 4, "seed": -1}, {"capacity": 4, "seed": -1}),
+    ({"capacity": 4, "overlong": "cut"}, {"capacity": 4, "overlong": "cut"}),
+    ({"capacity": 4, "max_sequences_per_bin": 0}, {"capacity": 4, "max_sequences_per_bin": 0}),
+    ({"capacity": 4, "strategy": "wrapped", "overlong": "drop"}, {"capacity": 4, "strategy": "wrapped",
+                                                                  "overlong": "drop"}),
+    ({"capacity": 4, "padding": 0}, {"padding": 0}),
+    ({"capacity": 4, "padding": "max"}, {"padding": "max"}),
+    ({"capacity": 4, "pad_to_multiple_of": 0}, {"pad_to_multiple_of": 0}),
+    ({"capacity": 4, "padding_value": 1.5}, {"padding_value": 1.5}),
+    ({"capacity": 4, "label_padding_value": True}, {"label_padding_value": True}),
+    ({"capacity": 4, "attention_mask": "causal"}, {"attention_mask": "causal"}),
+])
+def test_a_spec_refuses_a_bad_value_with_the_keywords_error(keywords, fields):
+    with pytest.raises(InvalidArgumentError) as by_keyword:
+        pack_dataset([[1, 2, 3]], **keywords)
+    is_row = next(iter(fields)) in {f for f in RowSpec.__dataclass_fields__}
+    with pytest.raises(InvalidArgumentError) as by_spec:
+        RowSpec(**fields) if is_row else PackingSpec(**fields)
+    assert str(by_spec.value) == str(by_keyword.value)
+
+
+@given(seqs=st.lists(st.lists(st.integers(0, 1000), min_size=1, max_size=40), min_size=1, max_size=30),
+       capacity=st.integers(1, 48), strategy=st.sampled_from(["obfd", "ffd", "nf", "ffs", "hk", "wrapped"]),
+       padding=st.sampled_from(["capacity", "longest", None]))
+@settings(max_examples=40, deadline=None)
+def test_no_token_is_lost_or_repeated_through_the_spec_route(seqs, capacity, strategy, padding):
+    ds = pack_dataset(seqs, spec=PackingSpec(capacity, strategy, seed=0, overlong="split"),
+                      rows=RowSpec(padding=padding), columns=["input_ids", "seq_lens", "sequence_ids"])
+    rows = ds[:]
+    pieces: dict[int, list[int]] = {}
+    for ids, lens, seq_ids in zip(rows["input_ids"], rows["seq_lens"], rows["sequence_ids"], strict=True):
+        at = 0
+        for n, i in zip(lens, seq_ids, strict=True):
+            pieces.setdefault(i, []).extend(ids[at:at + n])
+            at += n
+    # the pieces of a sequence come in the order the plan cut them; put back together, each is its sequence
+    assert {i: sorted(t) for i, t in pieces.items()} == {i: sorted(s) for i, s in enumerate(seqs)}
+    assert sum(map(len, pieces.values())) == sum(map(len, seqs))
+
+
 @pytest.mark.parametrize("padding", ["capacity", None])
 def test_real_text_round_trip(gsm8k, padding):
     tokenizer = gsm8k.tokenizer
-    packed, plan = pack_dataset(gsm8k, 1024, padding=padding, columns=ALL, padding_value=tokenizer.eos_token_id,
-                                return_result=True)
+    packed, plan = pack_with_plan(gsm8k, 1024, padding=padding, columns=ALL, padding_value=tokenizer.eos_token_id)
     assert packed.column_names == [*ALL, "completion_mask"]  # TRL's mask is carried too, not only folded in
     assert plan.efficiency > 0.95 and len(packed) == plan.num_bins < len(gsm8k) / 4
     rows = packed[:]
@@ -434,7 +523,7 @@ def test_overlong_sequences():
     ds = datasets.Dataset.from_dict({"input_ids": [[1, 2, 3, 4, 5], [1]]})
     with pytest.raises(OverlongSequenceError, match=r"input_ids\[0\] has 5 tokens.*overlong='truncate'"):
         pack_dataset(ds, 4)
-    out, plan = pack_dataset(ds, 4, overlong="drop", return_result=True)
+    out, plan = pack_with_plan(ds, 4, overlong="drop")
     assert plan.dropped.tolist() == [0] and out[:]["input_ids"] == [[1, 0, 0, 0]]
 
 
@@ -592,10 +681,13 @@ def test_a_streaming_dataset_is_packed_online_into_the_same_columns():
     stream = source.to_iterable_dataset()
     for kwargs, match in [({"padding": "longest"}, "padding='longest' needs every row"),
                           ({"columns": ["input_ids", "sequence_ids"]}, r"columns \['sequence_ids'\] cannot be written"),
-                          ({"return_result": True}, "return_result=True needs a global plan"),
                           ({"padding": 32}, "padding=32 is shorter than capacity=64")]:
         with pytest.raises(InvalidArgumentError, match=match):
             pack_dataset(stream, 64, **kwargs)
+    with pytest.raises(InvalidArgumentError, match="plan_dataset needs a global plan, which a stream does not have"):
+        plan_dataset(stream, 64)
+    with pytest.raises(InvalidArgumentError, match="strategy='wrapped' cuts the sequences at the rows' edges"):
+        pack_dataset(stream, 64, "wrapped")
     masked = datasets.Dataset.from_dict({"input_ids": seqs, "completion_mask": [[1] * len(s) for s in seqs]})
     with pytest.raises(InvalidArgumentError, match=r"the stream has \['completion_mask'\] but no labels"):
         pack_dataset(masked.to_iterable_dataset(), 64)
@@ -615,8 +707,8 @@ def test_other_per_token_columns_are_carried_in_parallel_with_the_ids(tmp_path, 
     source = datasets.Dataset.from_dict({"input_ids": seqs, "token_type_ids": types, "completion_mask": masks,
                                          "text": [str(i) for i in range(len(seqs))]}).shuffle(seed=0)
     cache = None if keep_in_memory else tmp_path / "rows.arrow"
-    out, plan = pack_dataset(source, 40, overlong="split", carry="all", return_result=True,
-                             keep_in_memory=keep_in_memory, cache_file_name=cache)
+    out, plan = pack_with_plan(source, 40, overlong="split", carry="all", keep_in_memory=keep_in_memory,
+                               cache_file_name=cache)
     assert out.column_names == [*DEFAULT_COLUMNS, "token_type_ids", "completion_mask"]  # "text" is not per-token
     rows = out[:]
     starts = plan.piece_starts if plan.piece_starts is not None else np.zeros(plan.num_pieces, np.int64)
@@ -656,7 +748,7 @@ def test_per_token_columns_are_carried_by_default_as_trl_packs_them(tmp_path):
         "text": [f"row {i}" for i in range(len(seqs))], "score": list(range(len(seqs))),
         "tags": [["a", "b"]] * len(seqs),
     }).shuffle(seed=1)
-    out, plan = pack_dataset(source, 24, overlong="split", return_result=True)
+    out, plan = pack_with_plan(source, 24, overlong="split")
     assert out.column_names == [*DEFAULT_COLUMNS, "completion_mask", "assistant_masks", "token_type_ids"]
     rows = out[:]
     starts = plan.piece_starts if plan.piece_starts is not None else np.zeros(plan.num_pieces, np.int64)

@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from padfree import Packer, PackResult, pack_sequences
+from padfree import InvalidArgumentError, Packer, PackResult, pack_sequences
 from padfree.packing import STRATEGIES
 from padfree.packing.inputs import apply_overlong
 
@@ -213,6 +213,11 @@ def _check_plan(result: PackResult, lengths, capacity, policy, max_items):
        seed=st.integers(0, 2**32))
 @settings(max_examples=40, deadline=None)
 def test_every_token_accounted_for(name, policy, lengths, capacity, max_items, seed):
+    if STRATEGIES[name].cuts_at_row_edges and (policy != "split" or max_items is not None):
+        # it cuts at the rows' edges: nothing to truncate or drop, and a row holds what the stream holds
+        with pytest.raises(InvalidArgumentError, match=f"does not apply to strategy='{name}'"):
+            pack_sequences(lengths, capacity, name, seed, overlong=policy, max_sequences_per_bin=max_items)
+        return
     result = pack_sequences(lengths, capacity, name, seed, overlong=policy, max_sequences_per_bin=max_items)
     _check_plan(result, lengths, capacity, policy, max_items)
     assert result.strategy == name
@@ -303,7 +308,7 @@ def test_packer_reuses_its_configuration():
 
 
 def test_registry_documents_every_strategy_with_its_cost():
-    assert set(STRATEGIES) == {"nf", "ff", "bf", "wf", "ffd", "bfd", "obfd", "obfdp", "mffd", "ffs", "hk"}
+    assert set(STRATEGIES) == {"nf", "ff", "bf", "wf", "ffd", "bfd", "obfd", "obfdp", "mffd", "ffs", "hk", "wrapped"}
     for spec in STRATEGIES.values():
         assert "O(" in spec.doc, spec.name
 
@@ -398,7 +403,8 @@ def test_packs_show_each_bin_as_seqpacker_does():
 @given(lengths=any_lengths, capacity=capacities, name=st.sampled_from(sorted(STRATEGIES)))
 @settings(max_examples=80, deadline=None)
 def test_metrics_agree_with_the_plan(lengths, capacity, name):
-    result = pack_sequences(lengths, capacity, name, 0, overlong="truncate")
+    overlong = "split" if STRATEGIES[name].cuts_at_row_edges else "truncate"
+    result = pack_sequences(lengths, capacity, name, 0, overlong=overlong)
     m = result.metrics
     assert m.num_sequences == len(lengths) and m.num_packs == result.num_bins
     assert m.total_tokens == result.total_tokens and m.padding_tokens == result.padding_tokens

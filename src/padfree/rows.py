@@ -20,6 +20,8 @@ Conventions (shared with :mod:`padfree.layout`):
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,11 +33,86 @@ from numba.extending import intrinsic, overload
 
 from padfree.errors import InvalidArgumentError, InvalidTokensError, describe
 from padfree.layout import IGNORE_INDEX
-from padfree.packing.inputs import MAX_CAPACITY
+from padfree.packing.inputs import MAX_CAPACITY, as_choice, as_positive_int
 from padfree.packing.result import PackResult, as_pack_result
+from padfree.packing.spec import resolve_spec
 from padfree.samples import as_fill_value, read_tokens
 
-__all__ = ["PackedRows", "fill_rows", "mask_labels", "packed_rows"]
+__all__ = ["PackedRows", "RowSpec", "fill_rows", "mask_labels", "packed_rows"]
+
+ROW_PADDINGS = ("capacity", "longest")
+ROW_MASKS = ("binary", "segments")
+
+
+@dataclass(frozen=True)
+class RowSpec:
+    """How a packed row is laid out, validated on construction with the errors the keywords give; passed as
+    ``rows=`` to :func:`~padfree.pack_dataset`, :func:`~padfree.pack_dataset_from_result` and the collators
+    (:func:`~padfree.packed_collate_fn`) in place of their layout keywords.
+
+    Args:
+        padding: the row length: ``"capacity"`` (every row the plan's capacity), ``"longest"`` (the fullest row),
+            an int, or None (no padding: every row as long as its tokens). The collators call it ``pad_to`` and
+            take no None.
+        pad_to_multiple_of: round every row length up to a multiple of this (None: no rounding).
+        padding_value: the token id written into padding (an int that fits int32).
+        label_padding_value: the ignored label, on padding and on the first token of every sequence (int32 too).
+        attention_mask: ``"binary"`` (1 real / 0 padding), ``"segments"`` (1-based sequence index, 0 padding) or
+            None (none; the collators' default, see :meth:`padfree.PackedBatch.model_inputs`).
+
+    A :class:`RowSpec` states every setting: a route's own defaults do not fill it in (``RowSpec()`` writes a
+    ``"binary"`` mask on every route).
+
+    >>> from padfree import pack_dataset
+    >>> rows = RowSpec(padding=None, attention_mask="segments")
+    >>> pack_dataset([[1, 2], [3, 4, 5], [6]], capacity=4, rows=rows)[:]["attention_mask"]
+    [[1, 1, 1, 2], [1, 1]]
+    >>> RowSpec(padding=0)
+    Traceback (most recent call last):
+    ...
+    padfree.errors.InvalidArgumentError: padding must be 'capacity', 'longest', None or an int >= 1, got 0 (type int)
+    """
+
+    padding: str | int | None = "capacity"
+    pad_to_multiple_of: int | None = None
+    padding_value: int = 0
+    label_padding_value: int = IGNORE_INDEX
+    attention_mask: str | None = "binary"
+
+    def __post_init__(self) -> None:
+        for name, value in checked_rows(dataclasses.asdict(self), {}).items():
+            object.__setattr__(self, name, value)
+
+    @classmethod
+    def resolve(cls, rows: Any, keywords: Mapping[str, Any], *, names: Mapping[str, str] | None = None,
+                defaults: Mapping[str, Any] | None = None) -> RowSpec:
+        """The layout a route runs with: ``rows`` (passed as ``rows=``), or one built from the route's ``keywords``
+        (:func:`padfree.packing.spec.resolve_spec`: a setting given both ways is refused, naming both)."""
+        return resolve_spec(cls, rows, "rows", keywords, checked_rows, names=names, defaults=defaults)
+
+
+def checked_rows(values: Mapping[str, Any], names: Mapping[str, str]) -> dict[str, Any]:
+    """``values`` (the fields of a :class:`RowSpec`) validated, one error naming the route's argument (``names``:
+    ``{field: argument}``)."""
+    name = {f.name: names.get(f.name, f.name) for f in dataclasses.fields(RowSpec)}
+    padding = values["padding"]
+    if isinstance(padding, str):
+        padding = as_choice(padding, name["padding"], ROW_PADDINGS)
+    elif padding is not None:
+        if isinstance(padding, bool) or not isinstance(padding, (int, np.integer)) or padding < 1:
+            raise InvalidArgumentError(f"{name['padding']} must be 'capacity', 'longest', None or an int >= 1, got "
+                                       f"{describe(padding)}")
+        padding = int(padding)
+    mask = values["attention_mask"]
+    return {
+        "padding": padding,
+        "pad_to_multiple_of": as_positive_int(values["pad_to_multiple_of"], name["pad_to_multiple_of"],
+                                              allow_none=True),
+        # int32: the type of the token and label columns pack_dataset writes
+        "padding_value": as_fill_value(values["padding_value"], name["padding_value"], np.int32),
+        "label_padding_value": as_fill_value(values["label_padding_value"], name["label_padding_value"], np.int32),
+        "attention_mask": None if mask is None else as_choice(mask, name["attention_mask"], ROW_MASKS),
+    }
 
 
 # --------------------------------------------------------------------------------------------------

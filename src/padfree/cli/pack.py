@@ -182,6 +182,7 @@ def run(args: argparse.Namespace) -> int:
     if args.data is not None:
         check_data_path(args.data)
     opts = _pack_options(args)
+    spec = _packing_spec(opts)
     _check_input_args(args)
     require("padfree pack", "pyarrow", "datasets")
     if args.data is None or (args.input_ids_column is None and _text_flags(args)):
@@ -189,15 +190,15 @@ def run(args: argparse.Namespace) -> int:
     say = Progress(enabled=not args.quiet)
     with progress_bars(not args.quiet), AtomicOutput(opts.output, replace=args.overwrite) as out:
         packing = _pack_input(args, opts, out.cache, say)
-        if opts.overlong == "error" and opts.strategy != "wrapped":
+        if spec.refuses_overlong:
             _refuse_overlong(packing, opts, args.data)
         say(f"packing {packing.dataset.num_rows:,} sequences into rows of {opts.capacity:,} tokens ({opts.strategy})")
         try:
-            packed, result = padfree.pack_dataset(
-                packing.dataset, opts.capacity, opts.strategy, opts.seed, opts.padding_value,
-                opts.label_padding_value, overlong=opts.overlong, max_sequences_per_bin=opts.max_sequences_per_bin,
-                padding=opts.padding, attention_mask=opts.attention_mask, columns=opts.columns,
-                cache_file_name=str(out.cache / "packed.arrow"), return_result=True,
+            result = padfree.plan_dataset(packing.dataset, spec=spec)
+            packed = padfree.pack_dataset_from_result(
+                result, packing.dataset, opts.padding_value, opts.label_padding_value, padding=opts.padding,
+                attention_mask=opts.attention_mask, columns=opts.columns,
+                cache_file_name=str(out.cache / "packed.arrow"),
             )
         except InvalidArgumentError as exc:
             raise _in_flags(exc, opts) from exc
@@ -230,6 +231,16 @@ def _in_flags(exc: InvalidArgumentError, opts: _PackOptions) -> InvalidArgumentE
     longest = int(found.group(1))
     return InvalidArgumentError(f"--padding {opts.padding} is shorter than the longest packed row ({longest:,} "
                                 f"tokens); pass --padding {longest} or more, or --padding longest, capacity or none")
+
+
+def _packing_spec(opts: _PackOptions) -> Any:
+    """The one :class:`~padfree.PackingSpec` of the command, refused in its flags' names."""
+    from padfree.packing import PackingSpec
+
+    return PackingSpec.resolve(None, {"capacity": opts.capacity, "strategy": opts.strategy, "seed": opts.seed,
+                                      "overlong": opts.overlong, "max_sequences_per_bin": opts.max_sequences_per_bin},
+                               names={"capacity": "--capacity", "strategy": "--strategy", "seed": "--seed",
+                                      "overlong": "--overlong", "max_sequences_per_bin": "--max-sequences-per-bin"})
 
 
 def _pack_options(args: argparse.Namespace) -> _PackOptions:
@@ -469,7 +480,7 @@ def _tokenize(ds: Any, args: argparse.Namespace, opts: _PackOptions, cache: Path
             raise TokenizerLoadError(f"--append-eos: the tokenizer {name} has no EOS token")
     num_proc = min(opts.num_proc or 1, ds.num_rows)
     say(f"tokenizing {ds.num_rows:,} records with {name}" + (f" in {num_proc} processes" if num_proc > 1 else ""))
-    refuse = (opts.capacity, source) if opts.overlong == "error" and opts.strategy != "wrapped" else None
+    refuse = (opts.capacity, source) if _packing_spec(opts).refuses_overlong else None
     tokens = tokenize_dataset(ds, tokenizer, prompt=prompt, completion=completion,
                               add_special_tokens=args.add_special_tokens, eos=eos, num_proc=num_proc, cache=cache,
                               refuse_over=refuse)
@@ -486,7 +497,7 @@ def _tokenize_chat(ds: Any, chat: Any, args: argparse.Namespace, opts: _PackOpti
     num_proc = min(opts.num_proc or 1, ds.num_rows)
     say(f"tokenizing {ds.num_rows:,} conversations with {name}'s chat template"
         + (f" in {num_proc} processes" if num_proc > 1 else ""))
-    refuse = (opts.capacity, source) if opts.overlong == "error" and opts.strategy != "wrapped" else None
+    refuse = (opts.capacity, source) if _packing_spec(opts).refuses_overlong else None
     tokens = tokenize_dataset(ds, tokenizer, prompt=[], completion=None, add_special_tokens=False, eos=None,
                               num_proc=num_proc, cache=cache, refuse_over=refuse, chat=chat)
     return tokens, f"{chat.note}, tokenized by {name}"

@@ -19,17 +19,12 @@ from padfree.errors import (
 )
 from padfree.layout import IGNORE_INDEX
 from padfree.packing.inputs import (
-    OVERLONG_POLICIES,
-    as_capacity,
-    as_choice,
     as_flag,
     as_int,
-    as_positive_int,
-    as_seed,
     refuse_overlong,
 )
 from padfree.packing.result import PackResult
-from padfree.packing.strategies import as_strategy
+from padfree.packing.spec import PackingSpec
 from padfree.rows import packed_rows
 from padfree.samples import (
     TokenBuffers,
@@ -55,7 +50,7 @@ except ImportError as exc:  # pragma: no cover - torch is installed wherever thi
 __all__ = ["FINGERPRINT_SAMPLES", "FINGERPRINT_TOKENS", "READ_BLOCK", "SEED_ORDER", "SEED_PACK", "Column",
            "PackingBase", "SequentialSampler", "TorchDataset", "TorchIterableDataset", "arrow_chunks", "as_count",
            "check_lengths", "crc32", "derived_seed", "get_worker_info", "hf_class", "loader_batch_size", "packed_row",
-           "torch"]
+           "packing_spec", "torch"]
 
 logger = logging.getLogger("padfree")
 
@@ -76,13 +71,25 @@ FINGERPRINTS = {
 # --------------------------------------------------------------------------------------------------
 
 
-def check_lengths(lengths: np.ndarray, names: Callable[[int], str], max_length: int, overlong: str) -> None:
+def check_lengths(lengths: np.ndarray, names: Callable[[int], str], packing: PackingSpec) -> None:
     """Refuse zero-length samples, and overlong ones under ``overlong="error"``, naming the first offender."""
     if lengths.size == 0:
         return
     refuse_empty(lengths, names)
-    if overlong == "error":
-        refuse_overlong(lengths, max_length, names=names, limit_name="max_length")
+    if packing.refuses_overlong:
+        refuse_overlong(lengths, packing.capacity, names=names, limit_name="max_length")
+
+
+#: the route's names of the :class:`~padfree.PackingSpec` fields: the datasets call the capacity ``max_length``
+_SPEC_NAMES = {"capacity": "max_length"}
+
+
+def packing_spec(spec: Any, max_length: Any, strategy: Any, seed: Any, overlong: Any,
+                 max_sequences_per_bin: Any) -> PackingSpec:
+    """The datasets' :class:`~padfree.PackingSpec`: ``spec=``, or their keywords (``max_length`` is the capacity)."""
+    return PackingSpec.resolve(spec, {"capacity": max_length, "strategy": strategy, "seed": seed,
+                                      "overlong": overlong, "max_sequences_per_bin": max_sequences_per_bin},
+                               names=_SPEC_NAMES)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -149,25 +156,22 @@ class PackingBase:
 
     def _init_options(
         self,
-        max_length: Any,
-        strategy: Any,
-        seed: Any,
+        packing: PackingSpec,
         shuffle: Any,
-        overlong: Any,
-        max_sequences_per_bin: Any,
         label_padding_value: Any,
         input_ids_key: Any,
         labels_key: Any,
     ) -> None:
-        self.max_length = as_capacity(max_length, "max_length")
-        self.strategy: str = as_strategy(strategy)
-        self._seed_given = seed is not None
-        seed = as_seed(seed)
+        self.spec = packing
+        self.max_length = packing.capacity
+        self.strategy: str = packing.strategy
+        self._seed_given = packing.seed is not None
         # drawn once, here: every worker process gets a copy of the object, hence the same seed
-        self.seed: int = seed if seed is not None else int(np.random.SeedSequence().generate_state(1, np.uint32)[0])
+        self.seed: int = packing.seed if packing.seed is not None else int(
+            np.random.SeedSequence().generate_state(1, np.uint32)[0])
         self.shuffle = as_flag(shuffle, "shuffle")
-        self.overlong: str = as_choice(overlong, "overlong", OVERLONG_POLICIES)
-        self.max_sequences_per_bin = as_positive_int(max_sequences_per_bin, "max_sequences_per_bin", allow_none=True)
+        self.overlong: str = packing.overlong
+        self.max_sequences_per_bin = packing.max_sequences_per_bin
         self.label_padding_value = as_fill_value(label_padding_value, "label_padding_value")
         if not isinstance(input_ids_key, str):
             raise InvalidArgumentError(f"input_ids_key must be a string, got {describe(input_ids_key)}")

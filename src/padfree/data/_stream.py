@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 
 from padfree.errors import InvalidArgumentError
+from padfree.packing.spec import PackingSpec
 from padfree.rows import PackedRows
 
 __all__ = ["pack_stream"]
@@ -21,10 +22,10 @@ __all__ = ["pack_stream"]
 _STREAM_COLUMNS = ("input_ids", "attention_mask", "labels", "position_ids", "seq_lens")
 
 
-def pack_stream(data: Any, capacity: int, strategy: str, seed: int | None, overlong: str,
-                max_sequences_per_bin: int | None, opts: Any, buffer_size: int, *, refuse_per_token: bool = False,
+def pack_stream(data: Any, packing: PackingSpec, opts: Any, buffer_size: int, *, refuse_per_token: bool = False,
                 not_carried: frozenset[str] = frozenset()) -> Any:
-    """The packed rows of the stream ``data`` as a ``datasets.IterableDataset`` (``opts``: pack_dataset's options).
+    """The packed rows of the stream ``data`` as a ``datasets.IterableDataset`` (``packing``: the plan's settings,
+    ``opts``: pack_dataset's layout options).
 
     ``refuse_per_token``: a stream's rows are packed without their other columns, so a per-token column (a list as
     long as the row's ``input_ids``, outside ``not_carried``) is refused when the rows holding it are read, rather
@@ -32,6 +33,12 @@ def pack_stream(data: Any, capacity: int, strategy: str, seed: int | None, overl
     """
     import datasets
 
+    capacity = packing.capacity
+    if packing.cuts_at_row_edges:
+        raise InvalidArgumentError(f"strategy={packing.strategy!r} cuts the sequences at the rows' edges of one plan "
+                                   f"over the whole input; a stream is packed as it is read: choose another strategy "
+                                   f"(e.g. 'nf', which also keeps the input order) or load the data as a map-style "
+                                   f"datasets.Dataset")
     if opts.padding == "longest":
         raise InvalidArgumentError("padding='longest' needs every row before the first is written; a stream has no "
                                    "end to wait for: use padding='capacity', an int, or None")
@@ -50,8 +57,7 @@ def pack_stream(data: Any, capacity: int, strategy: str, seed: int | None, overl
     if refuse_per_token:
         data = data.map(_refuse_per_token_columns, batched=True, with_indices=True,
                         fn_kwargs={"not_carried": not_carried})
-    kwargs = {"data": data, "capacity": capacity, "strategy": strategy, "seed": seed, "overlong": overlong,
-              "max_sequences_per_bin": max_sequences_per_bin, "opts": opts, "buffer_size": buffer_size}
+    kwargs = {"data": data, "packing": packing, "opts": opts, "buffer_size": buffer_size}
     return datasets.IterableDataset.from_generator(_rows, gen_kwargs=kwargs)
 
 
@@ -78,15 +84,13 @@ def _refuse_per_token_columns(batch: dict[str, list[Any]], indices: list[int], *
     return {}
 
 
-def _rows(data: Any, capacity: int, strategy: str, seed: int | None, overlong: str,
-          max_sequences_per_bin: int | None, opts: Any, buffer_size: int) -> Iterator[dict[str, list[int]]]:
+def _rows(data: Any, packing: PackingSpec, opts: Any, buffer_size: int) -> Iterator[dict[str, list[int]]]:
     from padfree.data.datasets import IterablePackingDataset
 
-    rows = IterablePackingDataset(data, capacity, buffer_size, strategy, seed, shuffle=False, overlong=overlong,
-                                  max_sequences_per_bin=max_sequences_per_bin,
+    rows = IterablePackingDataset(data, buffer_size=buffer_size, shuffle=False, spec=packing,
                                   label_padding_value=opts.label_padding_value)
     for row in rows:
-        yield _layout(row, capacity, opts)
+        yield _layout(row, packing.capacity, opts)
 
 
 def _layout(row: dict[str, Any], capacity: int, opts: Any) -> dict[str, list[int]]:

@@ -67,9 +67,11 @@ from padfree.packing.inputs import (
     as_seed,
     refuse_overlong,
 )
+from padfree.packing.packer import Packer
 from padfree.packing.result import PackResult
-from padfree.packing.strategies import DEFAULT_STRATEGY, STRATEGIES, Packer
-from padfree.rows import PackedRows, packed_rows
+from padfree.packing.spec import PackingSpec
+from padfree.packing.strategies import DEFAULT_STRATEGY, STRATEGIES
+from padfree.rows import PackedRows, RowSpec, packed_rows
 from padfree.samples import as_fill_value, read_samples
 
 try:
@@ -527,7 +529,7 @@ class PackedCollator:
 
     def __init__(
         self,
-        capacity: int,
+        capacity: int | None = None,
         strategy: str = DEFAULT_STRATEGY,
         seed: int | None = None,
         padding_value: int = 0,
@@ -538,12 +540,22 @@ class PackedCollator:
         pad_to: int | str = "capacity",
         pad_to_multiple_of: int | None = None,
         attention_mask: str | None = None,
+        spec: PackingSpec | None = None,
+        rows: RowSpec | None = None,
         seq_idx: bool = False,
         shift_labels: bool = False,
         return_dict: bool = False,
         carry: Sequence[str] | None = None,
     ) -> None:
-        self.packer = Packer(capacity, strategy, seed, overlong=overlong, max_sequences_per_bin=max_sequences_per_bin)
+        self.packer = Packer(capacity, strategy, seed, overlong=overlong, max_sequences_per_bin=max_sequences_per_bin,
+                             spec=spec)
+        if rows is not None:  # the layout keywords are checked below, with the collator's own bounds
+            rows = RowSpec.resolve(rows, {"padding": pad_to, "pad_to_multiple_of": pad_to_multiple_of,
+                                          "padding_value": padding_value, "label_padding_value": label_padding_value,
+                                          "attention_mask": attention_mask},
+                                   names={"padding": "pad_to"}, defaults={"attention_mask": None})
+            pad_to, pad_to_multiple_of, attention_mask = rows.padding, rows.pad_to_multiple_of, rows.attention_mask
+            padding_value, label_padding_value = rows.padding_value, rows.label_padding_value
         self.carry = as_carry(carry)
         self.capacity = self.packer.capacity
         self.padding_value = as_fill_value(padding_value, "padding_value")
@@ -581,7 +593,7 @@ class PackedCollator:
         read = read_samples(samples, ignored=(IGNORE_INDEX, self.label_padding_value))
         ids, labels = read.ids, read.labels
         lengths = ids.lengths
-        if self.packer.overlong == "error":
+        if self.packer.spec.refuses_overlong:
             refuse_overlong(lengths, self.capacity, names=lambda i: f"samples[{i}]")
         result = self.packer.pack(lengths, seed=self._next_seed())
         rows = packed_rows(result, ids, labels=labels, label_padding_value=self.label_padding_value)
@@ -633,7 +645,7 @@ def _carried(samples: Sequence[Any], carry: tuple[str, ...], read: Any, rows: Pa
 
 
 def packed_collate_fn(
-    capacity: int,
+    capacity: int | None = None,
     strategy: str = DEFAULT_STRATEGY,
     seed: int | None = None,
     padding_value: int = 0,
@@ -644,6 +656,8 @@ def packed_collate_fn(
     pad_to: int | str = "capacity",
     pad_to_multiple_of: int | None = None,
     attention_mask: str | None = None,
+    spec: PackingSpec | None = None,
+    rows: RowSpec | None = None,
     seq_idx: bool = False,
     shift_labels: bool = False,
     return_dict: bool = False,
@@ -665,6 +679,11 @@ def packed_collate_fn(
         padding_value, label_padding_value: the padding token id and the ignored label.
         pad_to, pad_to_multiple_of, attention_mask, seq_idx, shift_labels: as in :func:`pack_result_to_tensors`
             (an int ``pad_to`` must be >= ``capacity``).
+        spec: ``capacity``, ``strategy``, ``seed``, ``overlong`` and ``max_sequences_per_bin`` as one
+            :class:`~padfree.PackingSpec`, in place of those keywords (a keyword given too is refused, naming both).
+        rows: ``pad_to`` (as ``padding``, not None here), ``pad_to_multiple_of``, ``padding_value``,
+            ``label_padding_value`` and ``attention_mask`` as one :class:`~padfree.RowSpec`, in place of those
+            keywords; it states every one of them (``RowSpec()`` asks for a ``"binary"`` mask).
         return_dict: return ``batch.model_inputs()`` (a plain ``dict``) instead of the :class:`PackedBatch`.
         carry: other columns of the samples to carry into the batch (:attr:`PackedBatch.carried`, passed on by
             ``model_inputs``): per-token ones (``mm_token_type_ids``, ...) laid out like the tokens, per-sample ones
@@ -694,6 +713,10 @@ def packed_collate_fn(
     >>> loader = torch.utils.data.DataLoader(samples, batch_size=2, collate_fn=packed_collate_fn(8, return_dict=True))
     >>> next(iter(loader))["input_ids"].shape
     torch.Size([1, 8])
+    >>> from padfree import PackingSpec, RowSpec
+    >>> collate = packed_collate_fn(spec=PackingSpec(8), rows=RowSpec(padding="longest", attention_mask=None))
+    >>> collate(samples).input_ids.tolist()
+    [[1, 2, 3, 4, 5]]
     """
     return PackedCollator(
         capacity,
@@ -706,6 +729,8 @@ def packed_collate_fn(
         pad_to=pad_to,
         pad_to_multiple_of=pad_to_multiple_of,
         attention_mask=attention_mask,
+        spec=spec,
+        rows=rows,
         seq_idx=seq_idx,
         shift_labels=shift_labels,
         return_dict=return_dict,

@@ -65,6 +65,7 @@ Nothing is dropped silently: what ``overlong="truncate"`` / ``"drop"`` remove is
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import operator
@@ -91,6 +92,7 @@ from padfree.data._packing_base import (
     hf_class,
     loader_batch_size,
     packed_row,
+    packing_spec,
     torch,
 )
 from padfree.data.iterable import IterablePackingDataset
@@ -105,8 +107,10 @@ from padfree.layout import IGNORE_INDEX
 from padfree.packing.inputs import (
     as_positive_int,
 )
+from padfree.packing.packer import Packer
 from padfree.packing.result import PackResult
-from padfree.packing.strategies import DEFAULT_STRATEGY, STRATEGIES, Packer
+from padfree.packing.spec import PackingSpec
+from padfree.packing.strategies import DEFAULT_STRATEGY, STRATEGIES
 from padfree.samples import (
     concat,
     read_sequence,
@@ -135,6 +139,9 @@ class PackingDataset(PackingBase, TorchDataset):
         overlong: samples longer than ``max_length``: ``"error"`` | ``"truncate"`` | ``"split"`` | ``"drop"``
             (see :func:`padfree.pack_sequences`); truncated tokens and dropped samples are logged.
         max_sequences_per_bin: at most this many sequences per row.
+        spec: ``max_length`` (as ``capacity``), ``strategy``, ``seed``, ``overlong`` and ``max_sequences_per_bin``
+            as one :class:`~padfree.PackingSpec`, in place of those keywords (a keyword given too is refused):
+            ``PackingDataset(data, spec=PackingSpec(4096, overlong="split"))``.
         label_padding_value: the ignored label written on the first token of every sequence.
         input_ids_key, labels_key: where dict samples (and dataset columns) keep their ids and labels;
             ``labels_key=None`` ignores labels.
@@ -168,19 +175,20 @@ class PackingDataset(PackingBase, TorchDataset):
     def __init__(
         self,
         dataset: Any,
-        max_length: int,
+        max_length: int | None = None,
         strategy: str = DEFAULT_STRATEGY,
         seed: int | None = None,
         *,
         shuffle: bool = True,
         overlong: str = "error",
         max_sequences_per_bin: int | None = None,
+        spec: PackingSpec | None = None,
         label_padding_value: int = IGNORE_INDEX,
         input_ids_key: str = "input_ids",
         labels_key: str | None = "labels",
     ) -> None:
-        self._init_options(max_length, strategy, seed, shuffle, overlong, max_sequences_per_bin,
-                           label_padding_value, input_ids_key, labels_key)
+        self._init_options(packing_spec(spec, max_length, strategy, seed, overlong, max_sequences_per_bin),
+                           shuffle, label_padding_value, input_ids_key, labels_key)
         self._rows: np.ndarray | None = None  # logical sample -> physical row of the columns (None: identity)
         hf_dataset = hf_class("Dataset")
         if hf_dataset is not None and isinstance(dataset, hf_dataset):
@@ -189,9 +197,9 @@ class PackingDataset(PackingBase, TorchDataset):
             self._read_python(dataset)
         lengths = self._ids.lengths
         self._lengths = lengths if self._rows is None else lengths[self._rows]
-        check_lengths(self._lengths, self._name, self.max_length, self.overlong)
-        self._packer = Packer(self.max_length, self.strategy, overlong=self.overlong,
-                              max_sequences_per_bin=self.max_sequences_per_bin)
+        check_lengths(self._lengths, self._name, self.spec)
+        # the seed of every epoch's pack is derived from (seed, epoch), so the packer keeps none of its own
+        self._packer = Packer(spec=dataclasses.replace(self.spec, seed=None))
         self._plan: PackResult | None = None
         self._plan_epoch = -1
         self._start = 0  # rows of the current epoch already consumed (after load_state_dict)

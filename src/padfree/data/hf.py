@@ -80,10 +80,10 @@ Memory and disk
     grow with the data — two chunks of rows, ~0.1 GB with the defaults — never by the size of the output.
 
 The plan
-    ``return_result=True`` returns ``(dataset, result)``: the :class:`~padfree.PackResult` whose bins are the
-    dataset's rows (sequence ids are rows of ``data``), for metrics (``result.efficiency``), for
-    :func:`pack_dataset_from_result` on another column set, or to keep with the dataset. Nothing is stored in the
-    dataset's ``info``: the plan is arrays, and the ``sequence_ids`` column carries it row by row when asked for.
+    :func:`plan_dataset` returns the :class:`~padfree.PackResult` that :func:`pack_dataset` lays out (sequence ids are
+    rows of ``data``, bins are the packed rows), for metrics (``plan.efficiency``), for
+    :func:`pack_dataset_from_result` on one column set or several, or to keep with the dataset. Nothing is stored in
+    the dataset's ``info``: the plan is arrays, and the ``sequence_ids`` column carries it row by row when asked for.
 
 Differences from SeqPacker's ``hf_utils.pack_dataset`` (same name, arguments and columns) and TRL's
 ``pack_dataset``: nothing is dropped or cut silently (an empty sequence, a sequence longer than ``capacity`` under
@@ -114,10 +114,11 @@ from padfree.errors import (
 )
 from padfree.layout import IGNORE_INDEX
 from padfree.packing import DEFAULT_STRATEGY, PackResult, pack_sequences
-from padfree.packing.inputs import OVERLONG_POLICIES, as_capacity, as_choice, as_positive_int, refuse_overlong
+from padfree.packing.inputs import as_positive_int, refuse_overlong
 from padfree.packing.result import as_pack_result
-from padfree.packing.wrapped import wrap_sequences
-from padfree.samples import as_fill_value, read_arrow_chunks, read_tokens, refuse_empty
+from padfree.packing.spec import PackingSpec
+from padfree.rows import RowSpec
+from padfree.samples import read_arrow_chunks, read_tokens, refuse_empty
 
 __all__ = [
     "COLUMNS",
@@ -126,6 +127,7 @@ __all__ = [
     "NOT_CARRIED",
     "pack_dataset",
     "pack_dataset_from_result",
+    "plan_dataset",
 ]
 
 logger = logging.getLogger("padfree")
@@ -143,8 +145,6 @@ DEFAULT_CHUNK_TOKENS = 1 << 22
 IN_MEMORY_MAX_BYTES = 1 << 26
 
 _INT32 = np.iinfo(np.int32)
-_PADDINGS = ("capacity", "longest")
-_MASKS = ("binary", "segments")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -527,18 +527,9 @@ class _Options:
         return any(w == what for w, _ in self.columns)
 
 
-def _options(padding_value: Any, label_padding_value: Any, padding: Any, pad_to_multiple_of: Any,
-             attention_mask: Any, columns: Any, label_masks: Any, chunk_tokens: Any, keep_in_memory: Any,
+def _options(rows: RowSpec, columns: Any, label_masks: Any, chunk_tokens: Any, keep_in_memory: Any,
              cache_file_name: Any, num_threads: Any) -> _Options:
-    if padding is not None and not isinstance(padding, str):
-        if isinstance(padding, bool) or not isinstance(padding, (int, np.integer)) or padding < 1:
-            raise InvalidArgumentError(f"padding must be 'capacity', 'longest', None or an int >= 1, got "
-                                       f"{describe(padding)}")
-        padding = int(padding)
-    elif isinstance(padding, str):
-        padding = as_choice(padding, "padding", _PADDINGS)
-    if attention_mask is not None:
-        attention_mask = as_choice(attention_mask, "attention_mask", _MASKS)
+    attention_mask = rows.attention_mask
     if columns is None:
         pairs = tuple((c, c) for c in DEFAULT_COLUMNS if c != "attention_mask" or attention_mask is not None)
     else:
@@ -576,10 +567,10 @@ def _options(padding_value: Any, label_padding_value: Any, padding: Any, pad_to_
             raise InvalidArgumentError("keep_in_memory=True and a cache_file_name contradict each other; pass one")
         cache_file_name = os.fspath(cache_file_name)
     return _Options(
-        padding_value=as_fill_value(padding_value, "padding_value", np.int32),
-        label_padding_value=as_fill_value(label_padding_value, "label_padding_value", np.int32),
-        padding=padding,
-        pad_to_multiple_of=as_positive_int(pad_to_multiple_of, "pad_to_multiple_of", allow_none=True),
+        padding_value=rows.padding_value,  # int32, as the columns (RowSpec checks it)
+        label_padding_value=rows.label_padding_value,
+        padding=rows.padding,
+        pad_to_multiple_of=rows.pad_to_multiple_of,
         attention_mask=attention_mask,
         columns=pairs,
         label_masks=tuple(label_masks),
@@ -608,6 +599,8 @@ def pack_dataset(
     padding: str | int | None = "capacity",
     pad_to_multiple_of: int | None = None,
     attention_mask: str | None = "binary",
+    spec: PackingSpec | None = None,
+    rows: RowSpec | None = None,
     columns: Sequence[str] | Mapping[str, str] | None = None,
     labels: Any = None,
     label_masks: Sequence[str] = LABEL_MASK_COLUMNS,
@@ -615,7 +608,6 @@ def pack_dataset(
     keep_in_memory: bool | None = None,
     cache_file_name: str | os.PathLike[str] | None = None,
     num_threads: int | None = None,
-    return_result: bool = False,
     token_ids: Any = None,
     buffer_size: int = 10_000,
     carry: Sequence[str] | str | None = None,
@@ -632,7 +624,7 @@ def pack_dataset(
             longer than ``capacity``; ``"truncate"``, ``"split"`` and ``"drop"`` are counted in the plan.
             ``strategy="wrapped"`` (TRL's name) keeps the input order and cuts the stream into full rows; each piece
             of a cut sequence is a sequence of its own (:func:`padfree.packing.wrapped.wrap_sequences`), so nothing
-            is attended or predicted across a cut, and ``overlong`` does not apply.
+            is attended or predicted across a cut.
         padding_value: token id written into padding.
         label_padding_value: the ignored-label value written on the first token of every piece and on padding
             (and on tokens a ``completion_mask``/``assistant_masks`` excludes).
@@ -642,6 +634,10 @@ def pack_dataset(
         attention_mask: ``"binary"`` (int8, 1 real / 0 padding), ``"segments"`` (int32, 1-based piece index, 0
             padding) or None (no such column). Note: an all-ones mask makes transformers ignore ``position_ids``
             boundaries; :mod:`padfree.layout` explains the spellings.
+        spec: ``capacity``, ``strategy``, ``seed``, ``overlong`` and ``max_sequences_per_bin`` as one
+            :class:`~padfree.PackingSpec`, in place of those keywords (a keyword given too is refused, naming both).
+        rows: ``padding_value``, ``label_padding_value``, ``padding``, ``pad_to_multiple_of`` and
+            ``attention_mask`` as one :class:`~padfree.RowSpec`, in place of those keywords.
         columns: the columns to write, from :data:`COLUMNS`; or a dict ``{column: output name}`` to rename them.
             Default :data:`DEFAULT_COLUMNS` (without ``attention_mask`` when ``attention_mask=None``).
         labels: labels for token-id lists (same lengths as their sequences); tables carry a ``labels`` column.
@@ -652,8 +648,6 @@ def pack_dataset(
             (:data:`IN_MEMORY_MAX_BYTES`).
         cache_file_name: where to write the Arrow file (implies ``keep_in_memory=False``).
         num_threads: threads that build rows (default: the CPU count, at most 8); one more writes the file.
-        return_result: also return the plan: ``(dataset, PackResult)``. The plan's sequence ids are rows of
-            ``data`` (after its indices mapping), bins are the rows of the dataset.
         token_ids: SeqPacker's name for ``data`` (``pack_dataset(token_ids=..., capacity=...)`` as its documents
             write it); give one of the two.
         carry: other per-token columns of ``data`` to pack in parallel with ``input_ids`` (each row of them must have
@@ -667,12 +661,12 @@ def pack_dataset(
             rows are read (pass ``carry=[]`` to leave such columns out).
         buffer_size: for a streaming ``datasets.IterableDataset``: the sequences a :class:`~padfree.StreamPacker`
             holds while it packs (the result is then an ``IterableDataset`` packed as it is read, through
-            :class:`~padfree.IterablePackingDataset`; ``return_result`` does not apply, ``padding="longest"`` and
-            ``sequence_ids`` are refused, and label masks must be folded into ``labels`` first).
+            :class:`~padfree.IterablePackingDataset`; ``padding="longest"``, ``sequence_ids`` and
+            ``strategy="wrapped"`` are refused, and label masks must be folded into ``labels`` first).
 
     Returns:
-        A ``datasets.Dataset`` with one row per bin (see the module docstring for the columns), or
-        ``(dataset, result)`` with ``return_result=True``.
+        A ``datasets.Dataset`` with one row per bin (see the module docstring for the columns). For the plan too,
+        make it with :func:`plan_dataset` and lay it out with :func:`pack_dataset_from_result`.
 
     Raises:
         InvalidTokensError: non-integer token ids, a null row, a sequence with no tokens, or ``labels`` /
@@ -681,43 +675,73 @@ def pack_dataset(
         DataLoadError: a table without an ``input_ids`` column.
         InvalidArgumentError: an option out of range.
 
-    >>> ds, plan = pack_dataset({"input_ids": [[1, 2], [3, 4, 5], [6]], "labels": [[-100, 2], [-100, 4, 5], [6]]},
-    ...                         capacity=4, padding=None, return_result=True)
-    >>> plan.bins, ds[:]["labels"]
-    ([[1, 2], [0]], [[-100, 4, 5, -100], [-100, 2]])
+    >>> from padfree import PackingSpec, RowSpec
+    >>> data = {"input_ids": [[1, 2], [3, 4, 5], [6]], "labels": [[-100, 2], [-100, 4, 5], [6]]}
+    >>> pack_dataset(data, spec=PackingSpec(capacity=4), rows=RowSpec(padding=None))[:]["labels"]
+    [[-100, 4, 5, -100], [-100, 2]]
     """
     data = _data_or_token_ids(data, token_ids)
-    capacity = as_capacity(capacity)
-    as_choice(overlong, "overlong", OVERLONG_POLICIES)
-    opts = _options(padding_value, label_padding_value, padding, pad_to_multiple_of, attention_mask, columns,
-                    label_masks, chunk_tokens, keep_in_memory, cache_file_name, num_threads)
+    packing = PackingSpec.resolve(spec, {"capacity": capacity, "strategy": strategy, "seed": seed,
+                                         "overlong": overlong, "max_sequences_per_bin": max_sequences_per_bin})
+    opts = _options(_row_spec(rows, padding_value, label_padding_value, padding, pad_to_multiple_of, attention_mask),
+                    columns, label_masks, chunk_tokens, keep_in_memory, cache_file_name, num_threads)
     datasets, _ = _import_hf()
     if isinstance(data, datasets.IterableDataset):
-        if return_result:
-            raise InvalidArgumentError("return_result=True needs a global plan, which a stream does not have")
         if carry is not None and not _carries_none(carry):
             raise InvalidArgumentError("carry= is not supported for a stream yet; map the stream to the columns "
                                        "it needs, load it as a map-style datasets.Dataset, or pass carry=[] to "
                                        "leave its other per-token columns out")
-        return pack_stream(data, capacity, strategy, seed, overlong, max_sequences_per_bin, opts,
-                           as_positive_int(buffer_size, "buffer_size"), refuse_per_token=carry is None,
-                           not_carried=NOT_CARRIED)
+        return pack_stream(data, packing, opts, as_positive_int(buffer_size, "buffer_size"),
+                           refuse_per_token=carry is None, not_carried=NOT_CARRIED)
     source = _read(data, labels, opts.label_masks, carry)
     _refuse_name_clash(source, opts)
+    return _write(_plan(source, packing), source, opts)
+
+
+def plan_dataset(
+    data: Any = None,
+    capacity: int | None = None,
+    strategy: str = DEFAULT_STRATEGY,
+    seed: int | None = None,
+    *,
+    overlong: str = "error",
+    max_sequences_per_bin: int | None = None,
+    spec: PackingSpec | None = None,
+    token_ids: Any = None,
+) -> PackResult:
+    """The plan :func:`pack_dataset` would lay ``data`` out in, without writing rows: a :class:`~padfree.PackResult`
+    whose sequence ids are rows of ``data`` (after its indices mapping) and whose bins are the packed rows.
+
+    Arguments are those of :func:`pack_dataset`. Keep the plan for its metrics (``plan.efficiency``), to write the
+    rows with :func:`pack_dataset_from_result` (on several column sets, or later), or to keep with the dataset.
+
+    >>> plan = plan_dataset({"input_ids": [[1, 2], [3, 4, 5], [6]]}, capacity=4)
+    >>> plan.bins, pack_dataset_from_result(plan, {"input_ids": [[1, 2], [3, 4, 5], [6]]}, padding=None)[:]["input_ids"]
+    ([[1, 2], [0]], [[3, 4, 5, 6], [1, 2]])
+    """
+    data = _data_or_token_ids(data, token_ids)
+    packing = PackingSpec.resolve(spec, {"capacity": capacity, "strategy": strategy, "seed": seed,
+                                         "overlong": overlong, "max_sequences_per_bin": max_sequences_per_bin})
+    datasets, _ = _import_hf()
+    if isinstance(data, datasets.IterableDataset):
+        raise InvalidArgumentError("plan_dataset needs a global plan, which a stream does not have; pack a stream "
+                                   "with pack_dataset, or load it as a map-style datasets.Dataset")
+    return _plan(_read(data, None, (), []), packing)
+
+
+def _plan(source: _Data, packing: PackingSpec) -> PackResult:
+    """The plan of ``source``'s sequences, refusing an overlong one by its row name first."""
     lengths = _check(source)
-    wrapped = isinstance(strategy, str) and strategy.lower() == "wrapped"
-    if overlong == "error" and not wrapped:  # wrapping cuts every sequence at the rows' edges anyway
-        refuse_overlong(lengths, capacity, names=lambda i: f"{source.ids.name}[{i}]")
-    if wrapped:
-        if max_sequences_per_bin is not None:
-            raise InvalidArgumentError("max_sequences_per_bin does not apply to strategy='wrapped' (rows are cut "
-                                       "from the stream, whatever it holds); pass None")
-        result = wrap_sequences(lengths, capacity)
-    else:
-        result = pack_sequences(lengths, capacity, strategy, seed, overlong=overlong,
-                                max_sequences_per_bin=max_sequences_per_bin)
-    dataset = _write(result, source, opts)
-    return (dataset, result) if return_result else dataset
+    if packing.refuses_overlong:
+        refuse_overlong(lengths, packing.capacity, names=lambda i: f"{source.ids.name}[{i}]")
+    return pack_sequences(lengths, spec=packing)
+
+
+def _row_spec(rows: Any, padding_value: Any, label_padding_value: Any, padding: Any, pad_to_multiple_of: Any,
+              attention_mask: Any) -> RowSpec:
+    return RowSpec.resolve(rows, {"padding": padding, "pad_to_multiple_of": pad_to_multiple_of,
+                                  "padding_value": padding_value, "label_padding_value": label_padding_value,
+                                  "attention_mask": attention_mask})
 
 
 def pack_dataset_from_result(
@@ -729,6 +753,7 @@ def pack_dataset_from_result(
     padding: str | int | None = "capacity",
     pad_to_multiple_of: int | None = None,
     attention_mask: str | None = "binary",
+    rows: RowSpec | None = None,
     columns: Sequence[str] | Mapping[str, str] | None = None,
     labels: Any = None,
     label_masks: Sequence[str] = LABEL_MASK_COLUMNS,
@@ -739,7 +764,8 @@ def pack_dataset_from_result(
     token_ids: Any = None,
     carry: Sequence[str] | str | None = None,
 ) -> Any:
-    """Lay ``data`` out in the rows planned by ``result`` (a plan made over the lengths of ``data``).
+    """Lay ``data`` out in the rows planned by ``result`` (a plan made over the lengths of ``data``, e.g. by
+    :func:`plan_dataset`).
 
     The arguments after ``data`` are those of :func:`pack_dataset` (``token_ids=`` is SeqPacker's name for
     ``data``, so ``pack_dataset_from_result(result=plan, token_ids=ids)`` works as its documents write it);
@@ -755,8 +781,8 @@ def pack_dataset_from_result(
     """
     result = as_pack_result(result)
     data = _data_or_token_ids(data, token_ids)
-    opts = _options(padding_value, label_padding_value, padding, pad_to_multiple_of, attention_mask, columns,
-                    label_masks, chunk_tokens, keep_in_memory, cache_file_name, num_threads)
+    opts = _options(_row_spec(rows, padding_value, label_padding_value, padding, pad_to_multiple_of, attention_mask),
+                    columns, label_masks, chunk_tokens, keep_in_memory, cache_file_name, num_threads)
     source = _read(data, labels, opts.label_masks, carry)
     _refuse_name_clash(source, opts)
     name = source.ids.name

@@ -3,6 +3,7 @@ are, how epochs, seeds and resuming work, and the errors it raises)."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from itertools import islice
@@ -24,6 +25,7 @@ from padfree.data._packing_base import (
     hf_class,
     loader_batch_size,
     packed_row,
+    packing_spec,
     torch,
 )
 from padfree.errors import (
@@ -36,6 +38,7 @@ from padfree.layout import IGNORE_INDEX
 from padfree.packing.inputs import (
     as_positive_int,
 )
+from padfree.packing.spec import PackingSpec
 from padfree.packing.strategies import DEFAULT_STRATEGY
 from padfree.packing.streaming import StreamBin, StreamPacker
 from padfree.samples import (
@@ -68,8 +71,9 @@ class IterablePackingDataset(PackingBase, TorchIterableDataset):
         max_length: tokens per packed row.
         buffer_size: samples (pieces) held by the packer before each round; larger packs better (10,000 gives
             > 99.5% on long-tailed lengths) and delays the first row longer.
-        strategy, seed, shuffle, overlong, max_sequences_per_bin, label_padding_value, input_ids_key, labels_key:
-            as in :class:`PackingDataset`. Here ``shuffle`` permutes the rows within each round of the packer, so a
+        strategy, seed, shuffle, overlong, max_sequences_per_bin, spec, label_padding_value, input_ids_key,
+            labels_key: as in :class:`PackingDataset` (``strategy="wrapped"`` is refused: it needs one plan over the
+            whole input). Here ``shuffle`` permutes the rows within each round of the packer, so a
             round's rows do not come out longest-first.
 
     How workers split the work (``DataLoader(num_workers=W)``): every worker reads the whole stream and packs its
@@ -101,7 +105,7 @@ class IterablePackingDataset(PackingBase, TorchIterableDataset):
     def __init__(
         self,
         iterable: Iterable[Any] | Callable[[], Iterable[Any]],
-        max_length: int,
+        max_length: int | None = None,
         buffer_size: int = 10_000,
         strategy: str = DEFAULT_STRATEGY,
         seed: int | None = None,
@@ -109,12 +113,18 @@ class IterablePackingDataset(PackingBase, TorchIterableDataset):
         shuffle: bool = True,
         overlong: str = "error",
         max_sequences_per_bin: int | None = None,
+        spec: PackingSpec | None = None,
         label_padding_value: int = IGNORE_INDEX,
         input_ids_key: str = "input_ids",
         labels_key: str | None = "labels",
     ) -> None:
-        self._init_options(max_length, strategy, seed, shuffle, overlong, max_sequences_per_bin,
-                           label_padding_value, input_ids_key, labels_key)
+        self._init_options(packing_spec(spec, max_length, strategy, seed, overlong, max_sequences_per_bin),
+                           shuffle, label_padding_value, input_ids_key, labels_key)
+        if self.spec.cuts_at_row_edges:
+            raise InvalidArgumentError(
+                f"IterablePackingDataset: strategy={self.strategy!r} cuts the sequences at the rows' edges of one "
+                f"plan over the whole input; a stream is packed as it is read: choose another strategy (e.g. 'nf', "
+                f"which also keeps the input order) or use PackingDataset")
         self.buffer_size: int = as_positive_int(buffer_size, "buffer_size")  # type: ignore[assignment]
         if isinstance(iterable, (str, bytes, Mapping)):
             raise InvalidArgumentError(f"iterable must be a stream of samples, got {describe(iterable)}")
@@ -318,14 +328,13 @@ class IterablePackingDataset(PackingBase, TorchIterableDataset):
     def _packed_stream(self, log: bool) -> Iterator[StreamBin]:
         """The global sequence of bins of this epoch — the same in every process, whatever ``_READ_BLOCK``."""
         packer = StreamPacker(
-            self.max_length, self.buffer_size, self.strategy, derived_seed(self.seed, self.epoch, SEED_PACK),
-            overlong=self.overlong, max_sequences_per_bin=self.max_sequences_per_bin,
+            buffer_size=self.buffer_size,
+            spec=dataclasses.replace(self.spec, seed=derived_seed(self.seed, self.epoch, SEED_PACK)),
         )
         rng = np.random.default_rng(derived_seed(self.seed, self.epoch, SEED_ORDER)) if self.shuffle else None
         seen = 0
         for lengths, payloads in self._open():
-            check_lengths(lengths, lambda i, base=seen: f"sample {base + i} of the stream", self.max_length,
-                           self.overlong)
+            check_lengths(lengths, lambda i, base=seen: f"sample {base + i} of the stream", self.spec)
             seen += lengths.shape[0]
             i, n = 0, lengths.shape[0]
             while i < n:

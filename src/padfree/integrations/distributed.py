@@ -52,8 +52,9 @@ from padfree.packing.inputs import (
     as_positive_int,
     as_seed,
 )
+from padfree.packing.packer import Packer
 from padfree.packing.result import PackResult
-from padfree.packing.strategies import DEFAULT_STRATEGY, STRATEGIES, Packer
+from padfree.packing.strategies import DEFAULT_STRATEGY, STRATEGIES
 
 try:
     import torch

@@ -96,7 +96,8 @@ from padfree.integrations.preference_data import (
 from padfree.integrations.status import PACKING, PADDING_FREE, STANDARD
 from padfree.integrations.unpadded import unpadded_forwards
 from padfree.packing.inputs import as_capacity, as_flag
-from padfree.packing.strategies import DEFAULT_STRATEGY, pack_sequences
+from padfree.packing.packer import pack_sequences
+from padfree.packing.strategies import DEFAULT_STRATEGY
 from padfree.step_loss import LossRule
 
 try:

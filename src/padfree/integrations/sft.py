@@ -85,6 +85,7 @@ import logging
 from collections.abc import Mapping
 from typing import Any
 
+from padfree.data.hf import plan_dataset
 from padfree.errors import (
     BackendUnavailableError,
     DataLoadError,
@@ -113,8 +114,8 @@ from padfree.integrations.status import PACKING, PADDING_FREE, STANDARD
 from padfree.integrations.trainer_data import (
     PackedRowsCollator,
     PackedVisionCollator,
-    pack_for_trainer,
     pack_vision_rows,
+    trainer_rows,
 )
 from padfree.packing.inputs import as_choice, as_flag
 from padfree.packing.strategies import DEFAULT_STRATEGY, STRATEGIES, as_strategy
@@ -217,12 +218,13 @@ def _strategy(args: Any) -> tuple[str, str]:
     name = args.packing_strategy
     if name in _TRL_STRATEGIES:
         return DEFAULT_STRATEGY, _TRL_STRATEGIES[name]
-    if name == "wrapped":  # whole sequences go in (no truncation first); pack_dataset cuts them at the rows' edges
-        return "wrapped", "split"
     try:
-        return as_strategy(name, "packing_strategy"), "error"
+        strategy = as_strategy(name, "packing_strategy")
     except InvalidArgumentError:
         pass
+    else:
+        # a strategy that cuts at the rows' edges gets whole sequences (no truncation first) and cuts them itself
+        return strategy, "split" if STRATEGIES[strategy].cuts_at_row_edges else "error"
     raise InvalidArgumentError(
         f"packing_strategy={describe(name)} is not one padfree packs exactly; accepted: 'bfd' (TRL's default: "
         f"truncate to max_length, then padfree's best fit decreasing over the whole dataset), 'bfd_split' (split "
@@ -251,9 +253,10 @@ def _decide(args: Any, model: Any, config: Any, processing_class: Any, data_coll
                 "packing=True packs the whole dataset at once, which needs a datasets.Dataset; train_dataset is an "
                 "IterableDataset — use padding_free=True, or padfree.IterablePackingDataset with a plain Trainer")
         strategy, overlong = _strategy(args)
-        if holds_images(sample) and args.packing_strategy == "wrapped":
-            raise InvalidArgumentError("packing_strategy='wrapped' cuts samples at the rows' edges, and a sample's "
-                                       "images cannot follow a cut; use 'bfd' or a padfree strategy with images")
+        if holds_images(sample) and STRATEGIES[strategy].cuts_at_row_edges:
+            raise InvalidArgumentError(f"packing_strategy={args.packing_strategy!r} cuts samples at the rows' edges, "
+                                       f"and a sample's images cannot follow a cut; use 'bfd' or a padfree strategy "
+                                       f"that keeps samples whole with images")
         return Decision(PACKING, f"packing=True: global {strategy} packing into rows of max_length={max_length}",
                          auto=False, strategy=strategy, overlong=overlong)
     if padding_free:
@@ -399,8 +402,9 @@ class SFTMixin(TrainerProtocol, PadfreeTrainerMixin):
             raise InvalidArgumentError(f"packing the {dataset_name} dataset needs a datasets.Dataset, got "
                                        f"{describe(dataset)}; set eval_packing=False or padding_free=True")
         columns = [c for c in ("input_ids", "labels") if c in dataset.column_names]
-        rows, plan = pack_for_trainer(dataset.select_columns(columns), args.max_length, strategy, seed=args.seed,
-                                      overlong=overlong, return_result=True)
+        data = dataset.select_columns(columns)
+        plan = plan_dataset(data, args.max_length, strategy, seed=args.seed, overlong=overlong)
+        rows = trainer_rows(plan, data)
         self._padfree_plans["train" if is_train else f"eval/{dataset_name}"] = plan
         logger.info("padfree: packed the %s dataset — %d sequences (%d pieces) into %d rows of max_length=%d (%s, "
                     "efficiency %.2f%%)", dataset_name, plan.num_sequences, plan.num_pieces, plan.num_bins,

@@ -22,9 +22,12 @@ from padfree.data.batch import PaddingFreeCollator  # needs torch, and says so w
 from padfree.data.carry import PER_TOKEN
 from padfree.errors import InvalidArgumentError, InvalidLayoutError, InvalidSampleError, describe
 from padfree.layout import IGNORE_INDEX
-from padfree.packing.strategies import DEFAULT_STRATEGY, pack_sequences
+from padfree.packing.packer import pack_sequences
+from padfree.packing.spec import PackingSpec
+from padfree.packing.strategies import DEFAULT_STRATEGY
+from padfree.rows import RowSpec
 
-__all__ = ["PackedRowsCollator", "PackedVisionCollator", "pack_for_trainer", "pack_vision_rows"]
+__all__ = ["PackedRowsCollator", "PackedVisionCollator", "pack_for_trainer", "pack_vision_rows", "trainer_rows"]
 
 class PackedRowsCollator(PaddingFreeCollator):
     """A :class:`~padfree.PaddingFreeCollator` for the ``Trainer``: every loader batch becomes one row with
@@ -66,15 +69,24 @@ class PackedRowsCollator(PaddingFreeCollator):
         return super().__call__(samples).model_inputs(flash_kwargs=self.flash_kwargs)
 
 
-def pack_for_trainer(dataset: Any, max_length: int, strategy: str = DEFAULT_STRATEGY, seed: int | None = None, *,
-                     overlong: str = "error", max_sequences_per_bin: int | None = None,
-                     return_result: bool = False) -> Any:
+#: the layout of the rows a ``Trainer`` reads: unpadded, without a mask (:class:`PackedRowsCollator` builds the
+#: boundaries from ``position_ids`` and ``seq_lens``)
+TRAINER_ROWS = RowSpec(padding=None, attention_mask=None)
+#: the columns a ``Trainer`` keeps and :class:`PackedRowsCollator` reads
+TRAINER_COLUMNS = ("input_ids", "labels", "position_ids", "seq_lens")
+
+
+def pack_for_trainer(dataset: Any, max_length: int | None = None, strategy: str = DEFAULT_STRATEGY,
+                     seed: int | None = None, *, overlong: str = "error", max_sequences_per_bin: int | None = None,
+                     spec: PackingSpec | None = None) -> Any:
     """Pack a tokenized dataset globally into unpadded rows of at most ``max_length`` tokens for the ``Trainer``.
 
     :func:`padfree.pack_dataset` with the columns a ``Trainer`` keeps and :class:`PackedRowsCollator` reads:
     ``input_ids``, ``labels`` (the first token of every sequence and masked input labels ``-100``),
     ``position_ids`` (restarting per sequence) and ``seq_lens``. ``dataset`` has ``input_ids`` and optionally
-    ``labels`` (or TRL's ``completion_mask`` / ``assistant_masks``).
+    ``labels`` (or TRL's ``completion_mask`` / ``assistant_masks``). ``spec``: the packing settings as one
+    :class:`~padfree.PackingSpec` (its ``capacity`` is ``max_length``), in place of the keywords. For the plan too,
+    make it with :func:`padfree.plan_dataset` and lay it out with :func:`trainer_rows`.
 
     >>> rows = pack_for_trainer({"input_ids": [[1, 2, 3], [4, 5], [6, 7, 8, 9]]}, max_length=6)
     >>> rows[:]["input_ids"], rows[:]["position_ids"]
@@ -82,13 +94,33 @@ def pack_for_trainer(dataset: Any, max_length: int, strategy: str = DEFAULT_STRA
     """
     from padfree.data.hf import pack_dataset
 
+    if spec is None or max_length is not None:
+        _check_max_length(max_length)
+    packing = PackingSpec.resolve(spec, {"capacity": max_length, "strategy": strategy, "seed": seed,
+                                         "overlong": overlong, "max_sequences_per_bin": max_sequences_per_bin},
+                                  names={"capacity": "max_length"})
+    return pack_dataset(dataset, spec=packing, rows=TRAINER_ROWS, columns=list(TRAINER_COLUMNS))
+
+
+def trainer_rows(plan: Any, dataset: Any) -> Any:
+    """The rows of ``plan`` (:func:`padfree.plan_dataset` over ``dataset``) laid out as :func:`pack_for_trainer`
+    lays them out.
+
+    >>> from padfree import plan_dataset
+    >>> data = {"input_ids": [[1, 2, 3], [4, 5], [6, 7, 8, 9]]}
+    >>> trainer_rows(plan_dataset(data, 6), data)[:]["seq_lens"]
+    [[4, 2], [3]]
+    """
+    from padfree.data.hf import pack_dataset_from_result
+
+    return pack_dataset_from_result(plan, dataset, rows=TRAINER_ROWS, columns=list(TRAINER_COLUMNS))
+
+
+def _check_max_length(max_length: Any) -> None:
     if max_length is None or isinstance(max_length, bool) or not isinstance(max_length, (int, np.integer)) \
             or max_length < 1:
         raise InvalidArgumentError(f"max_length must be an int >= 1 (the tokens of one packed row), got "
                                    f"{describe(max_length)}")
-    return pack_dataset(dataset, int(max_length), strategy, seed, overlong=overlong,
-                        max_sequences_per_bin=max_sequences_per_bin, padding=None, attention_mask=None,
-                        columns=["input_ids", "labels", "position_ids", "seq_lens"], return_result=return_result)
 
 
 class PackedVisionCollator:

@@ -2,8 +2,10 @@
 
 from padfree.packing.balance import BalancedSteps, balance_bins
 from padfree.packing.metrics import Pack, PackMetrics
+from padfree.packing.packer import Packer, pack_sequences
 from padfree.packing.result import PackResult, as_pack_result
-from padfree.packing.strategies import DEFAULT_STRATEGY, STRATEGIES, Packer, Strategy, as_strategy, pack_sequences
+from padfree.packing.spec import PackingSpec
+from padfree.packing.strategies import DEFAULT_STRATEGY, STRATEGIES, Strategy, as_strategy
 from padfree.packing.streaming import StreamBin, StreamPacker
 
 __all__ = [
@@ -14,6 +16,7 @@ __all__ = [
     "PackMetrics",
     "PackResult",
     "Packer",
+    "PackingSpec",
     "Strategy",
     "StreamBin",
     "StreamPacker",

@@ -1,14 +1,16 @@
-"""Strategy registry, ``pack_sequences`` and ``Packer``.
+"""The strategy registry: the names users type, the functions that place pieces, and what each one promises.
 
 A strategy is a function ``(lengths, capacity, max_items, rng) -> (proc, bin_of, num_bins)`` over pieces that
 already fit (see :mod:`padfree.packing.placement` for the contract). Its docstring states its cost; the
 registry maps the short names users type to these functions. Inside a bin, pieces are in placement order:
-input order for the online strategies, decreasing length (ties in input order) for the sorted ones.
+input order for the strategies that take items in input order, decreasing length (ties in input order) for the
+sorted ones. One strategy, ``wrapped``, takes whole sequences instead and cuts them where rows end
+(:attr:`Strategy.cuts_at_row_edges`); :class:`~padfree.Packer` runs it through
+:func:`padfree.packing.wrapped.wrap_sequences`.
 """
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
@@ -18,16 +20,7 @@ import numpy as np
 
 from padfree.errors import InvalidArgumentError, describe
 from padfree.packing import placement
-from padfree.packing.inputs import (
-    OVERLONG_POLICIES,
-    apply_overlong,
-    as_capacity,
-    as_choice,
-    as_lengths,
-    as_positive_int,
-    as_seed,
-)
-from padfree.packing.result import PackResult
+from padfree.packing.wrapped import wrap_sequences
 
 __all__ = [
     "DEFAULT_STRATEGY",
@@ -179,19 +172,37 @@ def _hk(lengths, capacity, max_items, rng):
     return (_identity(lengths.shape[0]), *placement.next_fit_by_class(lengths, capacity, max_items, HARMONIC_CLASSES))
 
 
+def _wrapped(lengths, capacity, max_items, rng):
+    """Wrapped (TRL's name): the sequences back to back in input order, cut into full rows; every piece of a cut
+    sequence is a sequence of its own. O(n). Takes whole sequences, not pieces that fit (see
+    :func:`~padfree.packing.wrapped.wrap_sequences`); ``max_items`` and ``rng`` do not apply."""
+    plan = wrap_sequences(lengths, capacity)
+    bin_of = np.repeat(np.arange(plan.num_bins, dtype=np.int64), np.diff(plan.bin_offsets))
+    return np.arange(plan.order.shape[0], dtype=np.int64), bin_of, plan.num_bins
+
+
 @dataclass(frozen=True)
 class Strategy:
     """A packing strategy: its short name, its full name, its function and what it is good for.
 
-    ``aliases`` are the other names it answers to (SeqPacker's names); see :func:`as_strategy`.
+    ``input_order``: it takes items in input order, never sorting them first (a classic online bin-packing
+    algorithm: next fit, first fit, ...); not the same as :class:`~padfree.StreamPacker`'s online mode, where a bin
+    goes out as soon as it closes. ``randomized``: it draws from the seed. ``cuts_at_row_edges``: it cuts sequences
+    where rows end, every cut piece a sequence of its own (``wrapped``), so nothing is ever longer than a row and it
+    is given whole sequences rather than pieces that fit. ``aliases`` are the other names it answers to (SeqPacker's
+    names); see :func:`as_strategy`.
+
+    >>> STRATEGIES["nf"].input_order, STRATEGIES["obfd"].input_order, STRATEGIES["wrapped"].cuts_at_row_edges
+    (True, False, True)
     """
 
     name: str
     fn: Callable[..., tuple[np.ndarray, np.ndarray, int]]
-    online: bool
+    input_order: bool
     randomized: bool = False
     full_name: str = ""
     aliases: tuple[str, ...] = ()
+    cuts_at_row_edges: bool = False
 
     @property
     def doc(self) -> str:
@@ -204,19 +215,20 @@ class Strategy:
 STRATEGIES: Mapping[str, Strategy] = MappingProxyType({
     s.name: s
     for s in (
-        Strategy("nf", _nf, online=True, full_name="NextFit"),
-        Strategy("ff", _ff, online=True, full_name="FirstFit"),
-        Strategy("bf", _bf, online=True, full_name="BestFit"),
-        Strategy("wf", _wf, online=True, full_name="WorstFit"),
-        Strategy("ffd", _ffd, online=False, full_name="FirstFitDecreasing"),
-        Strategy("bfd", _bfd, online=False, full_name="BestFitDecreasing"),
-        Strategy("obfd", _obfd, online=False, full_name="OptimizedBestFitDecreasing",
+        Strategy("nf", _nf, input_order=True, full_name="NextFit"),
+        Strategy("ff", _ff, input_order=True, full_name="FirstFit"),
+        Strategy("bf", _bf, input_order=True, full_name="BestFit"),
+        Strategy("wf", _wf, input_order=True, full_name="WorstFit"),
+        Strategy("ffd", _ffd, input_order=False, full_name="FirstFitDecreasing"),
+        Strategy("bfd", _bfd, input_order=False, full_name="BestFitDecreasing"),
+        Strategy("obfd", _obfd, input_order=False, full_name="OptimizedBestFitDecreasing",
                  aliases=("OptimizedBFD", "OptimisedBestFitDecreasing", "OptimisedBFD")),
-        Strategy("obfdp", _obfdp, online=False, full_name="ParallelOptimizedBestFitDecreasing",
+        Strategy("obfdp", _obfdp, input_order=False, full_name="ParallelOptimizedBestFitDecreasing",
                  aliases=("ParallelOBFD", "ParallelOptimisedBestFitDecreasing")),
-        Strategy("mffd", _mffd, online=False, full_name="ModifiedFirstFitDecreasing", aliases=("ModifiedFFD",)),
-        Strategy("ffs", _ffs, online=False, randomized=True, full_name="FirstFitShuffle"),
-        Strategy("hk", _hk, online=True, full_name="Harmonic", aliases=("Harmonic-K",)),
+        Strategy("mffd", _mffd, input_order=False, full_name="ModifiedFirstFitDecreasing", aliases=("ModifiedFFD",)),
+        Strategy("ffs", _ffs, input_order=False, randomized=True, full_name="FirstFitShuffle"),
+        Strategy("hk", _hk, input_order=True, full_name="Harmonic", aliases=("Harmonic-K",)),
+        Strategy("wrapped", _wrapped, input_order=True, full_name="Wrapped", cuts_at_row_edges=True),
     )
 })
 
@@ -260,143 +272,10 @@ def place(
 ) -> tuple[np.ndarray, np.ndarray]:
     """Place already-valid pieces: ``lengths (n,) int64`` in ``[1, capacity]`` -> ``(order (n,), offsets (bins + 1,))``.
 
-    The engine's inner step, shared by :class:`Packer` and the streaming packer; no validation happens here.
+    The engine's inner step, shared by :class:`~padfree.Packer` and the streaming packer; no validation happens
+    here. ``wrapped`` places whole sequences, not pieces: its pieces are not these ``lengths`` (use ``Packer``).
     """
     # n + 1 means "no limit" to the kernels; a larger limit (any Python int) would not even fit their int64
     limit = lengths.shape[0] + 1 if max_items is None else min(max_items, lengths.shape[0] + 1)
     proc, bin_of, num_bins = STRATEGIES[strategy].fn(lengths, capacity, limit, rng)
     return placement.group_by_bin(proc, bin_of, num_bins)
-
-
-def pack_sequences(
-    lengths: Any,
-    capacity: int,
-    strategy: str = DEFAULT_STRATEGY,
-    seed: int | None = None,
-    *,
-    overlong: str = "error",
-    max_sequences_per_bin: int | None = None,
-) -> PackResult:
-    """Pack sequences of the given lengths into bins of ``capacity`` tokens.
-
-    Args:
-        lengths: ``(num_sequences,)`` positive integers — a list, numpy array, CPU tensor or pyarrow array.
-        capacity: tokens per bin (the packed row length), ``>= 1``.
-        strategy: a short name of :data:`STRATEGIES` (see ``STRATEGIES[name].doc``), case-insensitive, or one of
-            SeqPacker's names for it (:meth:`Packer.strategies`). The default ``obfd`` gives best-fit-decreasing
-            bins in milliseconds for millions of sequences.
-        seed: seeds the shuffle of randomized strategies (``ffs``); ``None`` draws fresh entropy. The other
-            strategies are deterministic and ignore it.
-        overlong: what to do with sequences longer than ``capacity``: ``"error"`` (raise, naming the first one),
-            ``"truncate"`` (keep the first ``capacity`` tokens), ``"split"`` (cut into pieces of at most
-            ``capacity`` tokens, each placed as its own sequence) or ``"drop"``. Truncated tokens and dropped
-            sequences are counted in the result.
-        max_sequences_per_bin: at most this many pieces per bin (``None``: no limit).
-
-    Returns:
-        A :class:`PackResult`.
-
-    >>> result = pack_sequences([900, 100, 500, 400, 600, 1500], capacity=1024, overlong="split")
-    >>> result.bins  # sequence 5 (1500 tokens) was split into 1024 + 476
-    [[5], [0, 1], [4, 3], [2, 5]]
-    >>> result.piece_starts.tolist(), result.piece_lengths.tolist()
-    ([0, 0, 0, 0, 0, 0, 1024], [1024, 900, 100, 600, 400, 500, 476])
-    >>> f"{result.efficiency:.3f}", result.lower_bound
-    ('0.977', 4)
-    """
-    return Packer(
-        capacity, strategy, seed, overlong=overlong, max_sequences_per_bin=max_sequences_per_bin
-    ).pack(lengths)
-
-
-class Packer:
-    """A reusable, validated packing configuration: ``Packer(capacity, ...).pack(lengths)``.
-
-    Arguments are those of :func:`pack_sequences` and are checked once, here.
-
-    >>> packer = Packer(4096, strategy="ffs", seed=0)
-    >>> lengths = [1000, 3000, 2000, 2000, 96, 3000, 1000]
-    >>> packer.pack(lengths).bins
-    [[2, 4, 3], [6, 5], [0, 1]]
-    >>> packer.pack(lengths, seed=1).bins  # another epoch, other rows
-    [[5, 0, 4], [1, 6], [2, 3]]
-    """
-
-    def __init__(
-        self,
-        capacity: int,
-        strategy: str = DEFAULT_STRATEGY,
-        seed: int | None = None,
-        *,
-        overlong: str = "error",
-        max_sequences_per_bin: int | None = None,
-    ) -> None:
-        self.capacity = as_capacity(capacity)
-        self.strategy: str = as_strategy(strategy)
-        self.seed = as_seed(seed)
-        self.overlong = as_choice(overlong, "overlong", OVERLONG_POLICIES)
-        self.max_sequences_per_bin = as_positive_int(max_sequences_per_bin, "max_sequences_per_bin", allow_none=True)
-
-    def pack(self, lengths: Any, *, seed: int | None = None) -> PackResult:
-        """Pack ``lengths``; ``seed`` (if given) overrides the packer's seed for this call.
-
-        An int64 array is kept by the plan as it is, not copied (a copy would cost ~15% of an ``obfd`` pack):
-        do not write into it while the plan is in use.
-        """
-        began = time.perf_counter()
-        seed = self.seed if seed is None else as_seed(seed)
-        lengths = as_lengths(lengths)
-        pieces = apply_overlong(lengths, self.capacity, self.overlong)
-        spec = STRATEGIES[self.strategy]
-        rng = np.random.default_rng(seed) if spec.randomized else None
-        piece_order, offsets = place(pieces.length, self.capacity, self.strategy, self.max_sequences_per_bin, rng)
-        split = pieces.start is not None
-        shortened = split or pieces.num_truncated > 0
-        # valid by construction, so the checks of PackResult(...) are skipped (see PackResult._trusted)
-        return PackResult._trusted(
-            lengths=lengths,
-            capacity=self.capacity,
-            order=piece_order if pieces.seq is None else pieces.seq[piece_order],
-            bin_offsets=offsets,
-            piece_starts=pieces.start[piece_order] if split else None,
-            piece_lengths=pieces.length[piece_order] if shortened else None,
-            dropped=pieces.dropped,
-            truncated_tokens=pieces.truncated_tokens,
-            num_truncated=pieces.num_truncated,
-            strategy=self.strategy,
-            seed=seed if spec.randomized else None,
-            packing_time_ms=(time.perf_counter() - began) * 1000.0,
-        )
-
-    def pack_flat(self, lengths: Any, *, seed: int | None = None) -> tuple[np.ndarray, np.ndarray]:
-        """Pack ``lengths`` into two flat arrays, SeqPacker's fast path: ``(items, split_offsets)``, both int64.
-
-        ``items: (num_pieces,)`` holds the sequence ids bin after bin (:attr:`PackResult.order`) and
-        ``split_offsets: (num_bins - 1,)`` the positions where a new bin starts, so that ``np.split(items,
-        split_offsets)`` gives the bins. With ``overlong="split"`` a sequence id appears once per piece; use
-        :meth:`pack` for the pieces' spans. An empty input gives ``np.split``'s one empty array.
-
-        >>> items, split_offsets = Packer(8).pack_flat([5, 3, 4, 2, 6])
-        >>> [b.tolist() for b in np.split(items, split_offsets)]
-        [[4, 3], [0, 1], [2]]
-        """
-        result = self.pack(lengths, seed=seed)
-        return result.order, result.bin_offsets[1:-1]
-
-    @staticmethod
-    def strategies() -> list[tuple[str, str]]:
-        """The available strategies as ``(short_name, full_name)`` pairs, in :data:`STRATEGIES` order.
-
-        Either name (in any case) may be passed as ``strategy``; SeqPacker's other names for an algorithm are
-        accepted too (:func:`as_strategy`).
-
-        >>> Packer.strategies()[:2]
-        [('nf', 'NextFit'), ('ff', 'FirstFit')]
-        """
-        return [(spec.name, spec.full_name) for spec in STRATEGIES.values()]
-
-    def __repr__(self) -> str:
-        return (
-            f"Packer(capacity={self.capacity}, strategy={self.strategy!r}, seed={self.seed}, "
-            f"overlong={self.overlong!r}, max_sequences_per_bin={self.max_sequences_per_bin})"
-        )

@@ -26,17 +26,14 @@ import numpy as np
 from padfree.errors import InvalidArgumentError, describe
 from padfree.packing.inputs import (
     MAX_PIECES,
-    OVERLONG_POLICIES,
     apply_overlong,
-    as_capacity,
-    as_choice,
     as_fraction,
     as_lengths,
     as_positive_int,
-    as_seed,
 )
 from padfree.packing.online import OnlineState
-from padfree.packing.strategies import STRATEGIES, as_strategy, place
+from padfree.packing.spec import PackingSpec
+from padfree.packing.strategies import STRATEGIES, place
 
 __all__ = ["StreamBin", "StreamPacker"]
 
@@ -82,6 +79,9 @@ class StreamPacker:
         seed: seeds randomized strategies (one generator for the whole stream).
         overlong: ``"error" | "truncate" | "split" | "drop"``, as in :func:`padfree.pack_sequences`.
         max_sequences_per_bin: at most this many pieces per bin.
+        spec: ``capacity``, ``strategy``, ``seed``, ``overlong`` and ``max_sequences_per_bin`` as one
+            :class:`~padfree.PackingSpec`, in place of those keywords. A strategy that cuts sequences at the rows'
+            edges (``wrapped``) needs the whole input in order and is refused.
         hold_fill: bins filled below this fraction of ``capacity`` go back to the buffer once (at most half the
             buffer is held back); 0 disables holding.
         k: harmonic-k's number of size classes in the online mode (SeqPacker's ``k``).
@@ -105,18 +105,26 @@ class StreamPacker:
 
     def __init__(
         self,
-        capacity: int,
+        capacity: int | None = None,
         buffer_size: int | None = None,
         strategy: str = "obfd",
         seed: int | None = None,
         *,
         overlong: str = "error",
         max_sequences_per_bin: int | None = None,
+        spec: PackingSpec | None = None,
         hold_fill: float = 0.99,
         k: int = 8,
     ) -> None:
-        self.capacity = as_capacity(capacity)
-        strategy = as_strategy(strategy)
+        self.spec = PackingSpec.resolve(spec, {"capacity": capacity, "strategy": strategy, "seed": seed,
+                                               "overlong": overlong, "max_sequences_per_bin": max_sequences_per_bin})
+        if self.spec.cuts_at_row_edges:
+            raise InvalidArgumentError(
+                f"StreamPacker: strategy={self.spec.strategy!r} cuts the sequences at the rows' edges of one plan "
+                f"over the whole input in order; a stream is packed round by round: choose another strategy (e.g. "
+                f"'nf' with buffer_size=None, which also keeps the input order) or pack the data as a whole")
+        self.capacity = self.spec.capacity
+        strategy = self.spec.strategy
         self.online = buffer_size is None and strategy in ("nf", "hk")
         if buffer_size is None:
             buffer_size = 10_000
@@ -128,9 +136,9 @@ class StreamPacker:
             )
         self.strategy = strategy
         self.k: int = as_positive_int(k, "k")  # type: ignore[assignment]
-        self.seed = as_seed(seed)
-        self.overlong = as_choice(overlong, "overlong", OVERLONG_POLICIES)
-        self.max_sequences_per_bin = as_positive_int(max_sequences_per_bin, "max_sequences_per_bin", allow_none=True)
+        self.seed = self.spec.seed
+        self.overlong = self.spec.overlong
+        self.max_sequences_per_bin = self.spec.max_sequences_per_bin
         self.hold_fill = as_fraction(hold_fill, "hold_fill")
         self._rng = np.random.default_rng(self.seed) if STRATEGIES[self.strategy].randomized else None
         # the buffer, as parallel arrays of pieces (ids, starts, lengths, held-once flags) + payloads

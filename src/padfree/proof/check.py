@@ -56,7 +56,7 @@ from padfree.errors import (
 from padfree.layout import IGNORE_INDEX
 from padfree.model.wrappers import packable_model
 from padfree.packing.inputs import as_positive_int
-from padfree.packing.strategies import pack_sequences
+from padfree.packing.packer import pack_sequences
 from padfree.proof.compare import FP32_TOL, ROUNDING_FACTOR
 from padfree.samples import check_tokens, read_tokens
 
