@@ -2,7 +2,7 @@
 
 Every tiny model of padfree — the sweep's, on-the-spot certification's, ``padfree verify --model-type``'s, the test
 suite's — is built by :func:`build`: a config, a seed, the class (the causal-LM class of the config's type, or a
-vision-language class), the attention implementation where the class has one, fp32. Two configs feed it:
+vision-language class), ``sdpa`` where the class has it, fp32. Two configs feed it:
 
 - :func:`build_tiny`: a model type's config class defaults shrunk (:func:`padfree.proof.shrink.shrink_config`), in
   eval mode and with every weight offset a little (:func:`padfree.proof.compare.perturb`: no path silenced by a zero
@@ -15,7 +15,7 @@ vision-language class), the attention implementation where the class has one, fp
 >>> model = tiny_model("llama")
 >>> type(model).__name__, model.config.hidden_size, model.dtype, model.training
 ('LlamaForCausalLM', 64, torch.float32, True)
->>> twin = build_tiny("mamba")  # a class without attention: built without an attention implementation
+>>> twin = build_tiny("mamba")  # no SDPA path: built with eager
 >>> type(twin).__name__, twin.training
 ('MambaForCausalLM', False)
 >>> "qwen3_5_text" in TINY_CONFIGS and "mamba" in TINY_CONFIGS
@@ -132,7 +132,7 @@ def build(config: Any, *, seed: int = 0, attn_implementation: str | None = None,
         config: a transformers config.
         seed: the torch seed the weights are drawn with.
         attn_implementation: the attention implementation to build with; None: ``"sdpa"`` where the class has it,
-            ``"eager"`` where it has not, none for a class without attention (Mamba).
+            else ``"eager"``, else the class's own default.
         model_class: the class to build (a vision-language class, say); None: the causal-LM class of the config's
             model type.
 
@@ -162,7 +162,7 @@ def build(config: Any, *, seed: int = 0, attn_implementation: str | None = None,
                     model = model_class._from_config(config, **kwargs)
                 break
             except (ValueError, TypeError, ImportError) as exc:
-                # a class without this attention path (SDPA for softcapping, sinks, MegatronBert; any for Mamba)
+                # a class without this attention path (no SDPA for softcapping, sinks, MegatronBert, Mamba)
                 if attn is not tries[-1]:
                     continue
                 if attn_implementation is None:
@@ -171,7 +171,7 @@ def build(config: Any, *, seed: int = 0, attn_implementation: str | None = None,
                 error = BackendUnavailableError if isinstance(exc, ImportError) else InvalidArgumentError
                 raise error(f"attn_implementation={attn_implementation!r} cannot build {name} "
                             f"({type(exc).__name__}: {str(exc).splitlines()[0][:200]}); accepted: an attention "
-                            f"implementation the class has, or None (sdpa, eager or none, by what it has)") from exc
+                            f"implementation the class has, or None (sdpa where it has it, else eager)") from exc
     return model.float()
 
 
@@ -233,5 +233,5 @@ def tiny_config(model_type: str, **overrides: Any) -> Any:
 def tiny_model(model_type: str, *, seed: int = 0, attn_implementation: str | None = None, **overrides: Any) -> Any:
     """A tiny fp32 ``*ForCausalLM`` of ``model_type``'s hand-made config (:func:`tiny_config`, ``overrides``
     applied last) with random weights, deterministic for ``seed``, built by :func:`build` (``attn_implementation``:
-    None picks sdpa, eager or none by what the class has)."""
+    None: sdpa where the class has it, else eager)."""
     return build(tiny_config(model_type, **overrides), seed=seed, attn_implementation=attn_implementation)
