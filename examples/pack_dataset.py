@@ -22,7 +22,8 @@ tokenizer = load_tokenizer()  # mistral-common's 32k SentencePiece model, no dow
 texts = datasets.Dataset.from_dict({"text": list(topics.values())})
 tokenized = texts.map(lambda batch: tokenizer(batch["text"]), batched=True, remove_columns=["text"])
 
-packed, plan = padfree.pack_dataset(tokenized, capacity=args.capacity, overlong="split", return_result=True)
+plan = padfree.plan_dataset(tokenized, capacity=args.capacity, overlong="split")
+packed = padfree.pack_dataset_from_result(plan, tokenized)
 
 print(packed)
 print(f"{len(tokenized)} sequences -> {packed.num_rows} rows of {args.capacity} tokens, "
