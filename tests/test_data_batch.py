@@ -695,3 +695,43 @@ def test_a_device_torch_cannot_parse_or_reach_is_named():
     if not torch.cuda.is_available():
         with pytest.raises(InvalidArgumentError, match=r"device='cuda' is not usable on this machine"):
             pack_result_to_tensors(plan, [[1, 2, 3]], device="cuda")
+
+
+def _batch_lists(batch: PackedBatch) -> dict:
+    return {k: getattr(batch, k).tolist() for k in ("input_ids", "labels", "position_ids", "cu_seqlens", "seq_lens",
+                                                    "sequence_ids") } | {
+        "attention_mask": None if batch.attention_mask is None else batch.attention_mask.tolist()}
+
+
+@pytest.mark.parametrize("strategy", ["obfd", "ffs", "wrapped"])
+def test_the_collator_gives_the_same_batch_through_its_options_objects_on_real_text(strategy):
+    from padfree import PackingSpec, RowSpec
+
+    records = gsm8k_records(64)
+    from padfree.corpus import load_tokenizer
+
+    tok = load_tokenizer()
+    samples = [{"input_ids": ids} for ids in tok([r["output"] for r in records], add_special_tokens=False)["input_ids"]]
+    overlong = "split" if strategy == "wrapped" else "truncate"
+    by_objects = packed_collate_fn(
+        spec=PackingSpec(128, strategy, seed=1, overlong=overlong),
+        rows=RowSpec(padding="longest", pad_to_multiple_of=16, padding_value=tok.eos_token_id,
+                     label_padding_value=-1, attention_mask="segments"))
+    by_keywords = packed_collate_fn(128, strategy, 1, tok.eos_token_id, -1, overlong=overlong, pad_to="longest",
+                                    pad_to_multiple_of=16, attention_mask="segments")
+    a, b = by_objects(samples), by_keywords(samples)
+    assert a.input_ids.shape[0] > 1 and _batch_lists(a) == _batch_lists(b)
+
+
+def test_the_collator_names_its_own_keyword_when_a_setting_is_given_both_ways():
+    from padfree import PackingSpec, RowSpec
+
+    with pytest.raises(InvalidArgumentError, match=r"pad_to='longest' is given both as a keyword and in rows "
+                                                   r"\(rows\.padding='capacity'\)"):
+        packed_collate_fn(8, rows=RowSpec(), pad_to="longest")
+    with pytest.raises(InvalidArgumentError, match=r"attention_mask='binary' is given both as a keyword and in rows"):
+        PackedCollator(8, rows=RowSpec(), attention_mask="binary")
+    with pytest.raises(InvalidArgumentError, match=r"seed=3 is given both as a keyword and in spec"):
+        packed_collate_fn(seed=3, spec=PackingSpec(8))
+    with pytest.raises(InvalidArgumentError, match=r"pad_to must be 'capacity', 'longest' or a row length"):
+        packed_collate_fn(spec=PackingSpec(8), rows=RowSpec(padding=None))  # a collator pads its rows

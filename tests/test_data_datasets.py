@@ -502,3 +502,36 @@ def test_strategy_names_follow_the_packing_engine_in_any_case_and_seqpackers_ali
         assert IterablePackingDataset([[1, 2], [3]], max_length=8, strategy=spelling).strategy == canonical
     with pytest.raises(InvalidArgumentError, match="strategy"):
         PackingDataset([[1, 2]], max_length=8, strategy="tightest")
+
+
+@pytest.mark.parametrize("strategy", ["obfd", "ffs", "wrapped"])
+def test_a_packing_spec_gives_the_rows_of_the_keywords_on_real_text(gsm8k, strategy):
+    from padfree import PackingSpec
+
+    ids, labels = gsm8k
+    samples = [{"input_ids": i, "labels": lab} for i, lab in zip(ids, labels, strict=True)]
+    overlong = "split" if strategy == "wrapped" else "truncate"
+    by_spec = PackingDataset(samples, spec=PackingSpec(256, strategy, seed=5, overlong=overlong))
+    by_keywords = PackingDataset(samples, 256, strategy, 5, overlong=overlong)
+    assert len(by_spec) == len(by_keywords) > 1
+    assert [_as_lists(by_spec[i]) for i in range(len(by_spec))] == \
+        [_as_lists(by_keywords[i]) for i in range(len(by_keywords))]
+    if strategy != "wrapped":  # a stream cannot cut at the rows' edges of one plan
+        stream = IterablePackingDataset(samples, spec=PackingSpec(256, strategy, seed=5, overlong=overlong),
+                                        buffer_size=64)
+        same = IterablePackingDataset(samples, 256, 64, strategy, 5, overlong=overlong)
+        assert [_as_lists(r) for r in stream] == [_as_lists(r) for r in same]
+
+
+def test_the_datasets_name_a_setting_given_both_ways_in_their_own_terms():
+    from padfree import PackingSpec
+
+    with pytest.raises(InvalidArgumentError, match=r"max_length=8 is given both as a keyword and in spec "
+                                                   r"\(spec\.capacity=8\)"):
+        PackingDataset([[1, 2]], 8, spec=PackingSpec(8))
+    with pytest.raises(InvalidArgumentError, match=r"max_sequences_per_bin=2 is given both as a keyword and in spec"):
+        IterablePackingDataset([[1, 2]], spec=PackingSpec(8), max_sequences_per_bin=2)
+    with pytest.raises(InvalidArgumentError, match=r"^max_length must be an integer >= 1, got 0$"):
+        PackingDataset([[1, 2]], 0)
+    with pytest.raises(InvalidArgumentError, match=r"^max_length must be an integer >= 1, got None"):
+        PackingDataset([[1, 2]])
