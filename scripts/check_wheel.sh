@@ -63,7 +63,8 @@ fi
 { echo "torch==${PINNED_TORCH}"; grep -v '^torch==' "$PINS"; } > "$WORK/constraints.txt"
 "$VPY" -m pip install --quiet -c "$PINS" pip
 "$VPY" -m pip install --quiet --force-reinstall --no-deps "$WHEEL"
-"$VPY" -m pip install --quiet -c "$WORK/constraints.txt" "torch==${PINNED_TORCH}" "${WHEEL}[all]"
+"$VPY" -m pip install --quiet -c "$WORK/constraints.txt" "torch==${PINNED_TORCH}"  # pip finds the local CPU wheel
+bash "$ROOT/scripts/install_pinned.sh" "$VPY" "$WORK/constraints.txt" "$PINS" "${WHEEL}[all]"
 "$VPY" -m pip check > "$WORK/pip-check.txt" || { cat "$WORK/pip-check.txt" >&2; exit 1; }
 echo "$INPUTS" > "$STAMP"
 step "installed the wheel with every extra into $fresh"
