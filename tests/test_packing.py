@@ -490,3 +490,26 @@ def test_obfdp_shards_place_every_piece_once_and_fill_no_bin_past_capacity(lengt
         # a kept bin has less room than the smallest piece and the repack is any-fit, so at most one bin is half
         # empty (unless every piece is longer than C/2): best fit's bound holds for the shards too
         assert plan.num_bins <= 2 * plan.lower_bound + 1
+
+
+@given(lengths=any_lengths, capacity=capacities, name=st.sampled_from(sorted(STRATEGIES)),
+       policy=st.sampled_from(["truncate", "split", "drop"]), seed=st.integers(0, 2**32))
+@settings(max_examples=100, deadline=None)
+def test_the_spec_route_plans_what_the_keywords_plan_and_loses_no_token(lengths, capacity, name, policy, seed):
+    from padfree import PackingSpec
+
+    if STRATEGIES[name].cuts_at_row_edges:
+        policy = "split"
+    by_keywords = pack_sequences(lengths, capacity, name, seed, overlong=policy)
+    by_spec = pack_sequences(lengths, spec=PackingSpec(capacity, name, seed, policy))
+    assert by_spec.bins == by_keywords.bins and by_spec.dropped.tolist() == by_keywords.dropped.tolist()
+    assert by_spec.placed_lengths.tolist() == by_keywords.placed_lengths.tolist()
+    _check_plan(by_spec, lengths, capacity, policy, None)
+
+
+def test_input_order_says_which_strategies_take_items_as_they_come():
+    assert {name for name, s in STRATEGIES.items() if s.input_order} == {"nf", "ff", "bf", "wf", "hk", "wrapped"}
+    assert not hasattr(STRATEGIES["nf"], "online")  # StreamPacker's online mode is another thing
+    # what input order means: the items of every bin in increasing input position
+    plan = pack_sequences([5, 2, 7, 1, 3, 6], 8, "ff")
+    assert all(b == sorted(b) for b in plan.bins)

@@ -16,8 +16,10 @@ from padfree import (
     InvalidArgumentError,
     InvalidLengthsError,
     Packer,
+    PackingSpec,
     PackResult,
     PadfreeError,
+    RowSpec,
     StreamPacker,
     pack_sequences,
 )
@@ -73,6 +75,14 @@ def _stream(name):
     return lambda value: StreamPacker(**{"capacity": 8, name: value})
 
 
+def _spec(name):
+    return lambda value: PackingSpec(**{"capacity": 8, name: value})
+
+
+def _rows(name):
+    return lambda value: RowSpec(**{name: value})
+
+
 def _balance(name):
     return lambda value: balance_bins(**{"result": PLAN, "num_ranks": 2, name: value})
 
@@ -109,6 +119,23 @@ SPECS = [
     ("lengths", lambda v: StreamPacker(8).add(v), _but("empty"), InvalidLengthsError, ("integer", ">= 1")),
     ("items", lambda v: StreamPacker(8).add([1, 2], items=v), _but("None", "nested", "2d", "float_array"),
      InvalidArgumentError, ("payload",)),
+    ("capacity", lambda v: PackingSpec(v), _but("0d_array"), InvalidArgumentError, ("integer >= 1",)),
+    ("strategy", _spec("strategy"), ALL, InvalidArgumentError, ("one of", "'obfd'")),
+    ("seed", _spec("seed"), _but("None", "zero", "huge", "0d_array"), InvalidArgumentError, ("integer >= 0",)),
+    ("overlong", _spec("overlong"), ALL, InvalidArgumentError, ("one of", "'split'")),
+    ("max_sequences_per_bin", _spec("max_sequences_per_bin"), _but("None", "huge", "0d_array"),
+     InvalidArgumentError, ("integer >= 1 or None",)),
+    ("spec", lambda v: pack_sequences([3, 4], spec=v), _but("None"), InvalidArgumentError,
+     ("a PackingSpec or None",)),
+    ("spec", lambda v: Packer(spec=v), _but("None"), InvalidArgumentError, ("a PackingSpec or None",)),
+    ("padding", _rows("padding"), _but("None", "huge"), InvalidArgumentError, ("'capacity'",)),
+    ("pad_to_multiple_of", _rows("pad_to_multiple_of"), _but("None", "huge", "0d_array"), InvalidArgumentError,
+     ("integer >= 1 or None",)),
+    ("padding_value", _rows("padding_value"), _but("zero", "negative"), InvalidArgumentError,
+     ("integer that fits int32",)),
+    ("label_padding_value", _rows("label_padding_value"), _but("zero", "negative"), InvalidArgumentError,
+     ("integer that fits int32",)),
+    ("attention_mask", _rows("attention_mask"), _but("None"), InvalidArgumentError, ("one of", "'binary'")),
     ("result", _balance("result"), ALL, InvalidArgumentError, ("a PackResult from pack_sequences",)),
     ("num_ranks", _balance("num_ranks"), _but("0d_array"), InvalidArgumentError, ("integer >= 1", "<= 2147483647")),
     ("micro_batch_size", _balance("micro_batch_size"), _but("0d_array"), InvalidArgumentError,
@@ -156,6 +183,33 @@ def test_a_bad_value_is_refused_by_name(call, value, error, argument, accepted, 
     assert argument.split(".")[-1] in message, message
     assert any(word in message for word in accepted), message
     assert any(text in message for text in shown), message
+
+
+def _spec_cases():
+    for field, valid in (("capacity", ("0d_array",)), ("strategy", ()), ("seed", ("None", "zero", "huge", "0d_array")),
+                         ("overlong", ()), ("max_sequences_per_bin", ("None", "huge", "0d_array"))):
+        for key in _but(*valid):
+            yield pytest.param(field, VALUES[key][0], id=f"{field}={key}")
+
+
+@pytest.mark.parametrize(("field", "value"), list(_spec_cases()))
+def test_a_packing_spec_refuses_a_bad_value_with_the_keywords_error(field, value):
+    with pytest.raises(PadfreeError) as by_keyword:
+        pack_sequences([3, 4], **({"capacity": 8} | {field: value}))
+    with pytest.raises(PadfreeError) as by_spec:
+        PackingSpec(**({"capacity": 8} | {field: value}))
+    assert type(by_spec.value) is type(by_keyword.value) and str(by_spec.value) == str(by_keyword.value)
+
+
+def test_a_setting_given_both_ways_is_refused_naming_both():
+    spec = PackingSpec(8, "ffd", seed=2, overlong="split", max_sequences_per_bin=3)
+    for keyword, value in (("capacity", 8), ("strategy", "nf"), ("seed", 2), ("overlong", "drop"),
+                           ("max_sequences_per_bin", 3)):
+        with pytest.raises(InvalidArgumentError, match=rf"^{keyword}={value!r} is given both as a keyword and in spec "
+                                                       rf"\(spec\.{keyword}={getattr(spec, keyword)!r}\)"):
+            Packer(spec=spec, **{keyword: value})
+    # a keyword left at its default defers to the spec
+    assert Packer(spec=spec, strategy="obfd").spec is spec
 
 
 # ---------------------------------------------------------------------------------------------------
