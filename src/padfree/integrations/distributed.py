@@ -54,6 +54,7 @@ from padfree.packing.inputs import (
 )
 from padfree.packing.packer import Packer
 from padfree.packing.result import PackResult
+from padfree.packing.spec import PackingSpec
 from padfree.packing.strategies import DEFAULT_STRATEGY, STRATEGIES
 
 try:
@@ -247,7 +248,10 @@ class DistributedPackedBatchSampler(Sampler[list[int]]):
             once, so the rows keep their samples and only their order changes. ``overlong="split"`` is refused
             (a sample index cannot name a piece of a sample: use a :class:`~padfree.PackingDataset` with it);
             ``"truncate"`` needs a collator that truncates the same way; ``"drop"`` samples are never yielded
-            (counted in ``plan.dropped`` and logged).
+            (counted in ``plan.dropped`` and logged). ``strategy="wrapped"`` is refused for the same reason.
+        spec: ``capacity``, ``strategy``, ``overlong`` and ``max_sequences_per_bin`` as one
+            :class:`~padfree.PackingSpec`, in place of those keywords (its ``seed`` must be None: the packing seed of
+            every epoch is drawn from ``seed``).
         all_ranks: yield the micro-batches of **every** rank, interleaved step by step (step 0 rank 0, step 0
             rank 1, ..., step 1 rank 0, ...), for loaders that shard a batch sampler themselves: ``accelerate``'s
             ``prepare`` (hence the Hugging Face ``Trainer``) wraps it in a ``BatchSamplerShard`` that gives process
@@ -309,6 +313,7 @@ class DistributedPackedBatchSampler(Sampler[list[int]]):
         strategy: str | None = None,
         overlong: str | None = None,
         max_sequences_per_bin: int | None = None,
+        spec: PackingSpec | None = None,
         all_ranks: bool = False,
     ) -> None:
         self.all_ranks = as_flag(all_ranks, "all_ranks")
@@ -326,6 +331,15 @@ class DistributedPackedBatchSampler(Sampler[list[int]]):
         self._packer: Packer | None = None
         self._rows = False  # from_rows / from_samples: every bin is one row (sample) of the dataset, by index
         self._group_by = "cost"  # from_samples: "random" (steps drawn at random, only dealt by load)
+        if spec is not None:  # the spec's settings, as the keywords would give them (None: not given)
+            spec = PackingSpec.resolve(spec, {"capacity": capacity, "strategy": strategy, "overlong": overlong,
+                                              "max_sequences_per_bin": max_sequences_per_bin},
+                                       defaults={"strategy": None, "overlong": None})
+            if spec.seed is not None:
+                raise InvalidArgumentError(f"spec.seed={spec.seed} does not apply: the sampler draws the packing seed "
+                                           f"of every epoch from seed={self.seed}; leave spec.seed None")
+            capacity, strategy, overlong, max_sequences_per_bin = (spec.capacity, spec.strategy, spec.overlong,
+                                                                   spec.max_sequences_per_bin)
         self._read_data(data, capacity, strategy, overlong, max_sequences_per_bin)
 
     @classmethod
@@ -468,6 +482,10 @@ class DistributedPackedBatchSampler(Sampler[list[int]]):
             )
         self._packer = Packer(capacity, DEFAULT_STRATEGY if strategy is None else strategy, overlong=overlong,
                               max_sequences_per_bin=max_items)
+        if self._packer.spec.cuts_at_row_edges:
+            raise InvalidArgumentError(
+                f"strategy={self._packer.strategy!r} cuts samples at the rows' edges, and a sample index cannot name "
+                f"a piece of a sample; choose another strategy, or pass a PackingDataset built with it")
         self.capacity = self._packer.capacity
         self._lengths = lengths
         if not STRATEGIES[self._packer.strategy].randomized:
