@@ -265,7 +265,7 @@ def main() -> None:
         results = run_row(row, short_runs if tokens <= 2048 else runs)
         leaky, leaky_same = results[LEAKY].median, results[LEAKY_SAME].median
         chosen = {"per-segment": "per-segment", "masked": "decay-reset"}[
-            scans._gdr_formulation(row.layout, CHUNK)]
+            scans.gdr_formulation(row.layout, CHUNK)]
         for name in (PER_SEGMENT, MASKED, AUTO):
             ratios[name].append(results[name].median / leaky)
             same[name].append(results[name].median / leaky_same)

@@ -42,25 +42,6 @@ def test_demo_quick_on_the_embedded_corpus(capsys, tmp_path):
     assert "padfree: training: about " in err and "padfree: training: pass 1 of 1 done" in err
 
 
-def test_demo_sizes():
-    """The default run is the small one (the whole corpus and the larger model behind --full); --quick is smaller
-    still; the built-in model trains on one thread unless --threads says otherwise."""
-    from padfree.cli import build_parser
-    from padfree.cli._training import training_options
-
-    def options(*argv):
-        return training_options(build_parser().parse_args(["demo", *argv]), "demo")
-
-    default, quick, full = options(), options("--quick"), options("--full")
-    assert (default.size, quick.size, full.size) == ("default", "quick", "full")
-    assert (default.capacity, default.rows, default.tokens, default.repetitions) == (512, 4, 8192, 2)
-    assert (full.capacity, full.rows, full.tokens, full.repetitions) == (1024, 8, 16384, 3)
-    assert quick.tokens < default.tokens < full.tokens
-    assert default.threads == 1 and options("--threads", "2").threads == 2
-    with pytest.raises(SystemExit):
-        build_parser().parse_args(["demo", "--quick", "--full"])
-
-
 def test_demo_with_data_a_local_model_and_json(capsys, tmp_path):
     model_dir = tmp_path / "model"
     cfg = transformers.LlamaConfig(vocab_size=32000, hidden_size=16, intermediate_size=32, num_hidden_layers=1,

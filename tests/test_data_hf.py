@@ -179,10 +179,10 @@ def test_a_failed_write_leaves_no_file(tmp_path, monkeypatch):
 
 
 def test_chunks_are_read_through_one_view_without_copies():
-    from padfree.data.hf import _one_view
+    from padfree.data.hf import one_view
 
     arrays = [np.arange(5, dtype=np.int32), np.arange(100, 103, dtype=np.int32), np.arange(7, 9, dtype=np.int32)]
-    view, first = _one_view(arrays)
+    view, first = one_view(arrays)
     assert not view.flags.writeable
     for array, start in zip(arrays, first.tolist(), strict=True):
         assert view[start : start + array.size].tolist() == array.tolist()
@@ -190,7 +190,7 @@ def test_chunks_are_read_through_one_view_without_copies():
     raw = np.zeros(64, np.uint8)
     odd = [raw[0:16].view(np.int32), raw[5:13].view(np.int32)]  # the second is not 4-byte aligned with the first
     odd[0][:] = [1, 2, 3, 4]
-    view, first = _one_view(odd)
+    view, first = one_view(odd)
     assert view[first[1] : first[1] + 2].tolist() == odd[1].tolist() and view[:4].tolist() == [1, 2, 3, 4]
 
 

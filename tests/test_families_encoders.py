@@ -151,7 +151,7 @@ def _attention(model_type, path):
 def test_per_segment_attention_is_each_segment_alone(model_type, path):
     model, module = _attention(model_type, path)
     lay = _segment_layout()
-    spec = encoders._ATTENTION[type(module).__name__]
+    spec = encoders.ATTENTION[type(module).__name__]
     hidden = torch.randn(*lay.shape, model.config.hidden_size, generator=torch.Generator().manual_seed(0))
     named = {spec.hidden: hidden, spec.mask: None}
     extra = {}
@@ -194,12 +194,12 @@ def test_position_tables_read_each_sequence_positions():
     built = lay.position_ids.float().unsqueeze(-1)
     plan = lay.buckets()
     for table, source in ((counted, None), (counted, torch.arange(6).expand(2, 6)), (built, lay.position_ids)):
-        blocks = encoders._gather_table(table, lay, "position_ids", source)
+        blocks = encoders.gather_table(table, lay, "position_ids", source)
         got = torch.cat([b.reshape(-1) for b in blocks]).index_select(0, plan.inverse).view(2, 6)
         assert torch.equal(got, lay.position_ids.float())
     foreign = torch.tensor([[3, 4, 5, 6, 7, 8]]).expand(2, 6)
     with pytest.raises(Exception, match="neither"):
-        encoders._gather_table(counted, PackedLayout.from_position_ids(lay.position_ids), "position_ids", foreign)
+        encoders.gather_table(counted, PackedLayout.from_position_ids(lay.position_ids), "position_ids", foreign)
 
 
 def test_xlm_padding_rule_per_sequence():
@@ -207,7 +207,7 @@ def test_xlm_padding_rule_per_sequence():
     ids = torch.full(lay.shape, 7)
     ids[0, 2] = 2  # the 3-token sequence holds one pad id: alone it keeps its first 2 tokens
     ids[0, 15:] = 2  # the trailing padding run
-    keep = encoders._xlm_keep(lay, ids, pad=2)
+    keep = encoders.xlm_keep(lay, ids, pad=2)
     assert keep[0, :4].tolist() == [1, 1, 1, 0]
     assert keep[0, 15:].tolist() == [0, 0] and keep[1].all()
 

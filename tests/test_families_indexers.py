@@ -19,7 +19,7 @@ from transformers.models.auto.configuration_auto import CONFIG_MAPPING  # noqa: 
 
 from padfree.errors import PackingDisabledError, UnsupportedModelError  # noqa: E402
 from padfree.model.configure import install_packing, packing_state, unconfigure_packing  # noqa: E402
-from padfree.model.families import indexers  # noqa: E402
+from padfree.model.families import indexers, replay  # noqa: E402
 from padfree.model.flight import forward_of  # noqa: E402
 from padfree.model.packed import PackedLayout  # noqa: E402
 from padfree.model.state import PackingState  # noqa: E402
@@ -288,7 +288,7 @@ def test_the_cut_row_mask_is_the_mask_a_sequence_builds_alone(case, attn, mask):
 
     width = 20
     lay = PackedLayout.from_position_ids(torch.arange(width).repeat(2, 1))
-    cut = indexers._cut_mask(row_mask(width), lay, "test")
+    cut = replay.cut_mask(row_mask(width), lay, "test")  # the mask cutter the indexers use
     for n in (1, 3, 7, width):
         assert torch.equal(cut(n, 3), row_mask(n).expand(3, -1, -1, -1))
 

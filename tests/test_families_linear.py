@@ -25,8 +25,7 @@ from padfree.model.packed import PackedLayout  # noqa: E402
 from padfree.model.state import packing_state  # noqa: E402
 from padfree.proof.compare import prove  # noqa: E402
 from padfree.proof.sweep import PRECISIONS  # noqa: E402
-from padfree.proof.tiny import build_tiny  # noqa: E402
-from padfree.proof.tiny import quiet as _quiet  # noqa: E402
+from padfree.proof.tiny import build_tiny, quiet  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -61,13 +60,13 @@ def _installed(model_type: str) -> None:
 
 
 def _proof(model_type: str):
-    with _quiet():
+    with quiet():
         return prove(build_tiny(model_type), backends=list(PRECISIONS), precisions=PRECISIONS)
 
 
 def _kimi_attention_is_taken_for_a_mixer() -> bool:
     model = build_tiny("kimi_linear")
-    _, _, mixers = install._scan(model)
+    _, _, mixers = install.scan_model(model)
     return any(type(m).__name__ == "KimiLinearAttention" for _, m in mixers)
 
 
@@ -101,7 +100,7 @@ def test_the_same_comparison_catches_a_mixer_whose_state_is_not_reset(monkeypatc
     exact = getattr(module, primitive)
     monkeypatch.setattr(module, primitive, lambda *a, **k: exact(
         *(_without_boundaries(x) if isinstance(x, PackedLayout) else x for x in a), **k))
-    with _quiet():
+    with quiet():
         proof = prove(build_tiny(model_type), backends=["sdpa"], precisions=["fp32"], grads=False)
     (check,) = proof.checks
     assert not check.ok and check.logits > 100 * check.tolerance
@@ -185,7 +184,7 @@ def test_lightning_primitive_uses_the_module_decay_tables():
 
     module = build_tiny("minimax").model.layers[1].self_attn
     assert isinstance(module, MiniMaxLightningAttention)
-    tables = lightning._decay_tables(module.slope_rate, module.block_size)
+    tables = lightning.decay_tables(module.slope_rate, module.block_size)
     for mine, theirs in zip(tables, (module.query_decay, module.key_decay, module.diagonal_decay), strict=True):
         torch.testing.assert_close(mine, theirs, rtol=0, atol=0)
 

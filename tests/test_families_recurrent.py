@@ -22,8 +22,7 @@ from padfree.model.flight import forward_of  # noqa: E402
 from padfree.model.packed import PackedLayout  # noqa: E402
 from padfree.proof.compare import prove  # noqa: E402
 from padfree.proof.sweep import PRECISIONS  # noqa: E402
-from padfree.proof.tiny import build_tiny  # noqa: E402
-from padfree.proof.tiny import quiet as _quiet  # noqa: E402
+from padfree.proof.tiny import build_tiny, quiet  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -56,7 +55,7 @@ def _without_boundaries(lay: PackedLayout) -> PackedLayout:
 
 
 def _proof(model_type: str, plan=PRECISIONS, **kwargs):
-    with _quiet():
+    with quiet():
         return prove(build_tiny(model_type), backends=list(plan), precisions=plan, **kwargs)
 
 
@@ -207,7 +206,7 @@ def test_recurrent_gemma_conv_restarts_at_every_segment():
     lay = _layout()
     x = torch.randn(lay.shape[0], conv.in_channels, WIDTH)
     with torch.no_grad():
-        out = rglru._segment_conv(x, conv.weight, conv.bias, lay)
+        out = rglru.segment_conv(x, conv.weight, conv.bias, lay)
         for row, start, n in _segments(lay):  # lengths 1, 2 and 3 are shorter than the 4-tap kernel
             alone = conv(x[row:row + 1, :, start:start + n])[..., :n]
             torch.testing.assert_close(out[row:row + 1, :, start:start + n], alone, rtol=1e-6, atol=1e-6)

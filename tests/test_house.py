@@ -213,6 +213,133 @@ def test_no_module_takes_another_modules_private_names():
                        f"modules share a home of its own")
 
 
+# ---- tests take padfree through its public names -------------------------------------------------------------------
+
+
+def _private_part(name: str) -> bool:
+    return name.startswith("_") and not name.endswith("__")
+
+
+def _is_private_for(dotted: str, test_file: str, modules: dict[str, Path]) -> bool:
+    """Whether ``dotted`` names something private, for ``test_file`` (a private module's own test file may take it
+    and everything in it)."""
+    parts = dotted.split(".")
+    for i, part in enumerate(parts):
+        if _private_part(part):
+            own = "test_" + "_".join(p.strip("_") for p in parts[1 : i + 1]) + ".py"
+            return not (".".join(parts[: i + 1]) in modules and test_file == own)
+    return False
+
+
+def private_uses_in_tests(tests: Path | None = None, root: Path = SRC, package: str = "padfree") -> dict[str, set[str]]:
+    """Test file -> the private things of ``package`` it takes: ``from m import _x``, a private module (``import
+    m._p``, ``from m._p import x``, ``from m import _p``), ``m._x`` (``m`` bound to a module of ``package`` by an
+    import, through any chain of attributes) and ``setattr``/``getattr``/``delattr``/``monkeypatch.setattr(m,
+    "_x", ...)``. A private module's own test file (``test_data_arrow_writer.py`` for ``data/_arrow_writer.py``) may
+    take its names. Private attributes of other objects (a model's config, a trainer) are not this check's."""
+    tests = tests or Path(__file__).resolve().parent
+    modules = module_names(root, package)
+    found: dict[str, set[str]] = {}
+    for path in sorted(tests.glob("*.py")):
+        tree = ast.parse(path.read_text(), str(path))
+        hits: set[str] = set()
+        aliases: dict[str, str] = {}  # a local name bound to one of our modules
+
+        def take(dotted: str, hits: set[str] = hits, name: str = path.name) -> None:
+            if _is_private_for(dotted, name, modules):
+                hits.add(dotted)
+
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                for a in node.names:
+                    if a.name.split(".")[0] == package:
+                        take(a.name)
+                        if a.asname:
+                            aliases[a.asname] = a.name
+                        else:
+                            aliases[package] = package
+            elif isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == package:
+                for a in node.names:
+                    full = f"{node.module}.{a.name}"
+                    take(full)
+                    if full in modules:
+                        aliases[a.asname or a.name] = full
+        for node in ast.walk(tree):
+            target = None
+            if isinstance(node, ast.Attribute) and _private_part(node.attr):
+                target, attr = node.value, node.attr
+            elif (isinstance(node, ast.Call) and len(node.args) >= 2 and isinstance(node.args[1], ast.Constant)
+                  and isinstance(node.args[1].value, str) and _private_part(node.args[1].value)
+                  and (getattr(node.func, "id", None) or getattr(node.func, "attr", None)) in {
+                      "setattr", "getattr", "delattr", "hasattr"}):
+                target, attr = node.args[0], node.args[1].value
+            if target is None:
+                continue
+            chain = []
+            while isinstance(target, ast.Attribute):
+                chain.append(target.attr)
+                target = target.value
+            if isinstance(target, ast.Name) and target.id in aliases:
+                dotted = ".".join([aliases[target.id], *reversed(chain)])
+                if dotted in modules:
+                    take(f"{dotted}.{attr}")
+        if hits:
+            found[path.name] = hits
+    return found
+
+
+#: what tests may still take, each with its reason (a dotted prefix: a module allows everything in it)
+ALLOWED_PRIVATE: dict[str, dict[str, str]] = {
+    # fault injection: a write that stops half-way (a killed process, a full disk) has no public route
+    "test_cli_cleanup.py": {"padfree.data._arrow_writer": "the writer's batches, stopped or failing mid-write"},
+    "test_data_hf.py": {"padfree.data._arrow_writer": "the writer's fill, failing mid-write"},
+    # a fake CUDA kernel and accelerator on a machine without one: the kernel cache and the device probes
+    "test_model_mixers.py": {"padfree.model.cuda_kernels": "fake kernels, a fake accelerator, a fresh cache"},
+    # negative controls: the same comparison must catch a replay that ignores its frames, a reset that is off
+    "test_model_flight.py": {"padfree.model.flight._replay": "a replay without the recorded layout",
+                             "padfree.model.flight._in_backward": "the forward's layout read during backward"},
+    "test_model_vlm_routes.py": {"padfree.model.flight._replay": "a replay under the latest layout, not its own"},
+    "test_families_recurrent.py": {"padfree.model.families.rwkv._starts": "segment starts without the boundaries",
+                                   "padfree.model.families.rwkv._LAYOUT": "the layout the installed forward sets, "
+                                                                          "for time_shift called alone"},
+    # a new process (only the disk cache left), and reads that cross many blocks, without a large data set
+    "test_model_certify.py": {"padfree.proof.certify._MEMORY": "the in-memory verdicts, cleared"},
+    "test_data_datasets.py": {"padfree.data.iterable._READ_BLOCK": "a 7-sample read block"},
+}
+
+
+def test_private_uses_in_tests_are_found(tmp_path):
+    root = _tree(tmp_path, {
+        "__init__.py": "",
+        "a.py": "_X = 1\nY = 2\n",
+        "sub/__init__.py": "",
+        "sub/_p.py": "Z = 3\n_W = 4\n",
+    })
+    tests = tmp_path / "tests"
+    tests.mkdir()
+    (tests / "test_one.py").write_text(
+        "import pkg\nimport pkg.a as m\nfrom pkg import a\nfrom pkg.a import _X, Y as _Y\nfrom pkg.sub._p import Z\n"
+        "def test(monkeypatch):\n    monkeypatch.setattr(a, '_X', 2)\n    assert m._X and pkg.a._X and a.Y\n"
+        "    assert m.config._attn and getattr(a, '__name__') and setattr(a, 'Y', 1) is None\n")
+    (tests / "test_sub_p.py").write_text("from pkg.sub import _p\nfrom pkg.sub._p import _W\nassert _p._W\n")
+    (tests / "test_two.py").write_text("from pkg.sub import _p\n")
+    assert private_uses_in_tests(tests, root, "pkg") == {
+        "test_one.py": {"pkg.a._X", "pkg.sub._p.Z"},
+        "test_two.py": {"pkg.sub._p"},
+    }
+
+
+def test_no_test_takes_a_private_name_of_padfree():
+    found = private_uses_in_tests()
+    allowed = {(f, p) for f, entries in ALLOWED_PRIVATE.items() for p in entries}
+    left = {f"{f}: {name}" for f, names in found.items() for name in names
+            if not any(name == p or name.startswith(f"{p}.") for g, p in allowed if g == f)}
+    assert not left, (f"tests taking padfree's private names: {sorted(left)}; test through the public route, or "
+                      f"make the unit public (drop the underscore) where other modules use it")
+    unused = {(f, p) for f, p in allowed if not any(n == p or n.startswith(f"{p}.") for n in found.get(f, ()))}
+    assert not unused, f"allowed but no longer taken, delete them from ALLOWED_PRIVATE: {sorted(unused)}"
+
+
 #: the modules that run in a training step (the first part of their name under ``padfree``)
 RUN_TIME = ("model", "integrations", "sequence_parallel", "data", "packing", "rows", "samples", "layout", "step_loss")
 #: the arrows from run time to the proof package: configure's decision (the support table, on-the-spot

@@ -351,6 +351,6 @@ def test_unconfigure_gives_the_checkpoint_functions_back():
     ids, pos, _ = packed_case(_vocab(model), ROWS, 1)
     model(input_ids=ids, position_ids=pos, use_cache=False)  # binds the functions transformers put on the layers
     layer = model.model.layers[0]
-    assert isinstance(layer._gradient_checkpointing_func, flight._Bound)
+    assert type(layer._gradient_checkpointing_func).__module__ == flight.__name__  # padfree's bound recompute
     padfree.unconfigure_packing(model)
     assert isinstance(layer._gradient_checkpointing_func, functools.partial)

@@ -229,7 +229,7 @@ def test_scan_classifies_linear_attention_as_a_mixer_and_skips_norms_and_contain
                  "LlamaAttention", "ToyTextNGramEmbedding", "ToyTextIndexer", "Mamba2RMSNorm",
                  "FalconMambaWeightlessRMSNorm", "Qwen3NextRotaryEmbedding"):
         root.add_module(name, _named(name, config=True))
-    attention, handled, found = install._scan(root)
+    attention, handled, found = install.scan_model(root)
     assert [n for n, _ in attention] == ["LlamaAttention"]
     assert [n for n, _ in handled] == ["layers.0.mixer"]  # MambaMixer: the mixers family claims it
     assert [n for n, _ in found] == [
@@ -337,9 +337,9 @@ def test_gated_delta_rule_formulation_choice():
     few, _ = _layout([[600, 700, 748]])
     short, _ = _layout([[16, 30, 45, 1] * 16])
     tiny_segments, _ = _layout([[4] * 256])
-    assert scans._gdr_formulation(few, 64) == "per-segment"  # little padding to whole chunks
-    assert scans._gdr_formulation(short, 64) == "per-segment"  # one chunk each, padded to multiples of 16 only
-    assert scans._gdr_formulation(tiny_segments, 64) == "masked"  # 4-token segments would pad 4x
+    assert scans.gdr_formulation(few, 64) == "per-segment"  # little padding to whole chunks
+    assert scans.gdr_formulation(short, 64) == "per-segment"  # one chunk each, padded to multiples of 16 only
+    assert scans.gdr_formulation(tiny_segments, 64) == "masked"  # 4-token segments would pad 4x
     groups = scans.gdr_groups(short, 64)
     assert [(length, chunk) for length, chunk, *_ in groups] == [(48, 48), (32, 32), (16, 16)]
 
@@ -514,7 +514,7 @@ def test_a_kernel_that_fails_at_its_first_call_falls_back_to_the_reference(fresh
     with torch.no_grad():
         alone = [model(input_ids=s[None], use_cache=False).logits[0] for _, _, s in seqs]
     report = configure_packing(model)
-    selected = mixers._KERNEL_DOC[kernel]
+    selected = mixers.KERNEL_DOC[kernel]
     assert all(selected in d for d in report.mixers.values())  # selected: importable, and may run on CUDA tensors
     with caplog.at_level(logging.WARNING, logger="padfree"), torch.no_grad():
         out = model(input_ids=ids, position_ids=pos).logits

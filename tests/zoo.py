@@ -14,8 +14,8 @@ from __future__ import annotations
 import torch
 import transformers
 
+from padfree.proof import tiny as library
 from padfree.proof.tiny import TINY_CONFIGS, VOCAB, build
-from padfree.proof.tiny import tiny_model as _library_tiny_model
 
 # hybrids: attention layers (sdpa / eager) and sequence mixers; SSM_TYPES: sequence mixers only, no attention
 HYBRID_TYPES = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "olmo_hybrid", "lfm2", "lfm2_moe", "bamba",
@@ -31,7 +31,7 @@ def tiny_model(model_type: str, *, seed: int = 0, attn: str | None = None, **ove
     """:func:`padfree.proof.tiny.tiny_model` (the configs and the builder live in the library: ``padfree verify``
     builds the same models), with attention ``attn`` (default: sdpa, eager where transformers has no SDPA path, none for
     :data:`SSM_TYPES`)."""
-    return _library_tiny_model(model_type, seed=seed, attn_implementation=attn, **overrides)
+    return library.tiny_model(model_type, seed=seed, attn_implementation=attn, **overrides)
 
 
 def vocab_llama(vocab: int) -> transformers.LlamaForCausalLM:

@@ -173,7 +173,7 @@ def _import_hf() -> tuple[Any, Any]:
 class _Source:
     """One per-token input column. Physical row ``i`` is ``values[starts[i]:starts[i] + lengths[i]]``.
 
-    ``values`` is one read-only array over every chunk of the column (see :func:`_one_view`), so a kernel reads any
+    ``values`` is one read-only array over every chunk of the column (see :func:`one_view`), so a kernel reads any
     row of any chunk without a Python loop over chunks; ``lengths`` is -1 for a null row.
     """
 
@@ -199,7 +199,7 @@ class _Span:
         self.owners = owners
 
 
-def _one_view(arrays: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+def one_view(arrays: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
     """One read-only array through which every array of ``arrays`` (same dtype) is visible, without a copy.
 
     Returns ``(view, first)`` with ``view[first[k]:first[k] + arrays[k].size]`` equal to ``arrays[k]``.
@@ -247,7 +247,7 @@ def _arrow_source(column: Any, name: str, *, kind: str = "ids", mask: bool = Fal
         empty = np.zeros(0, np.int64)
         return _Source(name, empty, empty, empty, ())
     values = [c.values for c in chunks]
-    view, first = _one_view(values)
+    view, first = one_view(values)
     starts = np.concatenate([c.offsets[:-1] + base for c, base in zip(chunks, first.tolist(), strict=True)])
     lengths = np.concatenate([c.lengths for c in chunks])
     if nulls:

@@ -193,7 +193,7 @@ def _check_model(model: Any) -> tuple[Any, str]:
     return model.config, str(model.config.model_type)
 
 
-def _scan(model: torch.nn.Module) -> tuple[list[tuple[str, torch.nn.Module]], list[tuple[str, torch.nn.Module]],
+def scan_model(model: torch.nn.Module) -> tuple[list[tuple[str, torch.nn.Module]], list[tuple[str, torch.nn.Module]],
                                            list[tuple[str, torch.nn.Module]]]:
     """``(attention modules, modules a family handles, other sequence mixers)`` by qualified name; the submodules
     of a handled module or of a mixer are not listed."""
@@ -336,7 +336,7 @@ def install_packing(model: Any, *, backend: str = "auto", strict: bool = True, s
             "across ranks by padfree; use backend='varlen' (torch's flash varlen kernel, CUDA) or 'sdpa'")
     unconfigure_packing(model)
 
-    attention, handled, mixers = _scan(model)
+    attention, handled, mixers = scan_model(model)
     kernels = _kernels()
     device = next(model.parameters()).device
     if attention:

@@ -235,7 +235,7 @@ def _gdr_per_segment(q, k, v, beta, g, lay: PackedLayout, chunk: int) -> torch.T
     return result.view(batch, seq_len, heads, -1).movedim(2, 1)
 
 
-def _gdr_formulation(lay: PackedLayout, chunk: int) -> str:
+def gdr_formulation(lay: PackedLayout, chunk: int) -> str:
     """``"per-segment"`` unless padding the segments (:func:`_gdr_padded`) adds more than half the batch's tokens
     (very many very short segments), then ``"masked"``. Measured in ``benchmarks/bench_mixers.py`` (BENCHMARKS.md):
     per-segment is the faster formulation for 7 and 64 sequences per row at T = 2k and 8k."""
@@ -275,7 +275,7 @@ def segment_gated_delta_rule(
         q, k = _l2norm(q), _l2norm(k)
     q = q * q.shape[-1] ** -0.5
     if formulation == "auto":
-        formulation = _gdr_formulation(lay, chunk_size)
+        formulation = gdr_formulation(lay, chunk_size)
     if formulation == "per-segment":
         out = _gdr_per_segment(q, k, v, b, gg, lay, chunk_size)
     elif formulation == "masked":

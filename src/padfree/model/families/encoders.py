@@ -124,7 +124,7 @@ _INTERFACE = _Attention(causal=_is_causal, interface=True, cross=None)
 _INLINE = _Attention()
 
 #: self-attention class -> how it runs per bucket
-_ATTENTION: dict[str, _Attention] = {
+ATTENTION: dict[str, _Attention] = {
     **{f"{p}SelfAttention": _INTERFACE for p in (
         "Bert", "BertGeneration", "Camembert", "Data2VecText", "Electra", "Ernie", "Roberta", "RobertaPreLayerNorm",
         "RoCBert", "XLMRoberta", "XLMRobertaXL", "Xmod")},
@@ -151,7 +151,7 @@ _EMBEDDINGS = frozenset(f"{p}Embeddings" for p in (
 _ATTENTION_DOC = "self-attention per packed sequence (transformers' own forward per bucket of equal-length segments)"
 #: the classes this module makes boundary-exact (read by :func:`padfree.configure_packing`)
 CLASSES: dict[str, str] = {
-    **{name: _ATTENTION_DOC for name in _ATTENTION},
+    **{name: _ATTENTION_DOC for name in ATTENTION},
     **{name: "learned absolute positions restarting at every packed sequence" for name in sorted(_EMBEDDINGS)},
     **{name: "cross-attention, refused in a packed batch" for name in sorted(_CROSS_ATTENTION)},
     "XLMModel": "XLM: positions and the padding rule per packed sequence, its attention per sequence",
@@ -251,11 +251,11 @@ def _built_from_layout(lay: PackedLayout, source: Any) -> bool:
     return own
 
 
-def _gather_table(table: Any, lay: PackedLayout, how: str, source: Any) -> list[Any]:
+def gather_table(table: Any, lay: PackedLayout, how: str, source: Any) -> list[Any]:
     """Per bucket, the rows of ``table`` (``(b, 1, ..., T, D)`` with ``b`` 1 or B, or a tuple of such) its slots
     read, shaped ``(m, 1, ..., L, D)``."""
     if isinstance(table, (tuple, list)):
-        parts = [_gather_table(t, lay, how, source) for t in table]
+        parts = [gather_table(t, lay, how, source) for t in table]
         return [type(table)(p) for p in zip(*parts, strict=True)]
     batch, seq_len = lay.shape
     if not isinstance(table, torch.Tensor) or table.dim() < 3 or table.shape[-2] != seq_len or \
@@ -329,7 +329,7 @@ def per_segment(module: torch.nn.Module, spec: _Attention, named: dict[str, Any]
     masks = (bucket_masks(lay, causal, window) if spec.keep_mask
              else _masks_for(spec, module, lay, causal, window, hidden.dtype))
     source = named.get("position_ids")
-    tables = {name: _gather_table(named[name], lay, how, source) for name, how in spec.tables
+    tables = {name: gather_table(named[name], lay, how, source) for name, how in spec.tables
               if named.get(name) is not None}
     keys = None
     if spec.keep_mask and not causal:  # XLM's padding rule: the tokens a sequence alone drops are no keys either
@@ -513,11 +513,11 @@ def _packed_xlm(self: torch.nn.Module, args: tuple, kwargs: dict[str, Any]) -> A
                 f"alone (position_ids restarting at 0) and XLMModel's padding rule is applied per sequence")
     ids = named.get("input_ids")
     named["position_ids"] = lay.position_ids
-    named["attention_mask"] = _xlm_keep(lay, ids if isinstance(ids, torch.Tensor) else None, self.pad_index)
+    named["attention_mask"] = xlm_keep(lay, ids if isinstance(ids, torch.Tensor) else None, self.pad_index)
     return type(self).forward(self, **named)
 
 
-def _xlm_keep(lay: PackedLayout, ids: torch.Tensor | None, pad: int) -> torch.Tensor:
+def xlm_keep(lay: PackedLayout, ids: torch.Tensor | None, pad: int) -> torch.Tensor:
     """``(B, T) int64``: XLMModel's padding rule per packed sequence. Alone, a sequence of ``n`` tokens holding
     ``k`` pad ids keeps its first ``n - k`` tokens (its ``lengths`` counts the tokens that are not pad ids);
     with ``inputs_embeds`` it keeps all of them."""
@@ -573,7 +573,7 @@ def install(module: torch.nn.Module, state: Any) -> str:
             _patch(layer, _attention_forward, _Installed(state, _XLM_ATTENTION, owner=module))
         mode = "causal" if module.causal else "bidirectional"
         return f"XLM: positions and padding rule per packed sequence; {mode} {_ATTENTION_DOC}"
-    spec = _ATTENTION.get(name)
+    spec = ATTENTION.get(name)
     if spec is None:
         raise UnsupportedModelError(f"{name} is not an encoder-family module padfree knows how to make packing-exact")
     _check_shape(module, (spec.hidden, spec.mask, *(t for t, _ in spec.tables)))

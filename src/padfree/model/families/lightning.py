@@ -60,7 +60,7 @@ _DESCRIPTION = ("lightning attention: exact torch blocked linear attention, carr
                 "pairs masked at every segment start")
 
 
-def _decay_tables(slope_rate: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def decay_tables(slope_rate: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(query, key, diagonal)`` decay tables of one block, as MiniMaxLightningAttention builds its buffers."""
     steps = torch.arange(block_size, device=slope_rate.device) + 1
     query = torch.exp(-slope_rate * steps[:, None])
@@ -87,7 +87,7 @@ def segment_lightning_attention(
         packed rows, with the intra-block pairs of two segments masked, the carried state read only by the tokens
         of the segment it belongs to, and the state handed on holding only the block's last segment.
     """
-    query_decay, key_decay, diagonal_decay = decays if decays is not None else _decay_tables(slope_rate, block_size)
+    query_decay, key_decay, diagonal_decay = decays if decays is not None else decay_tables(slope_rate, block_size)
     batch, heads, seq_len, dim = key.shape
     seg = lay.seq_idx
     state = torch.zeros(batch, heads, dim, value.shape[-1], device=value.device, dtype=value.dtype)

@@ -22,7 +22,7 @@ refused.
 >>> conv = torch.nn.Conv1d(1, 1, kernel_size=2, groups=1, padding=1, bias=False)
 >>> with torch.no_grad():
 ...     _ = conv.weight.fill_(1.0)
-...     _segment_conv(x, conv.weight, None, lay).tolist()  # x[t-1] + x[t] inside a segment
+...     segment_conv(x, conv.weight, None, lay).tolist()  # x[t-1] + x[t] inside a segment
 [[[1.0, 3.0, 5.0, 4.0, 9.0]]]
 """
 
@@ -100,11 +100,11 @@ def _conv_forward(self: torch.nn.Conv1d, x: torch.Tensor) -> torch.Tensor:
     lay = _LAYOUT.get()
     if lay is None:
         return type(self).forward(self, x)
-    return _segment_conv(x, self.weight, self.bias, lay)
+    return segment_conv(x, self.weight, self.bias, lay)
 
 
 @torch.compiler.disable  # host-side boundaries (see padfree.model.rebind)
-def _segment_conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, lay: PackedLayout
+def segment_conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, lay: PackedLayout
                   ) -> torch.Tensor:
     # (B, C, T); the block keeps [..., :seq_len] of it, which is all of it
     return segment_causal_conv1d(x, weight[:, 0, :], bias, None, lay)

@@ -240,7 +240,7 @@ _REFERENCE = {
     "mamba": "exact torch selective scan, decay zeroed at segment starts (mamba_ssm's selective_scan_fn takes no "
              "boundaries)",
 }
-_KERNEL_DOC = {
+KERNEL_DOC = {
     "fla": "flash-linear-attention chunk_gated_delta_rule with cu_seqlens (bf16/fp16 CUDA tensors)",
     "mamba_ssm": "mamba_ssm mamba_chunk_scan_combined with seq_idx (CUDA tensors)",
     "causal_conv1d": "causal-conv1d with seq_idx (CUDA tensors)",
@@ -255,8 +255,8 @@ def _choice(kernel: str | None, reference: str, on_cuda: bool) -> tuple[bool, st
     if not usable:
         return False, f"{reference} ({why})"
     if not on_cuda:
-        return True, f"{reference} while the model is on the CPU; {_KERNEL_DOC[kernel]} on CUDA tensors"
-    return True, _KERNEL_DOC[kernel]
+        return True, f"{reference} while the model is on the CPU; {KERNEL_DOC[kernel]} on CUDA tensors"
+    return True, KERNEL_DOC[kernel]
 
 
 def describe_mixer(key: str, formulation: str, on_cuda: bool) -> tuple[bool, bool, str]:
