@@ -275,8 +275,11 @@ def _validate_strategies(strategies: Iterable[str] | None) -> list[str]:
 def _time_strategy(lengths: np.ndarray, capacity: int, name: str, seed: int | None, repeats: int) -> StrategyTiming:
     # overlong="truncate" is a no-op when nothing is longer than capacity, and otherwise matches the
     # truncation the padded batches get, so both sides hold the same tokens
-    # a strategy that cuts at the rows' edges truncates nothing: its pieces hold every token
-    overlong = "split" if STRATEGIES[name].cuts_at_row_edges else "truncate"
+    # a strategy that cuts at the rows' edges would keep every token rather than truncate: it gets the tokens the
+    # others keep, so that every row of the table packs the same tokens
+    overlong = "truncate"
+    if STRATEGIES[name].cuts_at_row_edges:
+        lengths, overlong = np.minimum(lengths, capacity), "error"
     result = pack_sequences(lengths, capacity, name, seed, overlong=overlong)  # warm-up: JIT or cache load
     times = []
     for _ in range(repeats):
