@@ -331,8 +331,10 @@ def _sweep_step(model, batch, size: int | None) -> tuple[torch.Tensor, dict]:
     return got["logits"], got["grads"]
 
 
-def _sweep_batch(model_type: str) -> dict[str, torch.Tensor]:
-    vocab = build_tiny(model_type).config.get_text_config().vocab_size
+def _sweep_batch(model) -> dict[str, torch.Tensor]:
+    """The sweep's packed row for ``model`` (its vocabulary read from the model itself: building the type again only
+    to read it cost a second tiny model per step)."""
+    vocab = model.config.get_text_config().vocab_size
     ids, pos, _ = packed_case(vocab, SWEEP_ROWS, seed=0)
     return {"input_ids": ids, "position_ids": pos, "labels": ids.masked_fill(pos == 0, -100)}
 
@@ -349,7 +351,7 @@ def _sweep_worker(rank: int, world: int, tmp: str, port: int, types: list[str]) 
         try:
             whole = build_tiny(model_type)
             padfree.configure_packing(whole)
-            refs[model_type] = _sweep_step(whole, _sweep_batch(model_type), None)
+            refs[model_type] = _sweep_step(whole, _sweep_batch(whole), None)
         except Exception as exc:
             refs[model_type] = exc
     out = {}
@@ -357,7 +359,7 @@ def _sweep_worker(rank: int, world: int, tmp: str, port: int, types: list[str]) 
         try:
             model = build_tiny(model_type)
             padfree.configure_packing(model, sequence_parallel=world)
-            logits, grads = _sweep_step(model, _sweep_batch(model_type), world)
+            logits, grads = _sweep_step(model, _sweep_batch(model), world)
             verdict: tuple = ("exact", logits, grads)
         except Exception as exc:
             verdict = ("refused" if isinstance(exc, UnsupportedModelError) else "error", type(exc).__name__,
