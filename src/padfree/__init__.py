@@ -2,13 +2,14 @@
 
 The top level holds the seed-compatible names (SeqPacker's packing API, LLaMA-Factory's helpers), the routes to
 packed rows (and to a rank's slice of them under sequence parallelism), the model and trainer entry points (SFT, DPO,
-reward, GRPO and the plain Trainer), and the errors users catch — 47 names. Everything else is reachable from its
-module (``padfree.packing``, ``padfree.rows``, ``padfree.samples``, ``padfree.model.*``, ``padfree.integrations.*``).
+reward, GRPO and the plain Trainer), the packing options (``PackingSpec``, ``RowSpec``) and the errors users catch —
+50 names. Everything else is reachable from its module (``padfree.packing``, ``padfree.rows``, ``padfree.samples``,
+``padfree.model.*``, ``padfree.proof.*``, ``padfree.integrations.*``).
 ``import padfree`` stays free of torch and datasets: the names that need them are imported on first use.
 
 >>> import padfree
 >>> len(padfree.__all__)
-47
+50
 >>> padfree.pack_sequences([3, 2, 2], capacity=4).bins
 [[0], [1, 2]]
 """
