@@ -381,6 +381,25 @@ def test_pack_token_ids_counts_what_is_cut(tmp_path, capsys, token_dataset, over
     assert summary["packed_tokens"] == sum(lengths.values()) - lost == summary["input_tokens"] - lost
 
 
+def test_pack_wrapped_counts_the_sequences_it_cuts(tmp_path, capsys, token_dataset):
+    """wrapped cuts sequences at the rows' edges, overlong or not: the summary counts every sequence placed as more
+    than one piece (the rows' own sequence_ids say which), and no token is lost."""
+    import datasets
+
+    data, ids, _ = token_dataset
+    capsys.readouterr()
+    out = tmp_path / "packed"
+    code, stdout, err = run(capsys, "pack", data, "-o", out, "--capacity", 200, "--strategy", "wrapped",
+                            "--overlong", "split", "--columns", "input_ids,seq_lens,sequence_ids", "--json", "--quiet")
+    assert code == 0, err
+    summary = json.loads(stdout)
+    rows = datasets.load_from_disk(str(out)).to_list()
+    pieces = [i for r in rows for i in r["sequence_ids"]]
+    cut = {i for i in set(pieces) if pieces.count(i) > 1}
+    assert summary["split_sequences"] == len(cut) > sum(len(x) > 200 for x in ids if x)  # more than the overlong
+    assert summary["pieces"] == len(pieces) and summary["packed_tokens"] == sum(len(x) for x in ids if x)
+
+
 @pytest.mark.parametrize("fields", [[], ["instruction", "output"]])
 def test_pack_completion_field_trains_on_the_answer_only(tmp_path, capsys, gsm8k_records, tokenizer, fields):
     import datasets

@@ -546,7 +546,12 @@ def _summary(args: argparse.Namespace, opts: _PackOptions, packing: _PackInput, 
         slots = result.num_bins * int(result.bin_fill.max(initial=0))
     else:
         slots = result.num_bins * int(opts.padding)
-    split = int((result.lengths > result.capacity).sum()) if opts.overlong == "split" else 0
+    import numpy as np
+
+    # sequences placed as more than one piece: the overlong ones under --overlong split, and with a strategy that
+    # cuts at the rows' edges (wrapped) every sequence that crosses one
+    split = 0 if result.piece_starts is None else \
+        int((np.bincount(result.order, minlength=result.num_sequences) > 1).sum())
     return {
         "data": args.data,
         "output": str(opts.output),
@@ -597,6 +602,9 @@ def render_pack_summary(summary: dict[str, Any], packing: _PackInput) -> str:
     elif s["dropped_sequences"]:
         over = (f"{num(s['dropped_sequences'])} sequences longer than {cap} dropped: {num(s['dropped_tokens'])} "
                 "tokens lost")
+    elif s["split_sequences"] and s["strategy"] == "wrapped":
+        over = (f"{num(s['split_sequences'])} sequences cut at the rows' edges: {num(s['pieces'])} pieces in all, "
+                "each its own sequence, no token lost")
     elif s["split_sequences"]:
         over = (f"{num(s['split_sequences'])} sequences longer than {cap} split: {num(s['pieces'])} pieces in all, "
                 "no token lost")
