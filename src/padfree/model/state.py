@@ -62,6 +62,16 @@ def current_layout(state: PackingState, hidden: torch.Tensor, who: str) -> Packe
     return layout_in_flight(state, hidden, who)
 
 
+@torch.compiler.disable
+def layout_if_packed(state: Any, hidden: Any, who: str) -> PackedLayout | None:
+    """The layout of a family's module call: its forward's (:func:`current_layout`) while ``state``'s hooks are live
+    and ``hidden`` is a ``(B, T, D)`` tensor; None for an ordinary batch, a stale state or any other input (the
+    module then runs transformers' own forward). Not traced by ``torch.compile`` (the layout is Python state)."""
+    if hooks_live(state) and isinstance(hidden, torch.Tensor) and hidden.dim() == 3:
+        return current_layout(state, hidden, who)
+    return None
+
+
 def hooks_live(state: Any) -> bool:
     """Whether ``state``'s hooks are still installed (False after ``unconfigure_packing`` or a refused configure):
     a stale layout must never reach a module."""

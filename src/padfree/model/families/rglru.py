@@ -40,7 +40,7 @@ from padfree.errors import PackingDisabledError, UnsupportedModelError
 from padfree.model import guards
 from padfree.model.packed import PackedLayout
 from padfree.model.scans import segment_causal_conv1d
-from padfree.model.state import current_layout, hooks_live, patch, unpatch
+from padfree.model.state import layout_if_packed, patch, unpatch
 
 __all__ = ["segment_positions"]
 
@@ -110,17 +110,10 @@ def segment_conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     return segment_causal_conv1d(x, weight[:, 0, :], bias, None, lay)
 
 
-@torch.compiler.disable
-def _layout(state: Any, hidden: Any, who: str) -> PackedLayout | None:
-    if hooks_live(state) and isinstance(hidden, torch.Tensor) and hidden.dim() == 3:
-        return current_layout(state, hidden, who)
-    return None
-
-
 def _block_forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
     """Installed as the block's ``forward``: transformers' forward, with the boundaries for a packed batch."""
     hidden = args[0] if args else kwargs.get("input_states")
-    lay = _layout(self._padfree_rglru, hidden, type(self).__name__)
+    lay = layout_if_packed(self._padfree_rglru, hidden, type(self).__name__)
     if lay is None:
         return type(self).forward(self, *args, **kwargs)
     named = guards.bind(type(self).forward, (self, *args), kwargs)

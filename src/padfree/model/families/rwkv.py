@@ -36,7 +36,7 @@ from padfree.errors import PackingDisabledError, UnsupportedModelError
 from padfree.model import guards, rebind
 from padfree.model.families.rglru import segment_positions
 from padfree.model.packed import PackedLayout
-from padfree.model.state import current_layout, hooks_live, patch, unpatch
+from padfree.model.state import layout_if_packed, patch, unpatch
 
 CLASSES: dict[str, str] = {
     "RwkvSelfAttention": "time mixing: token shift and WKV state restarted at every sequence start",
@@ -136,17 +136,10 @@ def _packed_forward(cls: type) -> Any:
     return rebind.rebind(forward, scope)
 
 
-@torch.compiler.disable
-def _layout(state: Any, hidden: Any, who: str) -> PackedLayout | None:
-    if hooks_live(state) and isinstance(hidden, torch.Tensor) and hidden.dim() == 3:
-        return current_layout(state, hidden, who)
-    return None
-
-
 def _forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
     """Installed as the module's ``forward``: transformers' forward, restarted at segment starts when packed."""
     hidden = args[0] if args else kwargs.get("hidden")
-    lay = _layout(self._padfree_rwkv, hidden, type(self).__name__)
+    lay = layout_if_packed(self._padfree_rwkv, hidden, type(self).__name__)
     if lay is None:
         return type(self).forward(self, *args, **kwargs)
     named = guards.bind(type(self).forward, (self, *args), kwargs) or {}

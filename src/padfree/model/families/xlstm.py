@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from padfree.errors import PackingDisabledError, UnsupportedModelError
 from padfree.model import rebind
 from padfree.model.packed import PackedLayout
-from padfree.model.state import current_layout, hooks_live, patch, unpatch
+from padfree.model.state import layout_if_packed, patch, unpatch
 
 CLASSES: dict[str, str] = {
     "xLSTMLayer": "mLSTM: every sequence on chunks of its own, state restarted at every sequence start",
@@ -173,16 +173,9 @@ def _backend_forward(self: torch.nn.Module, query: torch.Tensor, key: torch.Tens
     return h, None
 
 
-@torch.compiler.disable
-def _layout(state: Any, hidden: Any, who: str) -> PackedLayout | None:
-    if hooks_live(state) and isinstance(hidden, torch.Tensor) and hidden.dim() == 3:
-        return current_layout(state, hidden, who)
-    return None
-
-
 def _layer_forward(self: torch.nn.Module, x: torch.Tensor, state: Any = None) -> Any:
     """Installed as the layer's ``forward``: transformers' forward; its backend restarts at segments when packed."""
-    lay = _layout(self._padfree_xlstm, x, type(self).__name__)
+    lay = layout_if_packed(self._padfree_xlstm, x, type(self).__name__)
     if lay is None:
         return type(self).forward(self, x, state)
     if state is not None:
