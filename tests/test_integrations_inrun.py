@@ -188,3 +188,51 @@ def test_grpo_with_a_broken_boundary_stops_before_its_first_optimizer_step(tok, 
         trainer.train()
     assert trainer.state.global_step == 0
     assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+
+
+def _reward_model(tok, model_type):
+    """A sequence-classification twin of the tiny ``model_type`` with rewards of order 1 (a unit-scale head)."""
+    base = build_tiny(model_type).config
+    config = base.__class__(**{**base.to_dict(), "vocab_size": len(tok), "num_labels": 1,
+                               "pad_token_id": tok.pad_token_id or 0})
+    torch.manual_seed(0)
+    model = transformers.AutoModelForSequenceClassification.from_config(config, attn_implementation="sdpa").float()
+    with torch.no_grad():
+        model.score.weight.normal_(0.0, 1.0)
+    return model
+
+
+def _reward(tok, model, out, **options):
+    from padfree.integrations.reward import RewardConfig, RewardTrainer
+    from realdata import gsm8k_records
+
+    records = gsm8k_records(8)
+    pairs = datasets.Dataset.from_list([{"prompt": r["instruction"][:80] + "\n", "chosen": " " + r["output"][:60],
+                                         "rejected": " " + records[(i + 1) % 8]["output"][:30]}
+                                        for i, r in enumerate(records)])
+    args = RewardConfig(output_dir=str(out), per_device_train_batch_size=2, max_steps=1, bf16=False,
+                        activation_checkpointing=False, report_to="none", save_strategy="no", use_cpu=True,
+                        disable_tqdm=True, logging_steps=1, seed=0, padding_free=True, **options)
+    return RewardTrainer(model=model, args=args, train_dataset=pairs, processing_class=tok)
+
+
+def test_reward_proves_its_pairs_scores(tok, tmp_path):
+    """A reward model scores sequences: the proof compares the packed row's scores with each sequence scored alone,
+    within the run's rounding, and a leaking control (each sequence scored after the ones before it) lands beyond."""
+    trainer = _reward(tok, _reward_model(tok, "llama"), tmp_path)
+    trainer.train()
+    report = trainer._padfree_proof.last
+    assert report is not None and report.ok and report.conclusive and report.num_sequences == 4, report
+    assert report.control > 100 * report.atol, report
+    assert any(h.get("padfree/verify_control_ratio", 0) > 100 for h in trainer.state.log_history)
+
+
+def test_reward_with_a_broken_boundary_stops_before_its_first_optimizer_step(tok, tmp_path, monkeypatch):
+    model = _reward_model(tok, "qwen3_5_text")
+    trainer = _reward(tok, model, tmp_path)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    _break_gated_delta_net(monkeypatch)
+    with pytest.raises(PackingDisabledError, match=r"in-run proof at step 0 failed"):
+        trainer.train()
+    assert trainer.state.global_step == 0
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())

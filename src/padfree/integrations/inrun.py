@@ -154,18 +154,26 @@ class InRunProof:
             return not self._done
         return step % self.every == 0
 
-    def prove(self, model: Any, inputs: Mapping[str, Any], step: int, compute_dtype: Any = None
-              ) -> dict[str, float] | None:
+    def prove(self, model: Any, inputs: Mapping[str, Any], step: int, compute_dtype: Any = None,
+              check: Any = None) -> dict[str, float] | None:
         """Prove ``inputs`` on ``model`` (see the module docstring); the telemetry to log, or None when the batch
         holds fewer than two sequences to compare (nothing is proven then, and the next batch is tried).
-        ``compute_dtype``: the dtype of a mixed-precision run whose forward applies autocast itself."""
+        ``compute_dtype``: the dtype of a mixed-precision run whose forward applies autocast itself. ``check``:
+        ``check(model, sequences, compute_dtype)`` for a model whose outputs :func:`padfree.verify` does not compare
+        (a reward model's scores); it returns a report with the same ``ok``, ``conclusive``, ``control``, ``atol``,
+        ``max_logit_diff`` and ``num_sequences``."""
         from padfree.proof.check import verify
 
         seqs = batch_sequences(inputs)
         if not seqs:
             return None
         start = time.perf_counter()
-        report = verify(model, seqs, atol="auto", check_grads=False, compute_dtype=compute_dtype)
+        if check is None:
+            report = verify(model, seqs, atol="auto", check_grads=False, compute_dtype=compute_dtype)
+        else:
+            report = check(model, seqs, compute_dtype)
+            if report is None:  # the check cannot run on this model (said by the check): nothing proven
+                return None
         self.seconds += time.perf_counter() - start
         self.last, self._done = report, True
         ratio = float("nan") if not report.control else report.control / max(report.atol, 1e-12)
@@ -244,18 +252,21 @@ class InRunProofMixin:
             self._padfree_prove(model, inputs)
         return super().training_step(model, inputs, *args, **kwargs)
 
-    def _padfree_prove(self, model: Any, inputs: Mapping[str, Any]) -> None:
+    def _padfree_prove(self, model: Any, inputs: Mapping[str, Any], check: Any = None) -> None:
         """Prove ``inputs`` (a packed micro-batch, or padded rows whose real tokens the proof packs itself) if a
-        proof is due at this optimizer step; called before the forward whose gradients the step applies."""
+        proof is due at this optimizer step; called before the forward whose gradients the step applies. ``check``:
+        see :meth:`InRunProof.prove` (a model it is given for is provable by it)."""
         proof = self._padfree_proof
-        if proof is None or _multimodal(inputs) or not proof.due(self.state.global_step) or not _provable(model):
+        if proof is None or _multimodal(inputs) or not proof.due(self.state.global_step):
+            return
+        if check is None and not _provable(model):
             return
         import torch
 
         dtype = torch.bfloat16 if getattr(self.args, "bf16", False) else \
             torch.float16 if getattr(self.args, "fp16", False) else None
         with self.compute_loss_context_manager():
-            logs = proof.prove(model, inputs, self.state.global_step, compute_dtype=dtype)
+            logs = proof.prove(model, inputs, self.state.global_step, compute_dtype=dtype, check=check)
         if logs:
             self._padfree_proof_logs = {**logs, "padfree/verify_seconds": proof.seconds}
 

@@ -266,6 +266,100 @@ def unpadded_scores(model: Any, ignore: tuple[str, ...] = ()) -> Iterator[None]:
         hooks.active, hooks.ignore = hooks.active - 1, previous
 
 
+# a tolerance is this many times what rounding alone moves a score: the factor of padfree's proofs (run time does not
+# import the proof package: tests/test_house.py)
+_ROUNDING_FACTOR = 3.0
+
+
+@dataclasses.dataclass(frozen=True)
+class ScoreReport:
+    """A reward model's packed scores against each sequence scored alone (:func:`prove_scores`).
+
+    Attributes:
+        num_sequences: the sequences compared.
+        max_logit_diff: max |packed score - score alone| over them (named as :class:`~padfree.VerifyReport`'s, so
+            the in-run proof logs both alike).
+        atol: the tolerance: three times what rounding moves a score (the same sequences as an ordinary
+            right-padded batch against alone), at least 1e-5 and one unit in the last place of the scores.
+        rounding: that rounding distance.
+        control: max |leaked score - score alone|: each sequence scored after the ones before it in one row whose
+            positions never restart (a packing that leaks); it must land beyond ``atol``.
+    """
+
+    num_sequences: int
+    max_logit_diff: float
+    atol: float
+    rounding: float
+    control: float | None
+
+    @property
+    def ok(self) -> bool:
+        return self.max_logit_diff <= self.atol
+
+    @property
+    def conclusive(self) -> bool | None:
+        return None if self.control is None else self.control > self.atol
+
+    def __str__(self) -> str:
+        control = "none" if self.control is None else f"{self.control:.2e}"
+        return (f"scores of {self.num_sequences} sequences: max |Δscore| {self.max_logit_diff:.2e}, atol "
+                f"{self.atol:.2e} (rounding {self.rounding:.2e}), leaking control {control}: "
+                f"{'OK' if self.ok else 'MISMATCH'}")
+
+
+def prove_scores(model: Any, sequences: list[list[int]], compute_dtype: Any = None) -> ScoreReport | None:
+    """Score ``sequences`` as one packed row (:func:`unpadded_scores`) and each alone, on ``model`` as it is (device,
+    dtype, attention backend; autocast to ``compute_dtype`` when given), and compare: the in-run proof of
+    :class:`RewardTrainer`, whose model scores sequences rather than predicting tokens.
+
+    Args:
+        model: a generic ``*ForSequenceClassification`` with a ``pad_token_id`` (wrapped or not).
+        sequences: at least two token-id lists (``batch_sequences`` picks them from a micro-batch).
+
+    Returns None for a model without ``pad_token_id``: its head pools each row's last position, so it can score a
+    padded batch only of equal lengths, and neither the packed route nor the rounding reference applies.
+
+    >>> import transformers
+    >>> config = transformers.LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+    ...                                   num_attention_heads=2, num_labels=1, pad_token_id=0)
+    >>> report = prove_scores(transformers.LlamaForSequenceClassification(config), [[5, 6, 7], [8, 9], [10, 11, 12]])
+    >>> report.ok, report.conclusive, report.max_logit_diff < 1e-5
+    (True, True, True)
+    """
+    inner = unwrap_model(model)
+    device = next(inner.parameters()).device
+    pad = inner.config.get_text_config().pad_token_id
+    if pad is None:
+        return None
+    width = max(map(len, sequences))
+    ids = torch.full((len(sequences), width), pad, device=device)
+    mask = torch.zeros_like(ids)
+    for i, seq in enumerate(sequences):  # a handful of sequences, a few hundred tokens: the proof's own batch
+        ids[i, :len(seq)] = torch.tensor(seq, device=device)
+        mask[i, :len(seq)] = 1
+    autocast = torch.autocast(device.type, dtype=compute_dtype) if compute_dtype is not None else \
+        contextlib.nullcontext()
+
+    def score(**kwargs: Any) -> torch.Tensor:
+        return inner(**kwargs).logits
+
+    with torch.no_grad(), autocast:
+        with unpadded_scores(inner):
+            packed = score(input_ids=ids, attention_mask=mask)
+        padded = score(input_ids=ids, attention_mask=mask)
+        alone = torch.cat([score(input_ids=torch.tensor([seq], device=device)) for seq in sequences])
+        joined = [t for seq in sequences for t in seq]
+        ends = np.cumsum([len(seq) for seq in sequences]).tolist()
+        leaked = [score(input_ids=torch.tensor([joined[:end]], device=device)) for end in ends[1:]]
+    resolution = torch.finfo(packed.dtype).eps * float(alone.abs().max())
+    packed, padded, alone = packed.float(), padded.float(), alone.float()
+    rounding = float((padded - alone).abs().max())
+    control = max(float((leak.float() - alone[i + 1]).abs().max()) for i, leak in enumerate(leaked)) \
+        if leaked else None
+    return ScoreReport(len(sequences), float((packed - alone).abs().max()),
+                       max(1e-5, _ROUNDING_FACTOR * rounding, resolution), rounding, control)
+
+
 # --------------------------------------------------------------------------------------------------
 # The decision
 # --------------------------------------------------------------------------------------------------
@@ -380,8 +474,10 @@ class RewardMixin(TrainerProtocol):
         if not self._padfree_on:
             return super().compute_loss(model, inputs, return_outputs=return_outputs,
                                         num_items_in_batch=num_items_in_batch)
-        if self._padfree_telemetry is not None and self.model.training:
-            self._padfree_telemetry.observe_unpadded(inputs["attention_mask"])
+        if self.model.training:  # the training forward: its pairs' sequences proven first, then measured
+            self._padfree_prove(model, inputs, check=prove_scores)
+            if self._padfree_telemetry is not None:
+                self._padfree_telemetry.observe_unpadded(inputs["attention_mask"])
         with unpadded_scores(self.model, ignore=("margin",)):  # TRL's loss and metrics, on one packed row's rewards
             return super().compute_loss(model, inputs, return_outputs=return_outputs,
                                         num_items_in_batch=num_items_in_batch)
