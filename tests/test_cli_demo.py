@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import transformers
@@ -26,6 +27,11 @@ def test_demo_quick_on_the_embedded_corpus(capsys, tmp_path):
     assert code == 0, err
     assert "padfree demo" in out and "embedded corpus" in out
     assert "OK at atol=1e-05" in out  # verify() on a packed row
+    # the in-run proof's cost, measured against the training it precedes
+    assert "in-run proof, what padfree's trainers run before their first optimizer step" in out
+    assert re.search(r"\n    \d+ sequences of the first packed micro-batch: max \|Δlogit\| .* within .*, leaking "
+                     r"control \d", out)
+    assert re.search(r"\n    \d+\.\d\d s, \d+\.\d% of the packed mode's \d+\.\d s of training here", out)
     for mode in ("padded", "grouped", "packed"):
         assert f"\n  {mode} " in out
     assert "Packed trains" in out
@@ -58,6 +64,8 @@ def test_demo_with_data_a_local_model_and_json(capsys, tmp_path):
     training = summary["training"]
     assert set(training["modes"]) == {"padded", "grouped", "packed", "packed+fused"}
     assert training["exactness"]["ok"]
+    proof = training["inrun_proof"]
+    assert proof["ok"] and proof["sequences"] >= 2 and proof["control"] > proof["atol"] and proof["seconds"] > 0
     real = {m["real_tokens"] for m in training["modes"].values()}
     assert len(real) == 1 and real.pop() >= 600  # the same tokens in every mode
     assert training["packed_speedup"]["padded"] > 0

@@ -479,6 +479,9 @@ class ThroughputReport:
             sequence alone (checked for ``trl``; 0 within float noise means exact).
         cross_targets: mode -> next-token targets per pass that cross from one sequence into the next (``trl``'s
             collator labels them; padfree masks them).
+        inrun_proof: ``(seconds, report)`` of the in-run proof padfree's trainers run before their first optimizer
+            step (``padfree_verify="first_step"``), run on the packed mode's first micro-batch, so that its cost can
+            be set against the training time (None if not checked).
     """
 
     results: dict[str, ModeResult]
@@ -489,6 +492,7 @@ class ThroughputReport:
     exactness: Any = None
     leaks: dict[str, float] = dataclasses.field(default_factory=dict)
     cross_targets: dict[str, int] = dataclasses.field(default_factory=dict)
+    inrun_proof: tuple[float, Any] | None = None
 
     def __getitem__(self, mode: str) -> ModeResult:
         return self.results[mode]
@@ -521,6 +525,10 @@ class ThroughputReport:
         if self.exactness is not None:
             out["exactness"] = {"ok": self.exactness.ok, "max_logit_diff": self.exactness.max_logit_diff,
                                 "loss_diff": self.exactness.loss_diff, "max_grad_diff": self.exactness.max_grad_diff}
+        if self.inrun_proof is not None:
+            seconds, proof = self.inrun_proof
+            out["inrun_proof"] = {"seconds": seconds, "ok": proof.ok, "sequences": proof.num_sequences,
+                                  "max_logit_diff": proof.max_logit_diff, "atol": proof.atol, "control": proof.control}
         out["leaks"] = dict(self.leaks)
         out["cross_targets"] = dict(self.cross_targets)
         return out
@@ -577,6 +585,19 @@ def _trl_lengths(step: Step) -> list[int]:
     pos = step.inputs["position_ids"][0]
     starts = np.append(np.flatnonzero(pos.cpu().numpy() == 0), pos.numel())
     return np.diff(starts).tolist()
+
+
+def _inrun_proof(model: Any, inputs: dict[str, Any]) -> tuple[float, Any] | None:
+    """The in-run proof of padfree's trainers on one packed micro-batch, timed: ``(seconds, report)``, or None when
+    the micro-batch holds fewer than two sequences to compare."""
+    import time
+
+    from padfree.integrations.inrun import InRunProof
+
+    proof = InRunProof.from_option("first_step")
+    start = time.perf_counter()
+    proof.prove(model, inputs, step=0)
+    return None if proof.last is None else (time.perf_counter() - start, proof.last)
 
 
 def compare_training(
@@ -659,6 +680,7 @@ def compare_training(
         # kernels, so its tolerance is that of bf16 logits
         half = next(model.parameters()).dtype in (torch.float16, torch.bfloat16)
         report.exactness = verify(models["packed"], plans["packed"].first_row, atol=5e-2 if half else 1e-5)
+        report.inrun_proof = _inrun_proof(models["packed"], plans["packed"].steps[0].inputs)
     if check and "trl" in plans:
         step = plans["trl"].steps[0]
         report.leaks["trl"] = boundary_leak(models["trl"], step.inputs, _trl_lengths(step))

@@ -115,6 +115,16 @@ def render_demo(summary: dict[str, Any], data: Prepared, analysis: Any, plan: An
                 "weights"]
     out += (["  " + line for line in str(ex).splitlines()[-2:]] if ex is not None
             else ["  no packed row holds two sequences: no boundary to check"])
+    if report.inrun_proof is not None:
+        seconds, proof = report.inrun_proof
+        trained = sum(report.results["packed"].seconds)
+        control = "none" if proof.control is None else f"{proof.control:.1e}"
+        out += ["  in-run proof, what padfree's trainers run before their first optimizer step "
+                "(padfree_verify='first_step'):",
+                f"    {proof.num_sequences} sequences of the first packed micro-batch: max |Δlogit| "
+                f"{proof.max_logit_diff:.1e} within {proof.atol:.1e}, leaking control {control}",
+                f"    {seconds:.2f} s, {seconds / trained:.1%} of the packed mode's {trained:.1f} s of training here "
+                "(once per run: a smaller share of a longer one)"]
     out += _training_section(report, summary)
     done = (f"plot written to {summary['png']}" if summary["png"] is not None
             else f"no plot ({DEMO_PNG} needs matplotlib)")
