@@ -165,6 +165,75 @@ class Meter:
         call["positions"].append(real if padfree_row else int(ids.numel()))
 
 
+COMPONENTS = (("attention", "self_attn"), ("GatedDeltaNet", "linear_attn"), ("MLP", "mlp"))
+
+
+class Components:
+    """Wall seconds per component of the forwards and the backward of one DPO micro-batch, read by module hooks
+    (the CPU runs each op synchronously on the calling thread, so a hook's clock brackets exactly its module; a
+    module called again inside its own call counts once): in the forwards (reference + policy) the decoder layers'
+    attention, GatedDeltaNet and MLP modules, and the LM head with the log-probs (the model's call less its
+    backbone's); in the backward the LM head's part (from its start to the final norm's backward) and the
+    backbone's (the rest: modules called with keyword arguments get no backward hooks, so it is not split)."""
+
+    def __init__(self, models: list[Any]) -> None:
+        self.fwd: dict[str, float] = {}
+        self.bwd: dict[str, float] = {}
+        self.handles: list[Any] = []
+        self.marks: dict[int, list[float]] = {}
+        self.head_end: float | None = None
+        for model in models:
+            inner = model.model
+            self._hook(model, "total", nested=True)
+            self._hook(inner, "backbone")
+            for layer in inner.layers:
+                for name, attr in COMPONENTS:
+                    sub = getattr(layer, attr, None)
+                    if sub is not None:
+                        self._hook(sub, name, nested=True)
+            self.handles.append(inner.norm.register_full_backward_pre_hook(self._norm_backward))
+
+    def _hook(self, module: Any, name: str, nested: bool = False) -> None:
+        key = id(module)
+
+        def pre(mod: Any, *a: Any, **k: Any) -> None:
+            self.marks.setdefault(key, []).append(time.perf_counter())
+
+        def post(mod: Any, *a: Any, **k: Any) -> None:
+            start = self.marks[key].pop()
+            if not nested or not self.marks[key]:  # the outermost call of a nested one (the unpadded re-entry)
+                self.fwd[name] = self.fwd.get(name, 0.0) + time.perf_counter() - start
+
+        self.handles += [module.register_forward_pre_hook(pre), module.register_forward_hook(post)]
+
+    def _norm_backward(self, mod: Any, grad_output: Any) -> None:
+        if self.head_end is None:
+            self.head_end = time.perf_counter()
+
+    def run(self, trainer: Any, batch: dict[str, Any]) -> dict[str, tuple[float, float]]:
+        """One ``compute_loss`` (the reference forward and the policy forward) and its backward: ``{component:
+        (forward s, backward s)}``."""
+        model = trainer.model
+        try:
+            loss = trainer.compute_loss(model, batch)
+            start = time.perf_counter()
+            loss.backward()
+            total_bwd = time.perf_counter() - start
+        finally:
+            for h in self.handles:
+                h.remove()
+            model.zero_grad(set_to_none=True)
+        fwd = self.fwd
+        head_bwd = (self.head_end - start) if self.head_end is not None else 0.0
+        out = {name: (fwd[name], 0.0) for name, _ in COMPONENTS if name in fwd}
+        layers = sum(f for f, _ in out.values())
+        backbone = "backbone: forward of embeddings, norms, rotary, layout; backward of all of it"
+        out[backbone] = (fwd["backbone"] - layers, total_bwd - head_bwd)
+        out["LM head + log-probs, loss, unpadding"] = (fwd["total"] - fwd["backbone"], head_bwd)
+        out["total"] = (fwd["total"], total_bwd)
+        return out
+
+
 def callback(meter: Meter) -> Any:
     import transformers
 
@@ -276,13 +345,23 @@ def run_model(kind: str, tok: Any, train_pairs: Any, args: argparse.Namespace) -
                 log(f"{kind}: rep {rep + 1}/{args.repetitions} {mode}: "
                     f"{sum(last['pairs'][args.warmup:]) / sum(last['wall'][args.warmup:]):.2f} pairs/s "
                     f"(steps {' '.join(f'{w:.1f}' for w in last['wall'])} s)")
+        profiles = {}
+        for mode in ("padding_free", "packing"):  # where one micro-batch's time goes, per component
+            trainer = built[mode]
+            batch = next(iter(trainer.get_train_dataloader()))
+            trainer.model.train()
+            parts = Components([trainer.model, trainer.ref_model]).run(trainer, batch)
+            profiles[mode] = {"real": int(batch["attention_mask"].sum()), "sequences": int(batch["input_ids"].shape[0]),
+                              "parts": parts}
+            log(f"{kind}: profile {mode}: {profiles[mode]['real']} real tokens, "
+                + ", ".join(f"{k} {f:.2f}+{b:.2f} s" for k, (f, b) in parts.items()))
         tokenized = built["trl"].train_dataset
         lengths = seq_lengths(tokenized, args.max_length)
         epoch = padded_epoch(lengths, args.batch_size, args.seed)
         results = {m: summarize(meters[m], args.warmup) for m in MODES}
         del built
     return {"model": describe_model(ref), "results": results, "logps": logps, "epoch": epoch,
-            "packing": status, "lengths": lengths, "seconds": time.perf_counter() - t0}
+            "packing": status, "lengths": lengths, "seconds": time.perf_counter() - t0, "profiles": profiles}
 
 
 def render(args: argparse.Namespace, info: dict[str, str], before: str, after: str, what: str,
@@ -380,6 +459,7 @@ def render(args: argparse.Namespace, info: dict[str, str], before: str, after: s
             f"{r['packing']['pairs_s'] / anchor['pairs_s']:.2f}×).",
             "",
         ]
+        lines += packing_vs_padding_free(r, res["profiles"])
     lines += [
         "### What sets the ratios here",
         "",
@@ -401,6 +481,63 @@ def render(args: argparse.Namespace, info: dict[str, str], before: str, after: s
         END,
     ]
     return "\n".join(lines)
+
+
+PACKING_TARGET = 1.0
+
+
+def packing_vs_padding_free(r: dict[str, Any], profiles: dict[str, Any]) -> list[str]:
+    """The per-model verdict on ``packing`` against ``padding_free`` per real token, and the per-component profile
+    of one micro-batch of each (ms per 1,000 real tokens) that explains it."""
+    ratio = r["packing"]["tokens_s"] / r["padding_free"]["tokens_s"]
+    met = ratio >= PACKING_TARGET
+    pf, pk = profiles["padding_free"], profiles["packing"]
+
+    def per_k(p: dict[str, Any], name: str, i: int) -> float:
+        return 1e6 * p["parts"][name][i] / p["real"]
+
+    names = [n for n in pf["parts"] if n != "total"] + ["total"]
+    def cell(p: dict[str, Any], n: str, i: int) -> str:
+        return "(in the backbone row)" if i == 1 and n in dict(COMPONENTS) else f"{per_k(p, n, i):,.0f}"
+
+    rows = [[f"{'**' + n + '**' if n == 'total' else n}", *(cell(p, n, i) for p in (pf, pk) for i in (0, 1)),
+             f"{(per_k(pk, n, 0) + per_k(pk, n, 1)) / max(1e-9, per_k(pf, n, 0) + per_k(pf, n, 1)):.2f}×"]
+            for n in names]
+    compute = (per_k(pf, "total", 0) + per_k(pf, "total", 1), per_k(pk, "total", 0) + per_k(pk, "total", 1))
+    excess = sorted(((per_k(pk, n, 0) + per_k(pk, n, 1)) - (per_k(pf, n, 0) + per_k(pf, n, 1)), n)
+                    for n in names if n != "total")
+    lines = [
+        f"- **`packing` vs `padding_free` per real token: {ratio:.2f}× "
+        f"({r['packing']['tokens_s']:,.0f} vs {r['padding_free']['tokens_s']:,.0f} real tokens/s) — target "
+        f"≥ {PACKING_TARGET:.1f}×: {'met' if met else 'not met'}.**",
+        "",
+        f"Where one micro-batch's time goes (after the timed runs; one `compute_loss` — the reference forward and "
+        f"the policy forward — and its backward, timed per module by hooks, see `Components`; ms per 1,000 "
+        f"real tokens; the backward of the decoder layers is in the backbone's row): "
+        f"`padding_free` {pf['sequences']} sequences, {pf['real']:,} real tokens; `packing` {pk['sequences']} "
+        f"sequences, {pk['real']:,} real tokens in one row.",
+        "",
+        table(["component", "`padding_free` forward", "`padding_free` backward", "`packing` forward",
+               "`packing` backward", "`packing` / `padding_free`"], rows, "lrrrrr"),
+        "",
+    ]
+    step_pf = 1e3 / r["padding_free"]["tokens_s"] * 1e3  # ms per 1,000 real tokens of a whole optimizer step
+    step_pk = 1e3 / r["packing"]["tokens_s"] * 1e3
+    if met:
+        lines.append(f"- Per 1,000 real tokens, a `packing` step takes {step_pk:,.0f} ms and a `padding_free` step "
+                     f"{step_pf:,.0f} ms; the forward + backward profiled above {compute[1]:,.0f} vs "
+                     f"{compute[0]:,.0f} ms.")
+    else:
+        worst, name = excess[-1]
+        lines.append(
+            f"- Why not met: per 1,000 real tokens a `packing` step takes {step_pk:,.0f} ms against "
+            f"{step_pf:,.0f} ms; the profiled forward + backward {compute[1]:,.0f} vs {compute[0]:,.0f} ms "
+            f"({compute[1] / max(1e-9, compute[0]):.2f}×). The largest excess is `{name}`: "
+            f"{per_k(pk, name, 0) + per_k(pk, name, 1):,.0f} vs {per_k(pf, name, 0) + per_k(pf, name, 1):,.0f} ms "
+            f"(+{worst:,.0f} ms)"
+            + (f"; next `{excess[-2][1]}` ({excess[-2][0]:+,.0f} ms)" if len(excess) > 1 else "") + ".")
+    lines.append("")
+    return lines
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
