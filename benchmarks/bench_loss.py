@@ -153,7 +153,7 @@ def main() -> None:
         "logits recomputed in the backward; off Triton devices such as this CPU it scores every position, masked "
         "ones included); *fused* = `padfree.causal_lm_loss(model, inputs)` (chunks of about 128 MiB of logits, "
         "gradients computed in the forward, target positions only). Equal losses and gradients: "
-        "`tests/test_model_loss.py`; *max |Δloss|* is each contender's loss against the stock one in this run.",
+        "`tests/model/test_model_loss.py`; *max |Δloss|* is each contender's loss against the stock one in this run.",
         "- Peak step memory = peak RSS during the first step (`VmHWM`) − RSS before it, in a fresh process per "
         "configuration: the step's activations, logits and gradients. Time = median of 3 further steps.",
         "",

@@ -11,6 +11,7 @@ build's backend).
 
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata as md
 import sys
 
@@ -44,10 +45,8 @@ def main() -> None:
     extras = set((sys.argv[1] if len(sys.argv) > 1 else "all,dev").split(","))
     pins = {canonicalize_name(d.metadata["Name"]): d.version for d in closure("padfree", extras).values()}
     for tool in ("pip", "uv", "setuptools"):
-        try:
+        with contextlib.suppress(md.PackageNotFoundError):  # a venv set up by pip alone (PADFREE_NO_UV=1): no uv
             pins[tool] = md.version(tool)
-        except md.PackageNotFoundError:  # a venv bootstrapped by pip alone (PADFREE_NO_UV=1) has no uv
-            pass
     for name in sorted(pins):
         if name not in ("padfree", "torch"):
             print(f"{name}=={pins[name]}")

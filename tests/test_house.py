@@ -240,7 +240,7 @@ def private_uses_in_tests(tests: Path | None = None, root: Path = SRC, package: 
     tests = tests or Path(__file__).resolve().parent
     modules = module_names(root, package)
     found: dict[str, set[str]] = {}
-    for path in sorted(tests.glob("*.py")):
+    for path in sorted(tests.rglob("*.py")):
         tree = ast.parse(path.read_text(), str(path))
         hits: set[str] = set()
         aliases: dict[str, str] = {}  # a local name bound to one of our modules
@@ -558,7 +558,7 @@ KNOWN_SILENT_TESTS: dict[str, list[str]] = {}
 
 def _test_files() -> list:
     params = []
-    for path in sorted(TESTS.glob("test_*.py")):
+    for path in sorted(TESTS.rglob("test_*.py")):
         silent = KNOWN_SILENT_TESTS.get(path.name)
         marks = [pytest.mark.xfail(strict=True, reason=f"offenders: {', '.join(silent)}")] if silent else []
         params.append(pytest.param(path, marks=marks, id=path.name))

@@ -1,11 +1,11 @@
 """Boundary-exact sequence mixers (padfree.model.families.scan_mixers): the pieces behind the support matrix's hybrid
 rows.
 
-Every whole-model packed-vs-separate proof per type and backend lives in tests/test_model_matrix.py (it generates the
-README table); this module covers what the matrix does not: both GatedDeltaNet formulations inside a model,
-LLaMA-Factory segment masks, activation checkpointing, the models without attention (hooked at the top), the guards,
-the module scan, every reference primitive against transformers' own function run on every segment alone, and the
-kernel selection — usable, failing to import, failing at the first call — with its report.
+Every whole-model packed-vs-separate proof per type and backend lives in tests/model/test_model_matrix.py (it
+generates the README table); this module covers what the matrix does not: both GatedDeltaNet formulations inside a
+model, LLaMA-Factory segment masks, activation checkpointing, the models without attention (hooked at the top), the
+guards, the module scan, every reference primitive against transformers' own function run on every segment alone, and
+the kernel selection — usable, failing to import, failing at the first call — with its report.
 Tiny fp32 random-weight models (tests/zoo.py); rows hold a length-1 sequence, sequences shorter than the conv kernel
 (4) and sequences crossing the GatedDeltaNet chunk (64) and many SSD chunks (8).
 """

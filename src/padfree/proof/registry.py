@@ -1,7 +1,7 @@
 """The support table: what the test suite's sweep proved, per model type, and the decision ``configure_packing`` takes.
 
-``support.json`` (in this package) is written by ``tests/test_model_sweep.py`` (``PADFREE_UPDATE_DOCS=1``), never by
-hand: for every causal-LM type of the transformers it ran on, the class it built, the verdict (``exact`` on every
+``support.json`` (in this package) is written by ``tests/proof/test_model_sweep.py`` (``PADFREE_UPDATE_DOCS=1``), never
+by hand: for every causal-LM type of the transformers it ran on, the class it built, the verdict (``exact`` on every
 backend and precision it ran, or ``refused`` with the module and the reason), the module classes and config
 features of the tiny model it proved, and what stock transformers does with the same packed rows.
 

@@ -1,8 +1,8 @@
-"""What the support sweep (tests/test_model_sweep.py) does not run: the leaking controls.
+"""What the support sweep (tests/proof/test_model_sweep.py) does not run: the leaking controls.
 
 The sweep proves every causal-LM type on ``sdpa`` and ``eager`` in fp32, ``autocast_bf16`` and ``bf16``; this module
 shows that the comparison catches a leak: an unconfigured model with its default cache, and a model that builds its
-masks without positions. (flex_attention: refused on the CPU, proven on CUDA, in tests/test_model_flex.py.)
+masks without positions. (flex_attention: refused on the CPU, proven on CUDA, in tests/model/test_model_flex.py.)
 """
 
 from __future__ import annotations

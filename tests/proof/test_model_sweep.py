@@ -10,7 +10,7 @@ refused with the module and the reason.
 
 The table padfree ships (``src/padfree/proof/support.json``, read by ``configure_packing``) and the support tables of
 ``docs/support.md`` are what this sweep found: a plain run fails when they are stale; ``PADFREE_UPDATE_DOCS=1 pytest
-tests/test_model_sweep.py -p no:xdist`` rewrites both (with ``-k``, only the entries of the types that ran).
+tests/proof/test_model_sweep.py -p no:xdist`` rewrites both (with ``-k``, only the entries of the types that ran).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from padfree.proof import registry
 from padfree.proof.sweep import sweep_type
 from padfree.proof.tiny import multimodal_types
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TABLE = ROOT / "src" / "padfree" / "proof" / "support.json"
 SUPPORT_DOC = ROOT / "docs" / "support.md"
 TYPES = sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
@@ -98,7 +98,7 @@ def test_support_doc_tables_are_rendered_from_the_table():
     if UPDATE and (RESULTS or MULTIMODAL_RESULTS):  # the types that ran replace their entries; gone types dropped
         shipped = registry.load()
         same = shipped["transformers"] == transformers.__version__
-        table = {"transformers": transformers.__version__, "generated_by": "tests/test_model_sweep.py"}
+        table = {"transformers": transformers.__version__, "generated_by": "tests/proof/test_model_sweep.py"}
         for section, (_, types, results) in SECTIONS.items():
             kept = shipped.get(section, {}) if same else {}
             table[section] = {t: results.get(t, kept.get(t)) for t in types if t in results or t in kept}

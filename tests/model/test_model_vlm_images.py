@@ -11,7 +11,7 @@ images, of different sizes where the model takes sizes): logits, the model's own
 tower's included — relative to its parameter's scale (fp32, 1e-5); its control (each sample's placeholders given
 another sample's images) must be caught by the same comparison. Qwen2-VL (rope route) and Gemma3 (blocks route) run
 through the same proof. Mllama (cross-attention to the row's images) is refused by name; PaliGemma's bidirectional
-prefix is laid out per sample (tests/test_model_paligemma.py).
+prefix is laid out per sample (tests/model/test_model_paligemma.py).
 """
 
 from __future__ import annotations

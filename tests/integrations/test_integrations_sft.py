@@ -123,7 +123,7 @@ def test_skip_reasons(tok, records, tmp_path, monkeypatch, caplog):
     """Every reason to skip the automatic choice leaves TRL's standard batching, with its one-line reason."""
     caplog.set_level(logging.INFO, logger="padfree")
     ds = prompt_completion(records, 8)
-    # a processor and a vision-language model are no reasons any more: tests/test_integrations_vlm.py
+    # a processor and a vision-language model are no reasons any more: tests/integrations/test_integrations_vlm.py
     cases = {
         "collator": (dict(data_collator=trl.trainer.sft_trainer.DataCollatorForLanguageModeling(pad_token_id=2)),
                      "a custom data_collator (DataCollatorForLanguageModeling) was given"),

@@ -1,7 +1,7 @@
 """Vision-language classes through ``configure_packing``: accepted where the language model inside can be made exact
 (the support table's ``multimodal`` section, or a certification), the towers left on their own attention.
 
-The sweep (``tests/test_model_sweep.py``) proves every such class on text rows; these tests pin what the sweep
+The sweep (``tests/proof/test_model_sweep.py``) proves every such class on text rows; these tests pin what the sweep
 relies on: the class is accepted, padfree's backend reaches the language model and no tower, undoing restores every
 sub-config's own implementation, and a text-only packed row through the whole model is exact.
 """
