@@ -36,7 +36,8 @@ logger = logging.getLogger("padfree")
 
 # the tokens the proof may run beyond its two shortest sequences: it runs them about five times (packed, each alone,
 # right- and left-padded to calibrate the tolerance, the leaking control), so its cost is a few forwards of a few
-# hundred tokens — about 2-3% of a small model's 40-step run here, once (padfree demo measures it)
+# hundred tokens, once: measured by padfree demo (6% of its 10 packed steps of a 4M-parameter model on 2 busy cores,
+# 1.6 s of 25 s; a share that shrinks with the length of the run)
 _BUDGET = 256
 _MAX_SEQUENCES = 4
 
