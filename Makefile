@@ -20,13 +20,13 @@ test: setup
 # CLI (tokenizers, matplotlib), the packing kernels (numpy, numba) and sequence parallelism (accelerate's loaders,
 # gloo): about 13 minutes on a 2-core machine
 FLOOR_TESTS = tests/proof/test_model_sweep.py tests/proof/test_model_certify.py \
-	tests/integrations/test_integrations_bf16.py tests/model/test_model_matrix.py tests/test_model_mixers.py \
+	tests/integrations/test_integrations_bf16.py tests/model/test_model_matrix.py tests/model/test_model_mixers.py \
 	tests/model/test_model_configure.py tests/integrations/test_integrations_trainer.py \
 	tests/integrations/test_integrations_sft.py tests/data/test_data_hf.py tests/data/test_data_datasets.py \
 	tests/cli/test_cli.py tests/packing/test_packing.py tests/test_rows.py tests/sequence_parallel/test_sequence_parallel.py \
 	tests/model/test_model_sharded.py tests/integrations/test_integrations_sequence_parallel.py \
 	tests/integrations/test_integrations_balanced_trainer.py tests/model/families/test_families_depth.py \
-	tests/test_model_attention.py
+	tests/model/test_model_attention.py
 
 # the sdist and the wheel built, the wheel installed with every extra into a venv without the checkout, the README's
 # example and `padfree --help` run there: about 5 minutes on a 2-core machine the first time, 1 minute afterwards

@@ -5,7 +5,8 @@ wrong attention for some shapes: with 8-wide float vectors (AVX2) and head_dim 8
 tokens (rows of 8, 24, ... 120 tokens) goes through a 16-column micro-kernel that reads keys past the block and
 writes past the scores into the softmax maxima — off by 0.1-2 or NaN, differently each run, in padfree's packed rows
 and in the unpacked forwards transformers runs under flex alike. padfree's BlockMask is not the cause: under torch's
-uncompiled flex it gives the dense masked attention exactly (``tests/test_model_packed.py`` checks it pair by pair).
+uncompiled flex it gives the dense masked attention exactly (``tests/model/test_model_packed.py`` checks it pair by
+pair).
 """
 
 from __future__ import annotations

@@ -5,7 +5,8 @@ layer that drops the layout), Llama-4 (chunked attention, NoPE query temperature
 CDMoE router) are proven with :func:`padfree.proof.compare.prove` — logits, loss and every gradient in fp32, bf16
 autocast and bf16 weights, under each attention implementation transformers has for them — next to negative
 controls that the same comparison catches, and the refusals. The grouping of segments (``per_bucket``,
-``buckets``) is tested in tests/test_model_packed.py, the attention backends alone in tests/test_model_attention.py.
+``buckets``) is tested in tests/model/test_model_packed.py, the attention backends alone in
+tests/model/test_model_attention.py.
 """
 
 from __future__ import annotations

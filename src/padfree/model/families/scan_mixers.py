@@ -178,7 +178,8 @@ PRIMITIVES = {
 }
 
 MIXER_CLASSES: dict[str, str] = {
-    # class name -> family; each one proven packed == per-sequence by the support sweep and tests/test_model_mixers.py
+    # class name -> family; each one proven packed == per-sequence by the support sweep and
+    # tests/model/test_model_mixers.py
     "Qwen3NextGatedDeltaNet": "gated-delta-net",
     "Qwen3_5GatedDeltaNet": "gated-delta-net",
     "Qwen3_5MoeGatedDeltaNet": "gated-delta-net",
