@@ -122,15 +122,20 @@ def test_sft_logs_its_in_run_proof_on_the_first_packed_step(tok, tmp_path, bf16)
     assert (report.atol > 1e-4) == bf16, report  # bf16 rounding, far above fp32's 1e-5
 
 
-def test_a_broken_boundary_stops_the_run_before_its_first_optimizer_step(tok, tmp_path, monkeypatch):
-    model = _tiny_for(tok, "qwen3_5_text")
-    trainer = _sft(tok, model, tmp_path)
+def _assert_stops_before_its_first_optimizer_step(trainer, model, monkeypatch):
+    """GatedDeltaNet's reset broken: training raises, naming the module, and no optimizer step ran."""
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     _break_gated_delta_net(monkeypatch)
-    with pytest.raises(PackingDisabledError, match=r"first diverging module: model\.layers\.\d+\.linear_attn"):
+    with pytest.raises(PackingDisabledError, match=r"in-run proof at step 0 failed.*first diverging module: "
+                                                   r"model\.layers\.\d+\.linear_attn"):
         trainer.train()
     assert trainer.state.global_step == 0
     assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())  # no optimizer step ran
+
+
+def test_a_broken_boundary_stops_the_run_before_its_first_optimizer_step(tok, tmp_path, monkeypatch):
+    model = _tiny_for(tok, "qwen3_5_text")
+    _assert_stops_before_its_first_optimizer_step(_sft(tok, model, tmp_path), model, monkeypatch)
 
 
 def test_padfree_verify_false_runs_no_proof(tok, tmp_path):
@@ -185,13 +190,7 @@ def test_grpo_proves_its_generated_completions(tok, tmp_path):
 
 def test_grpo_with_a_broken_boundary_stops_before_its_first_optimizer_step(tok, tmp_path, monkeypatch):
     model = _tiny_for(tok, "qwen3_5_text")
-    trainer = _grpo(tok, model, tmp_path)
-    before = {n: p.detach().clone() for n, p in model.named_parameters()}
-    _break_gated_delta_net(monkeypatch)
-    with pytest.raises(PackingDisabledError, match=r"first diverging module: model\.layers\.\d+\.linear_attn"):
-        trainer.train()
-    assert trainer.state.global_step == 0
-    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+    _assert_stops_before_its_first_optimizer_step(_grpo(tok, model, tmp_path), model, monkeypatch)
 
 
 def _reward_model(tok, model_type):
@@ -233,11 +232,4 @@ def test_reward_proves_its_pairs_scores(tok, tmp_path):
 
 def test_reward_with_a_broken_boundary_stops_before_its_first_optimizer_step(tok, tmp_path, monkeypatch):
     model = _reward_model(tok, "qwen3_5_text")
-    trainer = _reward(tok, model, tmp_path)
-    before = {n: p.detach().clone() for n, p in model.named_parameters()}
-    _break_gated_delta_net(monkeypatch)
-    with pytest.raises(PackingDisabledError, match=r"in-run proof at step 0 failed.*first diverging module: "
-                                                   r"model\.layers\.\d+\.linear_attn"):
-        trainer.train()
-    assert trainer.state.global_step == 0
-    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+    _assert_stops_before_its_first_optimizer_step(_reward(tok, model, tmp_path), model, monkeypatch)
