@@ -583,6 +583,8 @@ def _summary(args: argparse.Namespace, opts: _PackOptions, packing: _PackInput, 
 
 def render_pack_summary(summary: dict[str, Any], packing: _PackInput) -> str:
     """The ``padfree pack`` report (``summary`` is what ``--json`` prints)."""
+    from padfree.packing.strategies import STRATEGIES
+
     s = summary
     out = ["padfree pack"]
     out += textwrap.wrap(packing.source, width=110, initial_indent="  data        ", subsequent_indent=" " * 14)
@@ -602,7 +604,7 @@ def render_pack_summary(summary: dict[str, Any], packing: _PackInput) -> str:
     elif s["dropped_sequences"]:
         over = (f"{num(s['dropped_sequences'])} sequences longer than {cap} dropped: {num(s['dropped_tokens'])} "
                 "tokens lost")
-    elif s["split_sequences"] and s["strategy"] == "wrapped":
+    elif s["split_sequences"] and STRATEGIES[s["strategy"]].cuts_at_row_edges:
         over = (f"{num(s['split_sequences'])} sequences cut at the rows' edges: {num(s['pieces'])} pieces in all, "
                 "each its own sequence, no token lost")
     elif s["split_sequences"]:
