@@ -497,6 +497,14 @@ class ThroughputReport:
     def __getitem__(self, mode: str) -> ModeResult:
         return self.results[mode]
 
+    @property
+    def inrun_proof_share(self) -> float | None:
+        """The in-run proof's seconds over the packed mode's timed training seconds (every pass together): what the
+        proof adds to a run of this length (None: no proof, or no packed mode timed)."""
+        if self.inrun_proof is None or "packed" not in self.results:
+            return None
+        return self.inrun_proof[0] / max(sum(self.results["packed"].seconds), 1e-12)
+
     def __contains__(self, mode: object) -> bool:
         return mode in self.results
 
@@ -527,7 +535,8 @@ class ThroughputReport:
                                 "loss_diff": self.exactness.loss_diff, "max_grad_diff": self.exactness.max_grad_diff}
         if self.inrun_proof is not None:
             seconds, proof = self.inrun_proof
-            out["inrun_proof"] = {"seconds": seconds, "ok": proof.ok, "sequences": proof.num_sequences,
+            out["inrun_proof"] = {"seconds": seconds, "share_of_packed_training": self.inrun_proof_share,
+                                  "ok": proof.ok, "sequences": proof.num_sequences,
                                   "max_logit_diff": proof.max_logit_diff, "atol": proof.atol, "control": proof.control}
         out["leaks"] = dict(self.leaks)
         out["cross_targets"] = dict(self.cross_targets)

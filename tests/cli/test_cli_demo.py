@@ -66,6 +66,9 @@ def test_demo_with_data_a_local_model_and_json(capsys, tmp_path):
     assert training["exactness"]["ok"]
     proof = training["inrun_proof"]
     assert proof["ok"] and proof["sequences"] >= 2 and proof["control"] > proof["atol"] and proof["seconds"] > 0
+    # its cost as a share of the packed training it precedes (every timed pass), as the text report says it
+    packed_seconds = sum(training["modes"]["packed"]["seconds"])
+    assert proof["share_of_packed_training"] == pytest.approx(proof["seconds"] / packed_seconds)
     real = {m["real_tokens"] for m in training["modes"].values()}
     assert len(real) == 1 and real.pop() >= 600  # the same tokens in every mode
     assert training["packed_speedup"]["padded"] > 0

@@ -62,7 +62,8 @@ def test_the_option_is_checked(option):
         InRunProof.from_option(option)
 
 
-@pytest.mark.parametrize(("model_type", "autocast"), [("llama", False), ("llama", True), ("qwen3_5_text", True)])
+@pytest.mark.parametrize(("model_type", "autocast"), [("llama", False), ("llama", True), ("qwen3_5_text", False),
+                                                     ("qwen3_5_text", True)])
 def test_a_configured_model_passes_with_a_control_beyond_rounding(model_type, autocast):
     model = build_tiny(model_type)
     padfree.configure_packing(model)
@@ -73,6 +74,25 @@ def test_a_configured_model_passes_with_a_control_beyond_rounding(model_type, au
     assert proof.last.ok and proof.last.conclusive, proof.last
     assert logged["padfree/verify_control_ratio"] > 10 and logged["padfree/verify_max_logit_diff"] <= proof.last.atol
     assert not proof.due(1)  # first_step: done
+
+
+def test_the_proof_runs_each_sequence_alone_and_three_forwards_more(monkeypatch):
+    """What the proof costs the run: the packed row, each sequence alone, the leaking control and one ordinary
+    padded batch (the right- and left-padded references together), with logits computed only where they are
+    compared — the padding's and the control's first sequence's are not."""
+    model = build_tiny("llama")
+    padfree.configure_packing(model)
+    forwards, projected = [], []
+    model.register_forward_pre_hook(lambda m, a, k: forwards.append(
+        (tuple(k["input_ids"].shape), k.get("attention_mask") is not None)), with_kwargs=True)
+    model.get_output_embeddings().register_forward_hook(lambda m, a, out: projected.append(out.shape[:-1].numel()))
+    proof = InRunProof.from_option("first_step")
+    proof.prove(model, _batch(), step=0)
+    assert proof.last.ok and proof.last.conclusive and proof.last.num_sequences == 4, proof.last
+    # packed (7, 6, 4, 3 in one row of 20), alone x4, control, and 7, 6, 4, 3 right- with 6, 4, 3 left-padded
+    assert forwards == [((1, 20), False), ((1, 7), False), ((1, 6), False), ((1, 4), False), ((1, 3), False),
+                        ((1, 20), False), ((7, 7), True)]
+    assert projected == [20, 7, 6, 4, 3, 13, 20 + 13]
 
 
 def test_a_family_whose_reset_is_off_stops_the_run_naming_the_module(monkeypatch):

@@ -128,3 +128,81 @@ def test_a_model_whose_fp32_rounding_exceeds_1e_5_is_bounded_by_its_own_rounding
     report = verify(model, seqs, check_grads=False)
     assert report.ok and report.conclusive, report
     assert report.max_logit_diff > 1e-5, report  # beyond the fixed fp32 bound: rounding, not a leak
+
+
+# ---- what the calibrated check runs -------------------------------------------------------------------------------
+
+
+def _forwards(model: torch.nn.Module, run) -> tuple[list[tuple[int, ...]], int]:
+    """The ``(rows, width)`` of every forward ``run()`` makes with an ``attention_mask`` (an ordinary padded batch),
+    and how many positions in all the output head projects to logits."""
+    padded, projected = [], []
+    pre = model.register_forward_pre_hook(
+        lambda m, a, k: padded.append(tuple(k["input_ids"].shape)) if k.get("attention_mask") is not None else None,
+        with_kwargs=True)
+    head = model.get_output_embeddings().register_forward_hook(
+        lambda m, a, out: projected.append(out.shape[:-1].numel()))
+    try:
+        run()
+    finally:
+        pre.remove()
+        head.remove()
+    return padded, sum(projected)
+
+
+def test_the_calibration_pads_once_and_projects_only_real_tokens_to_logits():
+    """fp32: the right- and left-padded references are one ordinary batch (a sequence as long as the widest is the
+    same row on both sides), the padding's logits are not computed, and the control computes the logits of the
+    sequences after each row's first only — the same comparisons, at 71 projected positions where there were 93."""
+    model = _tiny("llama")
+    padfree.configure_packing(model)
+    report = None
+
+    def run():
+        nonlocal report
+        report = verify(model, SEQS, check_grads=False)
+
+    padded, projected = _forwards(model, run)
+    assert report.ok and report.conclusive and report.atol == 1e-5, report
+    assert padded == [(5, 7)]  # 7, 6, 4 right-padded; 6 and 4 left-padded (7 fills its row either way)
+    # packed row 17 + alone 7 + 6 + 4 + control (the 6 and the 4 after the row's first) 10 + right 17 + left 10
+    assert projected == 17 + 17 + 10 + 17 + 10
+
+
+def test_under_autocast_the_fp32_reference_and_the_left_padded_rows_are_the_calibration():
+    model = _tiny("qwen3_5_text")
+    padfree.configure_packing(model)
+    report = None
+
+    def run():
+        nonlocal report
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            report = verify(model, SEQS, check_grads=False)
+
+    padded, projected = _forwards(model, run)
+    assert report.ok and report.conclusive and report.control > 10 * report.atol, report
+    assert padded == [(3, 7)]
+    assert projected == 17 + 17 + 17 + 10 + 17  # packed, alone, alone in fp32, control, left-padded
+
+
+def test_a_head_the_check_cannot_narrow_gives_the_same_verdict(monkeypatch):
+    """A model whose output head is not reachable (``get_output_embeddings()`` None: a compiled or custom head) is
+    checked on every position's logits: the same tolerance, control and verdict."""
+    model = _tiny("llama")
+    padfree.configure_packing(model)
+    narrowed = verify(model, SEQS)
+    monkeypatch.setattr(type(model), "get_output_embeddings", lambda self: None)
+    monkeypatch.setattr(type(model), "forward", _without_logits_to_keep(type(model).forward))
+    full = verify(model, SEQS)
+    assert (full.ok, full.conclusive, full.atol) == (narrowed.ok, narrowed.conclusive, narrowed.atol) == (True, True,
+                                                                                                         1e-5)
+    assert full.control == pytest.approx(narrowed.control, rel=1e-4)
+    assert full.loss_atol == pytest.approx(narrowed.loss_atol, rel=1e-4)
+    assert full.max_grad_diff <= full.grad_atol and narrowed.max_grad_diff <= narrowed.grad_atol
+
+
+def _without_logits_to_keep(forward):
+    """``forward`` behind a signature without ``logits_to_keep`` (as a wrapper taking ``**kwargs`` has)."""
+    def wrapped(self, *args, **kwargs):
+        return forward(self, *args, **kwargs)
+    return wrapped

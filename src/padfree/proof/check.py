@@ -38,6 +38,7 @@ padfree.errors.InvalidTokensError: data[1][1] = 64 is not below the vocabulary s
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -193,8 +194,47 @@ def _grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
+# the elements of logits a loss or a distance is taken over at a time: a slice of rows of about 2 MB in fp32 (64 MB on
+# an accelerator), so that no temporary the size of the whole logits is made — on a CPU, page-faulting a fresh buffer
+# of a few hundred MB costs more than the arithmetic done in it
+_CHUNK_ELEMENTS = {"cpu": 1 << 19}
+_DEFAULT_CHUNK_ELEMENTS = 1 << 24
+
+
+def _row_chunks(values: torch.Tensor) -> list[tuple[int, int]]:
+    """``[(start, stop), ...]`` over the rows of a ``(N, V)`` tensor, each about :data:`_CHUNK_ELEMENTS` elements."""
+    rows, width = values.shape[0], max(int(values.shape[-1]), 1)
+    step = max(1, _CHUNK_ELEMENTS.get(values.device.type, _DEFAULT_CHUNK_ELEMENTS) // width)
+    return [(i, min(i + step, rows)) for i in range(0, rows, step)]
+
+
+def _token_ce(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """``(N,)`` fp32: the cross-entropy of each of ``N`` positions' logits ``(N, V)`` with its target ``(N,)``, 0 where
+    the target is ignored; computed a slice of rows at a time (skipping slices that train nothing), differentiable."""
+    real = (targets != IGNORE_INDEX).cpu().numpy()
+    parts = [F.cross_entropy(logits[i:j].float(), targets[i:j], ignore_index=IGNORE_INDEX, reduction="none")
+             if real[i:j].any() else torch.zeros(j - i, device=logits.device) for i, j in _row_chunks(logits)]
+    return torch.cat(parts) if parts else torch.zeros(0, device=logits.device)
+
+
 def _ce_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(logits.float(), targets, ignore_index=IGNORE_INDEX, reduction="sum")
+    return _token_ce(logits, targets).sum()
+
+
+def _max_abs_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    """``max |a - b|`` over logits ``(..., V)`` of the same shape, a slice of rows at a time (NaN if either holds a
+    NaN)."""
+    a, b = a.detach().reshape(-1, a.shape[-1]), b.detach().reshape(-1, b.shape[-1])
+    worst = torch.zeros((), device=a.device)
+    for i, j in _row_chunks(a):
+        worst = torch.maximum(worst, (a[i:j].float() - b[i:j].float()).abs_().amax())
+    return float(worst)
+
+
+def _max_abs(a: torch.Tensor) -> float:
+    """``max |a|``, without a temporary of ``a``'s size."""
+    lo, hi = torch.aminmax(a.detach())
+    return max(-float(lo), float(hi))
 
 
 def verify(
@@ -233,8 +273,11 @@ def verify(
 
     The model runs in eval mode (dropout would make the runs differ) and is put back in its mode afterwards. The
     packed run feeds ``PackedBatch.model_inputs()``; each sequence alone gets its own ids with positions ``0..n-1``
-    and no mask. Cost: one packed and ``n`` single forwards (and backwards); with ``atol="auto"`` in a lower
-    precision, one padded forward (and backward) and one forward of the control more.
+    and no mask. Cost: one packed and ``n`` single forwards (and backwards); with ``atol="auto"``, two forwards
+    more: the leaking control (its logits computed from each row's second sequence on: the ones compared) and one
+    ordinary padded batch holding the sequences right- and left-padded (at most ``2n`` rows; a backward per side;
+    the padding's logits are not computed) — under autocast with fp32 weights, left-padded only, and each sequence
+    alone again in fp32 (``n`` forwards and backwards).
     """
     calibrate = isinstance(atol, str) and atol == "auto"
     if not calibrate and (isinstance(atol, bool) or not isinstance(atol, (int, float)) or not math.isfinite(atol)
@@ -255,7 +298,9 @@ def verify(
             logits = model(**batch.model_inputs(include_labels=False)).logits
             ids, labels = batch.input_ids, batch.labels
             n_targets = int((labels[:, 1:] != IGNORE_INDEX).sum())
-            loss = _ce_sum(logits[:, :-1].reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1)) / max(n_targets, 1)
+            # each row's next-token losses, once: the loss sums them, each sequence's packed loss is its span of them
+            row_ce = [_token_ce(logits[r, :-1], labels[r, 1:]) for r in range(logits.shape[0])]
+            loss = torch.stack([ce.sum() for ce in row_ce]).sum() / max(n_targets, 1)
             if check_grads:
                 if loss.requires_grad:  # else no trainable parameter reaches the packed logits: all its grads are 0
                     loss.backward()
@@ -275,14 +320,14 @@ def verify(
                 if check_grads and ce_alone.requires_grad:
                     (ce_alone / max(n_targets, 1)).backward()
                 packed_part = logits[r, c:c + n]
-                ce_packed = _ce_sum(packed_part[:-1], target)
+                ce_packed = row_ce[r][c:c + n - 1].sum()
                 count = max(int((target != IGNORE_INDEX).sum()), 1)
-                checks.append(SequenceCheck(r, c, n, float((packed_part - alone).detach().abs().max()),
+                checks.append(SequenceCheck(r, c, n, _max_abs_diff(packed_part, alone),
                                             float(ce_packed.detach()) / count, float(ce_alone.detach()) / count))
                 total += float(ce_alone.detach())
                 pieces.append((r, c, n, alone.detach()))
             alone_grads = _grads(model) if check_grads else {}
-            control = _control(model, batch, pieces) if calibrate else None
+            control = _control(model, inner, batch, pieces) if calibrate else None
             if calibrate:
                 low = compute_dtype not in (None, torch.float32) or _low_precision(logits, device)
                 calibration = _calibrate(model, batch, pieces, total / max(n_targets, 1), alone_grads, n_targets,
@@ -350,30 +395,85 @@ def _alone_runs(model: torch.nn.Module, batch: PackedBatch, pieces: list, n_targ
 
 
 def _padded_runs(model: torch.nn.Module, batch: PackedBatch, pieces: list, n_targets: int, check_grads: bool,
-                 left: bool = False) -> tuple[list[torch.Tensor], float, dict[str, torch.Tensor]]:
-    """The sequences right- (or ``left``-) padded in one ordinary batch (``attention_mask``; the model's own unpacked
-    path)."""
+                 sides: Sequence[str] = ("right",)) -> list[tuple[list[torch.Tensor], float, dict[str, torch.Tensor]]]:
+    """The sequences right- and / or left-padded (``sides``) in one ordinary batch (``attention_mask``; the model's
+    own unpacked path) of one forward: per side, each sequence's logits ``(n_i, V)``, the token-mean loss and the
+    gradients (each side's loss backward on its own). A sequence as long as the widest is the same row on both
+    sides; only the real tokens are projected to logits (:func:`_real_logits`)."""
     device = batch.input_ids.device
     width = max(n for _, _, n, _ in pieces)
-    ids = torch.zeros(len(pieces), width, dtype=batch.input_ids.dtype, device=device)
-    mask = torch.zeros(len(pieces), width, dtype=torch.long, device=device)
-    targets = torch.full((len(pieces), width), IGNORE_INDEX, dtype=batch.labels.dtype, device=device)
-    spans = [slice(width - n, width) if left else slice(0, n) for _, _, n, _ in pieces]
-    for j, (r, c, n, _) in enumerate(pieces):
-        ids[j, spans[j]], mask[j, spans[j]] = batch.input_ids[r, c:c + n], 1
-        targets[j, spans[j]] = batch.labels[r, c:c + n]
+    slots: dict[tuple[int, int], int] = {}  # (sequence, its first column) -> row of the batch
+    for side in sides:
+        for j, (_, _, n, _) in enumerate(pieces):
+            slots.setdefault((j, width - n if side == "left" else 0), len(slots))
+    ids = torch.zeros(len(slots), width, dtype=batch.input_ids.dtype, device=device)
+    mask = torch.zeros(len(slots), width, dtype=torch.long, device=device)
+    for (j, start), row in slots.items():
+        r, c, n, _ = pieces[j]
+        ids[row, start:start + n], mask[row, start:start + n] = batch.input_ids[r, c:c + n], 1
     for p in model.parameters():
         p.grad = None
     # no position_ids: the model's own (a rotary model is invariant to the left padding's shift up to rounding; one
     # that is not moves the sequences as a leak would, and the reference is left out)
-    padded = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
-    loss = _ce_sum(padded[:, :-1].reshape(-1, padded.shape[-1]), targets[:, 1:].reshape(-1)) / max(n_targets, 1)
-    if check_grads and loss.requires_grad:
-        loss.backward()
-    grads = _grads(model)
-    for p in model.parameters():
-        p.grad = None
-    return [padded[j, spans[j]].detach() for j in range(len(pieces))], float(loss.detach()), grads
+    padded = _real_logits(model, mask, input_ids=ids, attention_mask=mask, use_cache=False)
+    out = []
+    for k, side in enumerate(sides):
+        rows = [(slots[(j, width - n if side == "left" else 0)], width - n if side == "left" else 0, r, c, n)
+                for j, (r, c, n, _) in enumerate(pieces)]
+        # each sequence's own next-token targets, as alone (a padding position predicts nothing)
+        loss = torch.stack([_ce_sum(padded[row, s:s + n - 1], batch.labels[r, c + 1:c + n])
+                            for row, s, r, c, n in rows]).sum() / max(n_targets, 1)
+        if check_grads and loss.requires_grad:
+            loss.backward(retain_graph=k < len(sides) - 1)
+        grads = _grads(model)
+        for p in model.parameters():
+            p.grad = None
+        out.append(([padded[row, s:s + n].detach() for row, s, _, _, n in rows], float(loss.detach()), grads))
+    return out
+
+
+class _RealLogits:
+    """The logits of an ordinary padded batch at its real tokens only: ``self[row, start:stop]`` is ``(n, V)``, read
+    from the ``(B, T, V)`` logits or from the ``(1, N, V)`` ones of the real tokens in row-major order."""
+
+    def __init__(self, logits: torch.Tensor, mask: torch.Tensor) -> None:
+        self.logits, self.flat = logits, logits.shape[:2] != mask.shape
+        counts = mask.sum(dim=1).cpu()
+        self.offsets = (torch.cumsum(counts, 0) - counts).tolist()
+        self.first = (mask.shape[1] - counts).tolist() if self.flat else None  # left-aligned or right-aligned row
+        self.left = mask[:, -1].bool().cpu().tolist()
+
+    def __getitem__(self, key: tuple[int, slice]) -> torch.Tensor:
+        row, cols = key
+        if not self.flat:
+            return self.logits[row, cols]
+        shift = self.offsets[row] - (self.first[row] if self.left[row] else 0)
+        return self.logits[0, cols.start + shift:cols.stop + shift]
+
+
+def _real_logits(model: torch.nn.Module, mask: torch.Tensor, **inputs: Any) -> _RealLogits:
+    """``model(**inputs).logits`` of an ordinary batch whose real tokens are ``mask`` ``(B, T)`` — each row's one
+    contiguous run, at its start or its end — with the output head (``get_output_embeddings()``) applied to those
+    tokens only: the padding's logits are compared with nothing, and at a vocabulary of 32k they are most of the
+    forward's cost. Each position's logits are the head applied to its hidden state either way; a model whose head
+    is not that module (or a compiled one, whose hooks are not run) returns every position, read as such."""
+    real = mask.bool()
+    head = packable_model(model, "verify").get_output_embeddings()
+
+    def gather(module: torch.nn.Module, args: tuple) -> tuple | None:
+        if args and args[0].dim() == 3 and tuple(args[0].shape[:2]) == tuple(real.shape):
+            return (args[0][real][None], *args[1:])
+        return None
+
+    handle = head.register_forward_pre_hook(gather) if isinstance(head, torch.nn.Module) else None
+    try:
+        logits = model(**inputs).logits
+    finally:
+        if handle is not None:
+            handle.remove()
+    if logits.shape[:2] != real.shape and tuple(logits.shape[:2]) != (1, int(real.sum())):
+        logits = model(**inputs).logits  # a head that returned neither: every position, as the model gives them
+    return _RealLogits(logits, mask)
 
 
 def _calibrate(model: torch.nn.Module, batch: PackedBatch, pieces: list, loss_alone: float,
@@ -393,39 +493,61 @@ def _calibrate(model: torch.nn.Module, batch: PackedBatch, pieces: list, loss_al
     if torch.is_autocast_enabled(device.type) and fp32_weights and dtype != torch.float32:
         with torch.autocast(device.type, enabled=False):
             references = [_alone_runs(model, batch, pieces, n_targets, check_grads)]
+        sides: tuple[str, ...] = ("left",)
     else:
-        references = [_padded_runs(model, batch, pieces, n_targets, check_grads)]
-    eps = torch.finfo(dtype).eps
-    alone = [p[3] for p in pieces]
+        references, sides = [], ("right", "left")
     # the same sequences left-padded: every sequence at another offset, a chunked scan cut elsewhere — as far from
     # the sequence alone as rounding moves a computation that chunks differently (the packed path does). A model
     # whose padding leaks into its tokens moves them as far as the leaking control does: such a reference measures
-    # the leak, not rounding, and is left out (kept only within a thousandth of the control)
-    left = _padded_runs(model, batch, pieces, n_targets, check_grads, left=True)
-    moved = max(float((a.float() - b.float()).abs().max()) for a, b in zip(alone, left[0], strict=True))
-    if control is not None and moved <= control / 1000:
+    # the leak, not rounding, and is left out (kept only within a thousandth of the control). Right- and
+    # left-padded rows run as one ordinary batch: one forward
+    *right, left = _padded_runs(model, batch, pieces, n_targets, check_grads, sides)
+    references += right
+    alone = [p[3] for p in pieces]
+    moved = [_max_abs_diff(a, b) for a, b in zip(alone, left[0], strict=True)]
+    distances = [[_max_abs_diff(a, b) for a, b in zip(alone, ref, strict=True)] for ref, _, _ in references]
+    if control is not None and max(moved) <= control / 1000:
         references.append(left)
-    rounding = max(max(float((a.float() - b.float()).abs().max()), eps * float(a.float().abs().max()))
-                   for ref, _, _ in references for a, b in zip(alone, ref, strict=True))
+        distances.append(moved)
+    eps = torch.finfo(dtype).eps
+    ulps = [eps * _max_abs(a) for a in alone]
+    rounding = max(max(d, u) for ds in distances for d, u in zip(ds, ulps, strict=True))
     grad_rounding = 0.0
     if check_grads and alone_grads:
         grad_rounding = max(max(_worst(alone_grads, grads)[0] or 0.0 for _, _, grads in references),
-                            eps * max(float(g.float().abs().max()) for g in alone_grads.values()))
+                            eps * max(_max_abs(g) for g in alone_grads.values()))
     return rounding, max(abs(loss_alone - loss) for _, loss, _ in references), grad_rounding
 
 
-def _control(model: torch.nn.Module, batch: PackedBatch, pieces: list) -> float | None:
+def _control(model: torch.nn.Module, inner: torch.nn.Module, batch: PackedBatch, pieces: list) -> float | None:
     """The leaking control: every row as one sequence (positions ``0..width-1``, no boundaries), so each sequence
     after a row's first attends to — and, in a recurrent layer, carries state from — the ones before it. Its largest
-    logit distance from those sequences alone; None when no row holds two sequences."""
+    logit distance from those sequences alone; None when no row holds two sequences. Only the columns from the first
+    later sequence on are projected to logits (``logits_to_keep``, where the model takes it): the others are
+    compared with nothing."""
     later = [(r, c, n, alone) for r, c, n, alone in pieces if c > 0]
     if not later:
         return None
     ids = batch.input_ids
-    positions = torch.arange(ids.shape[1], device=ids.device).expand(ids.shape[0], -1)
+    width = ids.shape[1]
+    positions = torch.arange(width, device=ids.device).expand(ids.shape[0], -1)
+    keep = width - min(c for _, c, _, _ in later)
+    kept = {"logits_to_keep": keep} if _takes_logits_to_keep(inner) else {}
     with torch.no_grad():
-        leaked = model(input_ids=ids, position_ids=positions, use_cache=False).logits
-    return max(float((leaked[r, c:c + n] - alone).abs().max()) for r, c, n, alone in later)
+        leaked = model(input_ids=ids, position_ids=positions, use_cache=False, **kept).logits
+        if leaked.shape[1] not in (keep, width):  # a wrapper that read it otherwise: every column, as it always can
+            leaked = model(input_ids=ids, position_ids=positions, use_cache=False).logits
+    first = width - leaked.shape[1]  # the column of the first logits returned (0: every column)
+    return max(_max_abs_diff(leaked[r, c - first:c - first + n], alone) for r, c, n, alone in later)
+
+
+def _takes_logits_to_keep(inner: torch.nn.Module) -> bool:
+    """Whether the model's forward takes ``logits_to_keep`` (transformers' causal LMs: only the last columns are
+    projected to logits)."""
+    try:
+        return "logits_to_keep" in inspect.signature(type(inner).forward).parameters
+    except (TypeError, ValueError):
+        return False
 
 
 def _columns(batch: PackedBatch) -> np.ndarray:
