@@ -218,24 +218,56 @@ def gdr_groups(lay: PackedLayout, chunk: int
     return lay.memo(("padfree.mixers", "gdr_groups", chunk), build)
 
 
+# The per-segment formulation runs its segments in work units of at most this many (padded) tokens: a unit's
+# temporaries (the chunks' (L, L) systems and decays, the state each chunk hands on: Hv * Dk * Dv floats per segment)
+# then have a bounded size whatever the row's length, so a long packed row costs per token what a short one does.
+# Unbounded, one group of a packed 8k-token row held ~30 segments at once (a 60 MB state for Qwen3.5's 32 x 128 x 128
+# heads), out of cache and above glibc's 32 MiB mmap threshold, so faulted in afresh at every chunk step.
+GDR_UNIT_TOKENS = 512
+
+
+def _gdr_plan(lay: PackedLayout, chunk: int) -> tuple[torch.Tensor, torch.Tensor, list[tuple[int, int, int]]]:
+    """The per-segment formulation's layout, built once per batch: ``order`` (``(P,)``: the flat ``B*T`` index of
+    every padded slot, the segments of each :func:`gdr_groups` group one after another; ``B*T`` for the slots past a
+    segment's end), ``inverse`` (``(B*T,)``: where every token sits in ``order``) and the work units ``(rows,
+    length, chunk)`` that split ``order`` into consecutive blocks of at most :data:`GDR_UNIT_TOKENS` tokens (a
+    segment longer than that is a unit of its own)."""
+    def build():
+        orders, valids, units = [], [], []
+        for size, group_chunk, gather, valid, _ in gdr_groups(lay, chunk):
+            orders.append(gather.reshape(-1))
+            valids.append(valid)
+            members, per = gather.shape[0], max(1, GDR_UNIT_TOKENS // size)
+            units += [(min(per, members - i), size, group_chunk) for i in range(0, members, per)]
+        order, valid = torch.cat(orders), torch.cat(valids)
+        inverse = torch.empty(int(lay.lengths.sum()), dtype=torch.int64, device=lay.device)
+        inverse[order[valid]] = valid.nonzero().view(-1)
+        return order, inverse, units
+    return lay.memo(("padfree.mixers", "gdr_plan", chunk, GDR_UNIT_TOKENS), build)
+
+
 def _gdr_per_segment(q, k, v, beta, g, lay: PackedLayout, chunk: int) -> torch.Tensor:
-    """Every segment as its own row (segments of equal padded length in one call): ``(B, H, T, D)`` in and out."""
+    """Every segment as its own row (segments of equal padded length batched, in units of at most
+    :data:`GDR_UNIT_TOKENS` tokens): ``(B, H, T, D)`` in and out.
+
+    Each input is gathered into the padded order once and the output gathered back once (one index each, whose
+    backward is one scatter): gathering per group instead scattered every group's gradient into a zero tensor of the
+    whole row, a cost per token that grew with the row's number of groups."""
     batch, heads, seq_len, _ = q.shape
     total = batch * seq_len
+    order, inverse, units = _gdr_plan(lay, chunk)
+    sizes = [rows * length for rows, length, _ in units]
 
-    def flat(x):  # (B, H, T, ...) -> (B*T + 1, H, ...) with a zero row at the end
+    def padded(x):  # (B, H, T, ...) -> the units' (r, H, L, ...) rows; the slots past a segment's end read a zero row
         x = x.movedim(2, 1).reshape(total, heads, *x.shape[3:])
-        return torch.cat([x, x.new_zeros(1, *x.shape[1:])])
+        x = torch.cat([x, x.new_zeros(1, *x.shape[1:])])[order]
+        return [part.view(rows, length, *part.shape[1:]).movedim(2, 1)
+                for part, (rows, length, _) in zip(x.split(sizes), units, strict=True)]
 
-    fq, fk, fv, fb, fg = (flat(x) for x in (q, k, v, beta, g))
-    pieces, dest = [], []
-    for _, group_chunk, gather, valid, to in gdr_groups(lay, chunk):
-        def rows(x, gather=gather):
-            return x[gather].movedim(2, 1)  # (m, L, H, ...) -> (m, H, L, ...)
-        out = _gdr_chunked(rows(fq), rows(fk), rows(fv), rows(fb), rows(fg), None, group_chunk)
-        pieces.append(out.movedim(1, 2).reshape(-1, heads, out.shape[-1])[valid])
-        dest.append(to)
-    result = q.new_empty(total, heads, v.shape[-1]).index_copy(0, torch.cat(dest), torch.cat(pieces))
+    ins = [padded(x) for x in (q, k, v, beta, g)]
+    outs = [_gdr_chunked(*unit, None, unit_chunk).movedim(1, 2).reshape(-1, heads, v.shape[-1])
+            for *unit, (_, _, unit_chunk) in zip(*ins, units, strict=True)]
+    result = torch.cat(outs)[inverse]
     return result.view(batch, seq_len, heads, -1).movedim(2, 1)
 
 
