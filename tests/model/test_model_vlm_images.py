@@ -27,7 +27,7 @@ import padfree  # noqa: E402
 from padfree.errors import InvalidArgumentError, PackingDisabledError  # noqa: E402
 from padfree.model import images  # noqa: E402
 from padfree.proof.compare import perturb  # noqa: E402
-from padfree.proof.compare_images import prove_images  # noqa: E402
+from padfree.proof.compare_images import prove_images, prove_images_in  # noqa: E402
 from padfree.proof.shrink import default_config, shrink_config  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -189,3 +189,17 @@ def test_images_under_bf16_autocast_are_proven_within_what_rounding_moves_each_s
     assert proof.logits <= proof.tolerance and proof.grads <= proof.grad_tolerance
     with pytest.raises(InvalidArgumentError, match="precision must be one of"):
         prove_images(model, precision="fp16")
+
+
+@pytest.mark.parametrize("model_type", ["llava", "qwen2_vl"])
+def test_both_precisions_in_one_call_are_the_proofs_of_two(model_type):
+    # the sweep proves fp32 and bf16 autocast in one call sharing the fp32 runs alone and the install: each proof is
+    # field for field the one its own call gives (the runs are deterministic on the CPU)
+    model = tiny(model_type)
+    both = prove_images_in(model, ("fp32", "autocast_bf16"))
+    assert list(both) == ["fp32", "autocast_bf16"]
+    for precision, proof in both.items():
+        assert proof == prove_images(model, precision=precision), precision
+        assert proof.ok and proof.control > proof.tolerance, proof
+    with pytest.raises(InvalidArgumentError, match="precision must be one of"):
+        prove_images_in(model, ("fp32", "fp16"))

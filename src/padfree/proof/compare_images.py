@@ -19,13 +19,14 @@ fp32 run — per measure —, and the control must land beyond that.
 >>> proof = prove_images(model)
 >>> proof.route, proof.ok
 ('causal', True)
+>>> {precision: proof.ok for precision, proof in prove_images_in(model).items()}  # both, sharing the fp32 runs
+{'fp32': True, 'autocast_bf16': True}
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import re
 from collections.abc import Sequence
 from typing import Any
@@ -38,7 +39,7 @@ from padfree.model import images
 from padfree.model.install import install_packing, unconfigure_packing
 from padfree.proof.compare import ROUNDING_FACTOR
 
-__all__ = ["prove_images"]
+__all__ = ["prove_images", "prove_images_in"]
 
 FP32_TOL = 1e-5
 #: the precisions :func:`prove_images` runs in
@@ -174,20 +175,37 @@ def prove_images(model: torch.nn.Module, backend: str = "sdpa", *, seed: int = 0
         An :class:`ImageProof`: ``refused`` says why it did not run (no route — the model's own reason —, no probe
         samples for its config, padfree refusing the backend, the model's own forward failing on the samples).
     """
-    if precision not in IMAGE_PRECISIONS:
-        raise InvalidArgumentError(f"precision must be one of {IMAGE_PRECISIONS}, got {precision!r}")
+    return prove_images_in(model, (precision,), backend, seed=seed)[precision]
+
+
+def prove_images_in(model: torch.nn.Module, precisions: Sequence[str] = IMAGE_PRECISIONS, backend: str = "sdpa", *,
+                    seed: int = 0) -> dict[str, ImageProof]:
+    """:func:`prove_images` in each of ``precisions`` (a subset of :data:`IMAGE_PRECISIONS`), sharing what they
+    have in common: the probe samples, their fp32 runs alone (every low precision's reference) and one
+    ``install_packing``. Each proof is the one :func:`prove_images` gives in that precision (the module's example
+    runs it).
+    """
+    precisions = tuple(precisions) if not isinstance(precisions, str) else (precisions,)
+    bad = [p for p in precisions if p not in IMAGE_PRECISIONS]
+    if bad or not precisions:
+        raise InvalidArgumentError(f"precision must be one of {IMAGE_PRECISIONS}, got "
+                                   f"{bad[0] if bad else precisions!r}")
     model_type = str(getattr(model.config, "model_type", type(model).__name__))
     route = images.image_route(model)
+
+    def every(**fields: Any) -> dict[str, ImageProof]:  # one verdict for every precision (the proof did not run)
+        return {p: ImageProof(model_type, route, precision=p, **fields) for p in precisions}
+
     if route is None:
-        return ImageProof(model_type, None, refused=images.image_refusal(model))
+        return every(refused=images.image_refusal(model))
     try:
         samples = images.probe_samples(model, seed=seed)
     except (RuntimeError, ValueError, TypeError, AttributeError, IndexError, KeyError) as exc:
-        return ImageProof(model_type, route, refused=f"no probe samples for this {type(model).__name__} config: "
-                                                      f"{type(exc).__name__}: {str(exc).splitlines()[0]}")
+        return every(refused=f"no probe samples for this {type(model).__name__} config: "
+                             f"{type(exc).__name__}: {str(exc).splitlines()[0]}")
     if samples is None:
-        return ImageProof(model_type, route, refused=f"no probe samples for this {type(model).__name__} config "
-                                                      f"(its image tokens or resolutions do not fit its tower)")
+        return every(refused=f"no probe samples for this {type(model).__name__} config "
+                             f"(its image tokens or resolutions do not fit its tower)")
     lengths = [s["input_ids"].shape[1] for s in samples]
     row = images.pack_samples(model, samples)
     device = next(model.parameters()).device
@@ -196,40 +214,50 @@ def prove_images(model: torch.nn.Module, backend: str = "sdpa", *, seed: int = 0
     was_training = model.training
     model.eval()
     try:
-        cast = functools.partial(_autocast, precision, device)
+        def alone_failed(exc: Exception) -> str:
+            return f"the samples do not run alone through {type(model).__name__}: {str(exc).splitlines()[0]}"
+
         try:
             exact, exact_loss, exact_grads = _alone(model, samples)
-            want, want_loss, want_grads = exact, exact_loss, exact_grads
-            if precision != "fp32":
-                with cast():
-                    want, want_loss, want_grads = _alone(model, samples)
         except (RuntimeError, ValueError, IndexError, TypeError) as exc:
-            return ImageProof(model_type, route, refused=f"the samples do not run alone through "
-                                                         f"{type(model).__name__}: {str(exc).splitlines()[0]}",
-                              precision=precision)
-        # what rounding alone moves the samples from their fp32 run (nothing in fp32)
-        tolerances = {"tolerance": FP32_TOL, "loss_tolerance": FP32_TOL, "grad_tolerance": FP32_TOL}
-        if precision != "fp32":
-            tolerances = {"tolerance": max(FP32_TOL, ROUNDING_FACTOR * _scaled(want.float(), exact)),
-                          "loss_tolerance": max(FP32_TOL, ROUNDING_FACTOR * abs(want_loss - exact_loss)),
-                          "grad_tolerance": max(FP32_TOL, ROUNDING_FACTOR * _grad_measure(want_grads, exact_grads))}
+            return every(refused=alone_failed(exc))
+        fp32 = {"tolerance": FP32_TOL, "loss_tolerance": FP32_TOL, "grad_tolerance": FP32_TOL}
+        references, tolerances, proofs = {}, {}, {}
+        for p in precisions:
+            if p == "fp32":
+                references[p], tolerances[p] = (exact, exact_loss, exact_grads), fp32
+                continue
+            try:
+                with _autocast(p, device):
+                    want, want_loss, want_grads = references[p] = _alone(model, samples)
+            except (RuntimeError, ValueError, IndexError, TypeError) as exc:
+                proofs[p] = ImageProof(model_type, route, refused=alone_failed(exc), precision=p)
+                continue
+            # what rounding alone moves the samples from their fp32 run
+            tolerances[p] = {"tolerance": max(FP32_TOL, ROUNDING_FACTOR * _scaled(want.float(), exact)),
+                             "loss_tolerance": max(FP32_TOL, ROUNDING_FACTOR * abs(want_loss - exact_loss)),
+                             "grad_tolerance": max(FP32_TOL, ROUNDING_FACTOR * _grad_measure(want_grads, exact_grads))}
         try:
             report = install_packing(model, backend=backend)
         except PadfreeError as exc:
-            return ImageProof(model_type, route, refused=str(exc).splitlines()[0], precision=precision)
-        try:
-            with cast():
-                got, loss, grads = _packed(model, row, lengths)
-                with torch.no_grad():
-                    wrong, _, _ = _packed(model, _control(model, route, row, samples), lengths, grads=False)
-        except PadfreeError as exc:
-            return ImageProof(model_type, route, getattr(report, "backend", backend),
-                              refused=str(exc).splitlines()[0], precision=precision)
-        compared = [n for n in want_grads if _IMAGE_PATH.search(n) and not n.startswith("lm_head")]
-        return ImageProof(model_type, route, getattr(report, "backend", backend),
-                          logits=_scaled(got.float(), want.float()), loss=abs(loss - want_loss),
-                          grads=_grad_measure(grads, want_grads), image_grads=len(compared),
-                          control=_scaled(wrong.float(), want.float()), precision=precision, **tolerances)
+            return {**every(refused=str(exc).splitlines()[0]), **proofs}
+        ran = getattr(report, "backend", backend)
+        for p in (p for p in precisions if p not in proofs):
+            want, want_loss, want_grads = references[p]
+            try:
+                with _autocast(p, device):
+                    got, loss, grads = _packed(model, row, lengths)
+                    with torch.no_grad():
+                        wrong, _, _ = _packed(model, _control(model, route, row, samples), lengths, grads=False)
+            except PadfreeError as exc:
+                proofs[p] = ImageProof(model_type, route, ran, refused=str(exc).splitlines()[0], precision=p)
+                continue
+            compared = [n for n in want_grads if _IMAGE_PATH.search(n) and not n.startswith("lm_head")]
+            proofs[p] = ImageProof(model_type, route, ran, logits=_scaled(got.float(), want.float()),
+                                   loss=abs(loss - want_loss), grads=_grad_measure(grads, want_grads),
+                                   image_grads=len(compared), control=_scaled(wrong.float(), want.float()),
+                                   precision=p, **tolerances[p])
+        return {p: proofs[p] for p in precisions}
     finally:
         unconfigure_packing(model)
         model.zero_grad(set_to_none=True)

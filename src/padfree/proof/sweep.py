@@ -195,17 +195,17 @@ def _images(model: torch.nn.Module) -> dict[str, Any]:
     probe samples could be built for the swept config: configure_packing proves a user's own config on the spot);
     with the route padfree lays its images out by."""
     from padfree.model import images
-    from padfree.proof.compare_images import prove_images
+    from padfree.proof.compare_images import prove_images_in
 
     route = images.image_route(model)
     if route is None:
         return {"verdict": "refused", "route": None, "reason": images.image_refusal(model) or "no image route"}
-    proof = prove_images(model)
+    proofs = prove_images_in(model, ("fp32", "autocast_bf16"))  # one fp32 reference for both
+    proof, low = proofs["fp32"], proofs["autocast_bf16"]
     if proof.ok:
         # and under bf16 autocast, within what rounding moves each sample alone; a precision whose control rounding
         # hides, or that differs beyond it, is left out of the proven ones (with the measure)
         entry: dict[str, Any] = {"verdict": "exact", "route": route, "precisions": ["fp32"]}
-        low = prove_images(model, precision="autocast_bf16")
         if low.ok:
             entry["precisions"].append(low.precision)
         else:
