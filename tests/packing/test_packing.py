@@ -184,14 +184,19 @@ def _check_plan(result: PackResult, lengths, capacity, policy, max_items):
     if max_items is not None:
         assert np.all(result.bin_sizes <= max_items)
     assert result.num_bins >= result.lower_bound
-    # token accounting: every token is placed, truncated or dropped — and only once
-    coverage = np.zeros(int(lengths.sum()), np.int64)
-    seq_start = np.concatenate(([0], np.cumsum(lengths)))
+    # token accounting: every token is placed, truncated or dropped — and only once. Each piece is a span of its
+    # sequence: inside it, and (sorted by sequence, then start) never overlapping the piece before it of the same
+    # sequence — so no token is placed twice, and the pieces' lengths count the tokens placed (a token-by-token
+    # coverage array of a million sequences would be hundreds of millions of entries)
+    order = np.asarray(result.order, np.int64)
     starts = result.piece_starts if result.piece_starts is not None else np.zeros(result.num_pieces, np.int64)
-    for seq, start, n in zip(result.order.tolist(), starts.tolist(), result.placed_lengths.tolist(), strict=True):
-        coverage[seq_start[seq] + start : seq_start[seq] + start + n] += 1
-    assert coverage.max(initial=0) <= 1
-    placed = coverage.sum()
+    starts, sizes = np.asarray(starts, np.int64), np.asarray(result.placed_lengths, np.int64)
+    assert np.all(starts >= 0) and np.all(sizes >= 1) and np.all(starts + sizes <= lengths[order])
+    by_sequence = np.lexsort((starts, order))
+    seq, begin, end = order[by_sequence], starts[by_sequence], (starts + sizes)[by_sequence]
+    same = seq[1:] == seq[:-1]
+    assert np.all(begin[1:][same] >= end[:-1][same]), "a token placed twice"
+    placed = int(sizes.sum())
     assert placed == result.total_tokens
     assert placed + result.truncated_tokens + result.dropped_tokens == lengths.sum()
     over = np.flatnonzero(lengths > capacity)
