@@ -206,3 +206,17 @@ def _without_logits_to_keep(forward):
     def wrapped(self, *args, **kwargs):
         return forward(self, *args, **kwargs)
     return wrapped
+
+
+def test_a_compiled_model_is_run_as_it_was_compiled():
+    """torch.compile's graph took no ``logits_to_keep`` and no head hook: the check adds neither (either would compile
+    the model again), and computes every position's logits."""
+    model = _tiny("llama")
+    padfree.configure_packing(model)
+    calls = []
+    model.register_forward_pre_hook(lambda m, a, k: calls.append(sorted(k)), with_kwargs=True)
+    compiled = torch.compile(model, backend="eager")
+    report = verify(compiled, SEQS, check_grads=False)
+    assert report.ok and report.conclusive, report
+    assert not any("logits_to_keep" in keys for keys in calls) and len(calls) == 6, calls  # the padding in one
+    assert not model.get_output_embeddings()._forward_pre_hooks

@@ -55,7 +55,7 @@ from padfree.errors import (
     describe,
 )
 from padfree.layout import IGNORE_INDEX
-from padfree.model.wrappers import packable_model
+from padfree.model.wrappers import packable_model, wrapper_chain
 from padfree.packing.inputs import as_positive_int
 from padfree.packing.packer import pack_sequences
 from padfree.proof.compare import FP32_TOL, ROUNDING_FACTOR
@@ -227,7 +227,8 @@ def _max_abs_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     a, b = a.detach().reshape(-1, a.shape[-1]), b.detach().reshape(-1, b.shape[-1])
     worst = torch.zeros((), device=a.device)
     for i, j in _row_chunks(a):
-        worst = torch.maximum(worst, (a[i:j].float() - b[i:j].float()).abs_().amax())
+        lo, hi = torch.aminmax(a[i:j].float() - b[i:j].float())
+        worst = torch.maximum(worst, torch.maximum(-lo, hi))
     return float(worst)
 
 
@@ -416,19 +417,21 @@ def _padded_runs(model: torch.nn.Module, batch: PackedBatch, pieces: list, n_tar
     # no position_ids: the model's own (a rotary model is invariant to the left padding's shift up to rounding; one
     # that is not moves the sequences as a leak would, and the reference is left out)
     padded = _real_logits(model, mask, input_ids=ids, attention_mask=mask, use_cache=False)
-    out = []
+    out, ce, logits = [], {}, {}  # a row both sides share: one loss, one logits tensor
     for k, side in enumerate(sides):
         rows = [(slots[(j, width - n if side == "left" else 0)], width - n if side == "left" else 0, r, c, n)
                 for j, (r, c, n, _) in enumerate(pieces)]
-        # each sequence's own next-token targets, as alone (a padding position predicts nothing)
-        loss = torch.stack([_ce_sum(padded[row, s:s + n - 1], batch.labels[r, c + 1:c + n])
-                            for row, s, r, c, n in rows]).sum() / max(n_targets, 1)
+        for row, s, r, c, n in rows:
+            if row not in ce:  # each sequence's own next-token targets, as alone (a padding position predicts none)
+                ce[row] = _ce_sum(padded[row, s:s + n - 1], batch.labels[r, c + 1:c + n])
+                logits[row] = padded[row, s:s + n].detach()
+        loss = torch.stack([ce[row] for row, *_ in rows]).sum() / max(n_targets, 1)
         if check_grads and loss.requires_grad:
             loss.backward(retain_graph=k < len(sides) - 1)
         grads = _grads(model)
         for p in model.parameters():
             p.grad = None
-        out.append(([padded[row, s:s + n].detach() for row, s, _, _, n in rows], float(loss.detach()), grads))
+        out.append(([logits[row] for row, *_ in rows], float(loss.detach()), grads))
     return out
 
 
@@ -458,7 +461,10 @@ def _real_logits(model: torch.nn.Module, mask: torch.Tensor, **inputs: Any) -> _
     forward's cost. Each position's logits are the head applied to its hidden state either way; a model whose head
     is not that module (or a compiled one, whose hooks are not run) returns every position, read as such."""
     real = mask.bool()
-    head = packable_model(model, "verify").get_output_embeddings()
+    try:
+        head = None if _compiled(model) else packable_model(model, "verify").get_output_embeddings()
+    except (AttributeError, NotImplementedError):  # a model without a head module: every position
+        head = None
 
     def gather(module: torch.nn.Module, args: tuple) -> tuple | None:
         if args and args[0].dim() == 3 and tuple(args[0].shape[:2]) == tuple(real.shape):
@@ -504,8 +510,15 @@ def _calibrate(model: torch.nn.Module, batch: PackedBatch, pieces: list, loss_al
     *right, left = _padded_runs(model, batch, pieces, n_targets, check_grads, sides)
     references += right
     alone = [p[3] for p in pieces]
-    moved = [_max_abs_diff(a, b) for a, b in zip(alone, left[0], strict=True)]
-    distances = [[_max_abs_diff(a, b) for a, b in zip(alone, ref, strict=True)] for ref, _, _ in references]
+    seen: dict[int, float] = {}  # by the reference's logits: a row both sides share is measured once
+
+    def distance(a: torch.Tensor, b: torch.Tensor) -> float:
+        if id(b) not in seen:
+            seen[id(b)] = _max_abs_diff(a, b)
+        return seen[id(b)]
+
+    moved = [distance(a, b) for a, b in zip(alone, left[0], strict=True)]
+    distances = [[distance(a, b) for a, b in zip(alone, ref, strict=True)] for ref, _, _ in references]
     if control is not None and max(moved) <= control / 1000:
         references.append(left)
         distances.append(moved)
@@ -532,13 +545,21 @@ def _control(model: torch.nn.Module, inner: torch.nn.Module, batch: PackedBatch,
     width = ids.shape[1]
     positions = torch.arange(width, device=ids.device).expand(ids.shape[0], -1)
     keep = width - min(c for _, c, _, _ in later)
-    kept = {"logits_to_keep": keep} if _takes_logits_to_keep(inner) else {}
+    kept = {"logits_to_keep": keep} if _takes_logits_to_keep(inner) and not _compiled(model) else {}
     with torch.no_grad():
         leaked = model(input_ids=ids, position_ids=positions, use_cache=False, **kept).logits
         if leaked.shape[1] not in (keep, width):  # a wrapper that read it otherwise: every column, as it always can
             leaked = model(input_ids=ids, position_ids=positions, use_cache=False).logits
     first = width - leaked.shape[1]  # the column of the first logits returned (0: every column)
     return max(_max_abs_diff(leaked[r, c - first:c - first + n], alone) for r, c, n, alone in later)
+
+
+def _compiled(model: torch.nn.Module) -> bool:
+    """Whether ``torch.compile`` runs ``model`` or a model it wraps (a ``._orig_mod`` wrapper, or
+    ``Module.compile()``): a keyword or a hook it was not compiled with would compile it again, which costs far more
+    than the logits it saves."""
+    return any(isinstance(getattr(m, "_orig_mod", None), torch.nn.Module)
+               or getattr(m, "_compiled_call_impl", None) is not None for m in wrapper_chain(model))
 
 
 def _takes_logits_to_keep(inner: torch.nn.Module) -> bool:
