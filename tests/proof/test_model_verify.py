@@ -220,3 +220,18 @@ def test_a_compiled_model_is_run_as_it_was_compiled():
     assert report.ok and report.conclusive, report
     assert not any("logits_to_keep" in keys for keys in calls) and len(calls) == 6, calls  # the padding in one
     assert not model.get_output_embeddings()._forward_pre_hooks
+
+
+def test_a_model_that_reshapes_its_logits_by_the_batch_is_checked_on_every_position(monkeypatch):
+    model = _tiny("llama")
+    padfree.configure_packing(model)
+    forward = type(model).forward
+
+    def reshaping(self, input_ids=None, **kwargs):
+        out = forward(self, input_ids=input_ids, **kwargs)
+        out.logits = out.logits.reshape(*input_ids.shape, -1)  # as a model that reads its logits per row does
+        return out
+
+    monkeypatch.setattr(type(model), "forward", reshaping)
+    report = verify(model, SEQS)
+    assert report.ok and report.conclusive and report.atol == 1e-5, report

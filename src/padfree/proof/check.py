@@ -458,8 +458,9 @@ def _real_logits(model: torch.nn.Module, mask: torch.Tensor, **inputs: Any) -> _
     """``model(**inputs).logits`` of an ordinary batch whose real tokens are ``mask`` ``(B, T)`` — each row's one
     contiguous run, at its start or its end — with the output head (``get_output_embeddings()``) applied to those
     tokens only: the padding's logits are compared with nothing, and at a vocabulary of 32k they are most of the
-    forward's cost. Each position's logits are the head applied to its hidden state either way; a model whose head
-    is not that module (or a compiled one, whose hooks are not run) returns every position, read as such."""
+    forward's cost. Each position's logits are the head applied to its hidden state either way. A compiled model (a
+    hook would compile it again), one whose head is not that module and one whose forward reshapes the logits by the
+    batch's shape give every position, read as such."""
     real = mask.bool()
     try:
         head = None if _compiled(model) else packable_model(model, "verify").get_output_embeddings()
@@ -472,13 +473,17 @@ def _real_logits(model: torch.nn.Module, mask: torch.Tensor, **inputs: Any) -> _
         return None
 
     handle = head.register_forward_pre_hook(gather) if isinstance(head, torch.nn.Module) else None
+    logits = None
     try:
         logits = model(**inputs).logits
+    except RuntimeError:  # a model that reshapes its logits by the batch's shape: every position, below
+        if handle is None:
+            raise
     finally:
         if handle is not None:
             handle.remove()
-    if logits.shape[:2] != real.shape and tuple(logits.shape[:2]) != (1, int(real.sum())):
-        logits = model(**inputs).logits  # a head that returned neither: every position, as the model gives them
+    if logits is None or (logits.shape[:2] != real.shape and tuple(logits.shape[:2]) != (1, int(real.sum()))):
+        logits = model(**inputs).logits  # every position, as the model gives them
     return _RealLogits(logits, mask)
 
 
