@@ -25,12 +25,14 @@ from __future__ import annotations
 import functools
 import inspect
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 
-__all__ = ["bind", "find_cache", "find_dense_mask", "installed", "is_cache", "parameters"]
+from padfree.errors import UnsupportedModelError
+
+__all__ = ["bind", "find_cache", "find_dense_mask", "installed", "is_cache", "parameters", "proven_module"]
 
 # parameter names that announce a cache (``cache``, ``past_key_values``, ``cache_params``, ``layer_past``,
 # ``past_key_value``, ``mems``, ``state`` in recurrent models ...); ``use_cache`` and ``cache_position`` are not caches
@@ -62,6 +64,22 @@ def parameters(forward: Callable) -> tuple[str, ...]:
     """The parameter names of ``forward`` (empty when it has no inspectable signature)."""
     sig = _signature(forward)
     return () if sig is None else tuple(sig.parameters)
+
+
+def proven_module(module: Any, family: str, classes: Mapping[str, str],
+                  signatures: Mapping[str, tuple[str, ...]]) -> str:
+    """``classes[name]`` (the family's description of it) for a ``module`` whose class ``name`` the ``family`` knows
+    and whose forward takes exactly the parameters ``signatures[name]`` it was proven with; else
+    :class:`~padfree.errors.UnsupportedModelError` naming the class (a release that changes the forward is refused,
+    not guessed at)."""
+    name = type(module).__name__
+    if name not in classes:
+        raise UnsupportedModelError(f"{name} is not a module padfree's {family} family knows")
+    params = parameters(type(module).forward)
+    if params != signatures[name]:
+        raise UnsupportedModelError(f"{name}.forward takes {params}, not the {signatures[name]} padfree proved; "
+                                    f"refusing rather than guessing")
+    return classes[name]
 
 
 def bind(forward: Callable, args: tuple, kwargs: dict[str, Any]) -> dict[str, Any] | None:

@@ -5,6 +5,7 @@ relative position bias and per-query sinks their attention hands the packed path
 from __future__ import annotations
 
 import pytest
+import torch
 import transformers
 
 from padfree import InvalidLayoutError, PackingDisabledError, UnsupportedModelError
@@ -69,3 +70,21 @@ def test_rows_past_the_log_scaling_floor_are_refused():
     unconfigure_packing(model)
     want, _ = run_separately(model, short)
     assert max_diff(got, want) <= FP32_TOL
+
+
+def test_a_block_residual_whose_forward_changed_is_refused_by_name():
+    """The family claims only the classes it knows with the forward it was proven with (guards.proven_module)."""
+    from padfree.model.families import depth
+
+    name = next(iter(depth.CLASSES))
+
+    class Unknown(torch.nn.Module):
+        def forward(self, hidden_states):
+            return hidden_states
+
+    changed = type(name, (torch.nn.Module,), {"forward": lambda self, hidden_states, extra=None: hidden_states})
+    with pytest.raises(UnsupportedModelError, match="Unknown is not a module padfree's depth family knows"):
+        depth.install(Unknown(), None)
+    with pytest.raises(UnsupportedModelError, match=rf"{name}\.forward takes \('self', 'hidden_states', 'extra'\), "
+                                                    r"not the .* padfree proved"):
+        depth.install(changed(), None)

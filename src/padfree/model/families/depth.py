@@ -16,7 +16,6 @@ from typing import Any
 
 import torch
 
-from padfree.errors import UnsupportedModelError
 from padfree.model import guards
 from padfree.model.attention import PACKED_FORWARD
 from padfree.model.state import patch, unpatch
@@ -46,15 +45,9 @@ def _forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
 
 def install(module: torch.nn.Module, state: Any) -> str:
     """Make one block attention residual run as transformers runs it inside a packed forward. Idempotent."""
-    name = type(module).__name__
-    if name not in CLASSES:
-        raise UnsupportedModelError(f"{name} is not a module padfree's depth family knows")
-    params = guards.parameters(type(module).forward)
-    if params != _PARAMETERS[name]:
-        raise UnsupportedModelError(f"{name}.forward takes {params}, not the {_PARAMETERS[name]} padfree proved; "
-                                    f"refusing rather than guessing")
+    described = guards.proven_module(module, "depth", CLASSES, _PARAMETERS)
     patch(module, "_padfree_depth", state, _forward)
-    return CLASSES[name]
+    return described
 
 
 def uninstall(model: torch.nn.Module) -> bool:

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from padfree.errors import PackingDisabledError, UnsupportedModelError
+from padfree.errors import PackingDisabledError
 from padfree.model import guards
 from padfree.model.packed import per_bucket
 from padfree.model.state import current_layout, hooks_live, patch, unpatch
@@ -67,15 +67,9 @@ def _per_sequence(module: torch.nn.Module, hidden: torch.Tensor, lay: Any) -> tu
 
 def install(module: torch.nn.Module, state: Any) -> str:
     """Make one ``ZayaCCAProjection`` run per sequence for packed batches of the model ``state`` belongs to."""
-    name = type(module).__name__
-    if name not in CLASSES:
-        raise UnsupportedModelError(f"{name} is not a module padfree's zaya family knows")
-    params = guards.parameters(type(module).forward)
-    if params != _PARAMETERS:
-        raise UnsupportedModelError(f"{name}.forward takes {params}, not the {_PARAMETERS} padfree proved; refusing "
-                                    f"rather than guessing")
+    described = guards.proven_module(module, "zaya", CLASSES, dict.fromkeys(CLASSES, _PARAMETERS))
     patch(module, "_padfree_zaya", state, _packed_forward)
-    return CLASSES[name]
+    return described
 
 
 def uninstall(model: torch.nn.Module) -> bool:
