@@ -482,6 +482,7 @@ class ThroughputReport:
         inrun_proof: ``(seconds, report)`` of the in-run proof padfree's trainers run before their first optimizer
             step (``padfree_verify="first_step"``), run on the packed mode's first micro-batch, so that its cost can
             be set against the training time (None if not checked).
+        inrun_proof_cpu_seconds: the process's CPU time during that proof.
     """
 
     results: dict[str, ModeResult]
@@ -493,6 +494,7 @@ class ThroughputReport:
     leaks: dict[str, float] = dataclasses.field(default_factory=dict)
     cross_targets: dict[str, int] = dataclasses.field(default_factory=dict)
     inrun_proof: tuple[float, Any] | None = None
+    inrun_proof_cpu_seconds: float | None = None
 
     def __getitem__(self, mode: str) -> ModeResult:
         return self.results[mode]
@@ -504,6 +506,14 @@ class ThroughputReport:
         if self.inrun_proof is None or "packed" not in self.results:
             return None
         return self.inrun_proof[0] / max(sum(self.results["packed"].seconds), 1e-12)
+
+    @property
+    def inrun_proof_cpu_share(self) -> float | None:
+        """The same share in CPU time: steadier than wall time on a machine other work shares, where a burst of load
+        during the proof's second or so moves the wall-clock share far more than it moves the training's."""
+        if self.inrun_proof_cpu_seconds is None or "packed" not in self.results:
+            return None
+        return self.inrun_proof_cpu_seconds / max(sum(self.results["packed"].cpu_seconds), 1e-12)
 
     def __contains__(self, mode: object) -> bool:
         return mode in self.results
@@ -536,6 +546,8 @@ class ThroughputReport:
         if self.inrun_proof is not None:
             seconds, proof = self.inrun_proof
             out["inrun_proof"] = {"seconds": seconds, "share_of_packed_training": self.inrun_proof_share,
+                                  "cpu_seconds": self.inrun_proof_cpu_seconds,
+                                  "cpu_share_of_packed_training": self.inrun_proof_cpu_share,
                                   "ok": proof.ok, "sequences": proof.num_sequences,
                                   "max_logit_diff": proof.max_logit_diff, "atol": proof.atol, "control": proof.control}
         out["leaks"] = dict(self.leaks)
@@ -596,14 +608,15 @@ def _trl_lengths(step: Step) -> list[int]:
     return np.diff(starts).tolist()
 
 
-def _inrun_proof(model: Any, inputs: dict[str, Any]) -> tuple[float, Any] | None:
-    """The in-run proof of padfree's trainers on one packed micro-batch, timed by the proof itself:
-    ``(seconds, report)``, or None when the micro-batch holds fewer than two sequences to compare."""
+def _inrun_proof(model: Any, inputs: dict[str, Any]) -> Any:
+    """The in-run proof of padfree's trainers on one packed micro-batch, timed by the proof itself (its
+    ``InRunProof``: ``seconds``, ``cpu_seconds``, ``last``), or None when the micro-batch holds fewer than two
+    sequences to compare."""
     from padfree.integrations.inrun import InRunProof
 
     proof = InRunProof.from_option("first_step")
     proof.prove(model, inputs, step=0)
-    return None if proof.last is None else (proof.seconds, proof.last)
+    return None if proof.last is None else proof
 
 
 def compare_training(
@@ -686,7 +699,9 @@ def compare_training(
         # kernels, so its tolerance is that of bf16 logits
         half = next(model.parameters()).dtype in (torch.float16, torch.bfloat16)
         report.exactness = verify(models["packed"], plans["packed"].first_row, atol=5e-2 if half else 1e-5)
-        report.inrun_proof = _inrun_proof(models["packed"], plans["packed"].steps[0].inputs)
+        proof = _inrun_proof(models["packed"], plans["packed"].steps[0].inputs)
+        if proof is not None:
+            report.inrun_proof, report.inrun_proof_cpu_seconds = (proof.seconds, proof.last), proof.cpu_seconds
     if check and "trl" in plans:
         step = plans["trl"].steps[0]
         report.leaks["trl"] = boundary_leak(models["trl"], step.inputs, _trl_lengths(step))

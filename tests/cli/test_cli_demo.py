@@ -31,7 +31,8 @@ def test_demo_quick_on_the_embedded_corpus(capsys, tmp_path):
     assert "in-run proof, what padfree's trainers run before their first optimizer step" in out
     assert re.search(r"\n    \d+ sequences of the first packed micro-batch: max \|Δlogit\| .* within .*, leaking "
                      r"control \d", out)
-    assert re.search(r"\n    \d+\.\d\d s, \d+\.\d% of the packed mode's \d+\.\d s of training here", out)
+    assert re.search(r"\n    \d+\.\d\d s, \d+\.\d% of the packed mode's \d+\.\d s of training here \(\d+\.\d% in "
+                     r"CPU time;", out)
     for mode in ("padded", "grouped", "packed"):
         assert f"\n  {mode} " in out
     assert "Packed trains" in out
@@ -69,6 +70,8 @@ def test_demo_with_data_a_local_model_and_json(capsys, tmp_path):
     # its cost as a share of the packed training it precedes (every timed pass), as the text report says it
     packed_seconds = sum(training["modes"]["packed"]["seconds"])
     assert proof["share_of_packed_training"] == pytest.approx(proof["seconds"] / packed_seconds)
+    packed_cpu = sum(training["modes"]["packed"]["cpu_seconds"])
+    assert proof["cpu_share_of_packed_training"] == pytest.approx(proof["cpu_seconds"] / packed_cpu)
     real = {m["real_tokens"] for m in training["modes"].values()}
     assert len(real) == 1 and real.pop() >= 600  # the same tokens in every mode
     assert training["packed_speedup"]["padded"] > 0

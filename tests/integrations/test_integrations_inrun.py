@@ -93,6 +93,7 @@ def test_the_proof_runs_each_sequence_alone_and_three_forwards_more(monkeypatch)
     assert forwards == [((1, 20), False), ((1, 7), False), ((1, 6), False), ((1, 4), False), ((1, 3), False),
                         ((1, 20), False), ((7, 7), True)]
     assert projected == [20, 7, 6, 4, 3, 13, 20 + 13]
+    assert proof.seconds > 0 and proof.cpu_seconds > 0  # what it took, by the clock and in CPU time
 
 
 def test_a_family_whose_reset_is_off_stops_the_run_naming_the_module(monkeypatch):

@@ -124,8 +124,8 @@ def render_demo(summary: dict[str, Any], data: Prepared, analysis: Any, plan: An
                 f"    {proof.num_sequences} sequences of the first packed micro-batch: max |Δlogit| "
                 f"{proof.max_logit_diff:.1e} within {proof.atol:.1e}, leaking control {control}",
                 f"    {seconds:.2f} s, {report.inrun_proof_share:.1%} of the packed mode's {trained:.1f} s of training "
-                "here "
-                "(once per run: a smaller share of a longer one)"]
+                f"here ({report.inrun_proof_cpu_share:.1%} in CPU time; once per run: a smaller share of a longer "
+                "one)"]
     out += _training_section(report, summary)
     done = (f"plot written to {summary['png']}" if summary["png"] is not None
             else f"no plot ({DEMO_PNG} needs matplotlib)")

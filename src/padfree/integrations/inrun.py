@@ -131,12 +131,14 @@ class InRunProof:
     Attributes:
         every: prove every ``every`` optimizer steps (0: the first step only; None: never).
         last: the last :class:`~padfree.proof.check.VerifyReport`, or None.
-        seconds: the time the proofs took, all together.
+        seconds: the time the proofs took, all together (wall clock).
+        cpu_seconds: the process's CPU time during them (what they cost on a machine other work shares).
     """
 
     every: int | None
     last: Any = None
     seconds: float = 0.0
+    cpu_seconds: float = 0.0
     _done: bool = False
 
     @classmethod
@@ -173,7 +175,7 @@ class InRunProof:
         seqs = batch_sequences(inputs)
         if not seqs:
             return None
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.process_time()
         if check is None:
             report = verify(model, seqs, atol="auto", check_grads=False, compute_dtype=compute_dtype)
         else:
@@ -181,6 +183,7 @@ class InRunProof:
             if report is None:  # the check cannot run on this model (said by the check): nothing proven
                 return None
         self.seconds += time.perf_counter() - start
+        self.cpu_seconds += time.process_time() - cpu
         self.last, self._done = report, True
         ratio = float("nan") if not report.control else report.control / max(report.atol, 1e-12)
         logger.info("padfree: in-run proof at step %d: %d sequences, max |Δlogit| %.2e within %.2e, control %.2e "
