@@ -218,6 +218,20 @@ def run_packed(module: torch.nn.Module, lay: Any, *args: Any, **kwargs: Any) -> 
     """Run installed ``module``'s packed forward on ``args`` / ``kwargs`` with ``lay`` (a
     :class:`~padfree.model.packed.PackedLayout` of the batch, or this rank's sharded one) in flight: what
     :func:`mixer_forward` does once it has found the forward's layout. A cache among the arguments is refused."""
+    _refuse_a_cache(module, args, kwargs)
+    info: Mixer = module._padfree_mixer
+    token = _CALL.set(_Call(lay, info))
+    try:
+        return info.packed(module, *args, **kwargs)
+    finally:
+        _CALL.reset(token)
+
+
+# Outside torch.compile's graphs: binding the call to the forward's signature is host-side Python (inspect), which
+# dynamo would otherwise trace into every mixer's graph.
+@torch.compiler.disable
+def _refuse_a_cache(module: torch.nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
+    """Raise :class:`~padfree.errors.PackingDisabledError` when a cache is among the arguments of ``module``'s call."""
     named = guards.bind(type(module).forward, (module, *args), kwargs) or {}
     # an int (Inkling2's cache_offset) is never a cache, whatever its parameter is called
     cache = guards.find_cache({k: v for k, v in named.items() if v is not module and not isinstance(v, int)},
@@ -225,12 +239,6 @@ def run_packed(module: torch.nn.Module, lay: Any, *args: Any, **kwargs: Any) -> 
     if cache is not None:
         raise PackingDisabledError(f"{type(module).__name__} got {cache} with a packed batch; packed training never "
                                    f"uses a cache (pass use_cache=False)")
-    info: Mixer = module._padfree_mixer
-    token = _CALL.set(_Call(lay, info))
-    try:
-        return info.packed(module, *args, **kwargs)
-    finally:
-        _CALL.reset(token)
 
 
 def install_mixer(module: torch.nn.Module, state: Any, *, kind: str, packed: Callable, description: str,
