@@ -48,8 +48,9 @@ def test_the_batch_is_read_into_its_shortest_sequences_padding_left_out():
     assert batch_sequences(_batch()) == [[30, 31, 32], [20, 21, 22, 23], [12, 13, 14, 15, 16, 17],
                                          [5, 6, 7, 8, 9, 10, 11]]
     assert batch_sequences(_batch(), most=2) == [[30, 31, 32], [20, 21, 22, 23]]
-    # the two shortest whatever their length (a run of long sequences is proven too), more only within the budget
-    assert batch_sequences(_batch(), budget=5) == [[30, 31, 32], [20, 21, 22, 23]]
+    # the two shortest whatever their length, each its first half of the budget (a causal model computes a prefix as
+    # it computes the sequence's first tokens: a run of long sequences is proven too), more only within the budget
+    assert batch_sequences(_batch(), budget=5) == [[30, 31], [20, 21]]
     assert batch_sequences(_batch(), budget=13) == [[30, 31, 32], [20, 21, 22, 23], [12, 13, 14, 15, 16, 17]]
     assert batch_sequences(_batch([[5, 6, 7, 8], [30, 31, 32]])) == [[30, 31, 32], [5, 6, 7, 8]]
     assert batch_sequences(_batch([[5, 6, 7, 8]])) == []  # one sequence: nothing to compare
