@@ -225,3 +225,32 @@ def packed_step(model, row, samples):
     out = model(**row, use_cache=False).logits
     span_loss(out, row["input_ids"], spans).backward()
     return out[0].detach(), param_grads(model)
+
+
+# two padded rows of segments whose lengths cover the edge cases of a chunked or convolutional scan: a 1-token
+# segment, one longer than a 64-token chunk, and a padding run at each row's end (the second row's 11 tokens)
+SCAN_ROWS = ((1, 3, 70, 9), (2, 40, 30))
+SCAN_WIDTH = 83
+
+
+def scan_layout():
+    """The :class:`~padfree.model.packed.PackedLayout` of :data:`SCAN_ROWS`: positions restarting at every segment
+    and at each row's padding run."""
+    from padfree.model.packed import PackedLayout
+
+    pos = torch.zeros(len(SCAN_ROWS), SCAN_WIDTH, dtype=torch.long)
+    for row, lengths in enumerate(SCAN_ROWS):
+        col = 0
+        for n in (*lengths, SCAN_WIDTH - sum(lengths)):
+            pos[row, col:col + n] = torch.arange(n)
+            col += n
+    return PackedLayout.from_position_ids(pos)
+
+
+def scan_segments(lay) -> list[tuple[int, int, int]]:
+    """``(row, start, length)`` of every segment of :func:`scan_layout`, the padding runs included."""
+    out, flat = [], 0
+    for n in lay.lengths.tolist():
+        out.append((flat // SCAN_WIDTH, flat % SCAN_WIDTH, n))
+        flat += n
+    return out

@@ -26,30 +26,10 @@ from padfree.model.state import packing_state  # noqa: E402
 from padfree.proof.compare import prove  # noqa: E402
 from padfree.proof.sweep import PRECISIONS  # noqa: E402
 from padfree.proof.tiny import build_tiny, quiet  # noqa: E402
+from zoo import SCAN_WIDTH, scan_layout, scan_segments  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-ROWS = ((1, 3, 70, 9), (2, 40, 30))  # the second row ends in an 11-token padding run
-WIDTH = 83
-
-
-def _layout() -> PackedLayout:
-    pos = torch.zeros(len(ROWS), WIDTH, dtype=torch.long)
-    for row, lengths in enumerate(ROWS):
-        col = 0
-        for n in (*lengths, WIDTH - sum(lengths)):
-            pos[row, col:col + n] = torch.arange(n)
-            col += n
-    return PackedLayout.from_position_ids(pos)
-
-
-def _segments(lay: PackedLayout) -> list[tuple[int, int, int]]:
-    """``(row, start, length)`` of every segment, the padding run included."""
-    out, flat = [], 0
-    for n in lay.lengths.tolist():
-        out.append((flat // WIDTH, flat % WIDTH, n))
-        flat += n
-    return out
 
 
 def _installed(model_type: str) -> None:
@@ -166,9 +146,9 @@ def _dense_lightning(q, k, v, slope, seg):
 
 @pytest.mark.parametrize("block_size", [8, 64, 256])
 def test_lightning_primitive_matches_the_decayed_sum_per_segment(block_size):
-    lay = _layout()
+    lay = scan_layout()
     g = torch.Generator().manual_seed(0)
-    q, k, v = torch.randn(3, 2, 3, WIDTH, 8, generator=g, dtype=torch.float64).unbind(0)
+    q, k, v = torch.randn(3, 2, 3, SCAN_WIDTH, 8, generator=g, dtype=torch.float64).unbind(0)
     slope = torch.tensor([0.4, 0.1, 0.02], dtype=torch.float64).view(3, 1, 1)
     q.requires_grad_(True)
     out = lightning.segment_lightning_attention(q, k, v, slope, block_size, lay)
@@ -203,10 +183,10 @@ def _kda_inputs(lay: PackedLayout, heads=2, dk=8, dv=8, seed=0):
 def test_kda_primitive_matches_transformers_rule_on_every_segment_alone(rule):
     from transformers.models.kimi_linear import modeling_kimi_linear as kimi
 
-    lay = _layout()
+    lay = scan_layout()
     q, k, v, decay, beta = _kda_inputs(lay)
     out = kda.segment_kimi_delta_attention(q, k, v, decay, beta, lay, use_qk_l2norm_in_kernel=True)
-    for row, start, n in _segments(lay):
+    for row, start, n in scan_segments(lay):
         piece = (x[row:row + 1, start:start + n] for x in (q, k, v, decay, beta))
         if rule == "chunk":
             alone, _ = kimi.chunk_kimi_delta_attention(*piece, use_qk_l2norm_in_kernel=True)

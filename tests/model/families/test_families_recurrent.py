@@ -23,31 +23,11 @@ from padfree.model.packed import PackedLayout  # noqa: E402
 from padfree.proof.compare import prove  # noqa: E402
 from padfree.proof.sweep import PRECISIONS  # noqa: E402
 from padfree.proof.tiny import build_tiny, quiet  # noqa: E402
+from zoo import SCAN_WIDTH, scan_layout, scan_segments  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-ROWS = ((1, 3, 70, 9), (2, 40, 30))  # the second row ends in an 11-token padding run
-WIDTH = 83
 NO_ATTENTION = {"sdpa": ("fp32", "autocast_bf16", "bf16")}  # backend "none": sdpa and eager are one run
-
-
-def _layout() -> PackedLayout:
-    pos = torch.zeros(len(ROWS), WIDTH, dtype=torch.long)
-    for row, lengths in enumerate(ROWS):
-        col = 0
-        for n in (*lengths, WIDTH - sum(lengths)):
-            pos[row, col:col + n] = torch.arange(n)
-            col += n
-    return PackedLayout.from_position_ids(pos)
-
-
-def _segments(lay: PackedLayout) -> list[tuple[int, int, int]]:
-    """``(row, start, length)`` of every segment, the padding run included."""
-    out, flat = [], 0
-    for n in lay.lengths.tolist():
-        out.append((flat // WIDTH, flat % WIDTH, n))
-        flat += n
-    return out
 
 
 def _without_boundaries(lay: PackedLayout) -> PackedLayout:
@@ -140,13 +120,13 @@ def test_unpacked_batches_run_transformers_own_code_and_uninstall_restores_it():
 def test_wkv_matches_transformers_recurrence_on_every_segment_alone():
     from transformers.models.rwkv.modeling_rwkv import rwkv_linear_attention_cpu
 
-    lay = _layout()
+    lay = scan_layout()
     g = torch.Generator().manual_seed(0)
     key, value = torch.randn(2, *lay.shape, 8, generator=g).unbind(0)
     decay, first = torch.randn(2, 8, generator=g).unbind(0)
     key.requires_grad_(True)
     out = rwkv.segment_wkv(decay, first, key, value, lay)
-    for row, start, n in _segments(lay):
+    for row, start, n in scan_segments(lay):
         alone, _ = rwkv_linear_attention_cpu(decay, first, key[row:row + 1, start:start + n],
                                              value[row:row + 1, start:start + n])
         torch.testing.assert_close(out[row:row + 1, start:start + n], alone, rtol=0, atol=0)
@@ -157,20 +137,20 @@ def test_wkv_matches_transformers_recurrence_on_every_segment_alone():
 def test_token_shift_restarts_at_every_segment():
     module = build_tiny("rwkv").rwkv.blocks[1].feed_forward
     rwkv.install(module, None)
-    lay = _layout()
+    lay = scan_layout()
     hidden = torch.randn(*lay.shape, module.key.in_features)
     token = rwkv._LAYOUT.set(lay)
     try:
         shifted = module.time_shift(hidden)
     finally:
         rwkv._LAYOUT.reset(token)
-    for row, start, n in _segments(lay):
+    for row, start, n in scan_segments(lay):
         alone = torch.nn.functional.pad(hidden[row, start:start + n], (0, 0, 1, -1))
         torch.testing.assert_close(shifted[row, start:start + n], alone, rtol=0, atol=0)
 
 
 def test_chunk_plan_puts_every_segment_on_chunks_of_its_own():
-    lay = _layout()
+    lay = scan_layout()
     gather, where, starts = xlstm.chunk_plan(lay, 8)
     total = lay.shape[0] * lay.shape[1]
     # row 0: 1 + 1 + 9 + 2 chunks for lengths 1, 3, 70, 9; row 1: 1 + 5 + 4 + 2 for 2, 40, 30 and the padding run
@@ -184,16 +164,16 @@ def test_chunk_plan_puts_every_segment_on_chunks_of_its_own():
 def test_mlstm_matches_transformers_backend_on_every_segment_alone():
     layer = build_tiny("xlstm").backbone.blocks[0].mlstm_layer
     backend, config = layer.mlstm_backend, layer.config
-    lay = _layout()
+    lay = scan_layout()
     g = torch.Generator().manual_seed(0)
     heads = config.num_heads
-    q, k = torch.randn(2, 2, heads, WIDTH, config.qk_head_dim, generator=g).unbind(0)
-    v = torch.randn(2, heads, WIDTH, config.v_head_dim, generator=g)
-    i, f = (3 * torch.randn(2, heads, WIDTH, generator=g) for _ in range(2))
+    q, k = torch.randn(2, 2, heads, SCAN_WIDTH, config.qk_head_dim, generator=g).unbind(0)
+    v = torch.randn(2, heads, SCAN_WIDTH, config.v_head_dim, generator=g)
+    i, f = (3 * torch.randn(2, heads, SCAN_WIDTH, generator=g) for _ in range(2))
     q.requires_grad_(True)
     parallel = __import__(type(layer).__module__, fromlist=["x"]).mlstm_chunkwise_parallel_fw_H
     out = xlstm.segment_mlstm(q, k, v, i, f, lay, chunk_size=config.chunk_size, eps=config.eps, parallel=parallel)
-    for row, start, n in _segments(lay):
+    for row, start, n in scan_segments(lay):
         piece = [x[row:row + 1, :, start:start + n] for x in (q, k, v, i, f)]
         alone, _ = type(backend).forward(backend, *piece)  # chunkwise, then token by token for the partial chunk
         torch.testing.assert_close(out[row:row + 1, :, start:start + n], alone, rtol=1e-5, atol=1e-5)
@@ -203,11 +183,11 @@ def test_mlstm_matches_transformers_backend_on_every_segment_alone():
 
 def test_recurrent_gemma_conv_restarts_at_every_segment():
     conv = build_tiny("recurrent_gemma").model.layers[0].temporal_block.conv_1d
-    lay = _layout()
-    x = torch.randn(lay.shape[0], conv.in_channels, WIDTH)
+    lay = scan_layout()
+    x = torch.randn(lay.shape[0], conv.in_channels, SCAN_WIDTH)
     with torch.no_grad():
         out = rglru.segment_conv(x, conv.weight, conv.bias, lay)
-        for row, start, n in _segments(lay):  # lengths 1, 2 and 3 are shorter than the 4-tap kernel
+        for row, start, n in scan_segments(lay):  # lengths 1, 2 and 3 are shorter than the 4-tap kernel
             alone = conv(x[row:row + 1, :, start:start + n])[..., :n]
             torch.testing.assert_close(out[row:row + 1, :, start:start + n], alone, rtol=1e-6, atol=1e-6)
     assert rglru.segment_positions(lay)[1, 72:].tolist() == list(range(11))  # the padding run restarts too
@@ -218,7 +198,7 @@ def test_inkling2_convolutions_restart_at_every_segment(model_type):
     """Inkling2's static convolutions (rebound) and dynamic ones (given seq_idx), module by module: its whole model
     is refused for its attention (see the report), not for these."""
     model = build_tiny(model_type)
-    lay = _layout()
+    lay = scan_layout()
     seen = set()
     for module in model.modules():
         name = type(module).__name__
@@ -232,7 +212,7 @@ def test_inkling2_convolutions_restart_at_every_segment(model_type):
         install.families()[name].install(module, None)  # its family: the dynamic ones convs, the rest scan_mixers
         with torch.no_grad():
             out = rebind.run_packed(module, lay, *args, cache_offset=0)
-        for row, start, n in _segments(lay):
+        for row, start, n in scan_segments(lay):
             with torch.no_grad():
                 alone = type(module).forward(module, *(a[row:row + 1, start:start + n] for a in args))
             torch.testing.assert_close(out[row:row + 1, start:start + n], alone, rtol=1e-6, atol=1e-6)
