@@ -65,3 +65,18 @@ def as_launched_rank(rank: int, world: int, port: int, **env: str) -> None:
     AcceleratorState._reset_state(True)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world), **env)
+
+
+class StepRecorder:
+    """For a padfree trainer class (before it in the bases): notes in ``self.seen`` every micro-batch this rank
+    trains — its tensors, the item count the Trainer hands the step and padfree's step counts it normalises by."""
+
+    seen: list
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        import torch
+
+        self.seen.append({"batch": {k: v.clone() for k, v in inputs.items() if isinstance(v, torch.Tensor)},
+                          "num_items": float(num_items_in_batch),
+                          "step": tuple(float(c) for c in self._padfree_step)})
+        return super().training_step(model, inputs, num_items_in_batch)

@@ -18,7 +18,7 @@ datasets = pytest.importorskip("datasets")
 pytest.importorskip("accelerate")
 
 
-from multiproc import as_launched_rank, free_port, run_ranks  # noqa: E402
+from multiproc import StepRecorder, as_launched_rank, free_port, run_ranks  # noqa: E402
 from padfree.integrations.trainer import Trainer  # noqa: E402
 from padfree.integrations.trainer_data import PackedRowsCollator  # noqa: E402
 from padfree.step_loss import count_loss_items, token_losses  # noqa: E402
@@ -82,16 +82,8 @@ def _worker(rank: int, world: int, tmp: str, port: int) -> None:
     warnings.filterwarnings("ignore")
     as_launched_rank(rank, world, port)
 
-    class Recording(Trainer):
+    class Recording(StepRecorder, Trainer):
         """Notes every micro-batch this rank trains and the step counts it normalises by."""
-
-        seen: list
-
-        def training_step(self, model, inputs, num_items_in_batch=None):
-            self.seen.append({"batch": {k: v.clone() for k, v in inputs.items() if isinstance(v, torch.Tensor)},
-                              "num_items": float(num_items_in_batch),
-                              "step": tuple(float(c) for c in self._padfree_step)})
-            return super().training_step(model, inputs, num_items_in_batch)
 
     out = {}
     for mode in (*MODES, "fused"):  # "fused": the token rule through padfree_fused_loss (no logits)

@@ -25,7 +25,7 @@ pytest.importorskip("accelerate")
 mistral_common = pytest.importorskip("mistral_common")
 
 import padfree  # noqa: E402
-from multiproc import as_launched_rank, free_port, run_ranks  # noqa: E402
+from multiproc import StepRecorder, as_launched_rank, free_port, run_ranks  # noqa: E402
 from padfree.integrations.sft import SFTConfig, SFTTrainer  # noqa: E402
 from padfree.step_loss import count_loss_items, token_losses  # noqa: E402
 from realdata import gsm8k_shortest_prompt_completions  # noqa: E402
@@ -53,16 +53,8 @@ def _worker(rank: int, world: int, tmp: str, port: int, tok) -> None:
     warnings.filterwarnings("ignore")
     as_launched_rank(rank, world, port)
 
-    class Recording(SFTTrainer):
+    class Recording(StepRecorder, SFTTrainer):
         """Notes every micro-batch this rank trains and the step counts it normalises by."""
-
-        seen: list
-
-        def training_step(self, model, inputs, num_items_in_batch=None):
-            self.seen.append({"batch": {k: v.clone() for k, v in inputs.items() if isinstance(v, torch.Tensor)},
-                              "num_items": float(num_items_in_batch),
-                              "step": tuple(float(c) for c in self._padfree_step)})
-            return super().training_step(model, inputs, num_items_in_batch)
 
     args = SFTConfig(output_dir=f"{tmp}/out", packing=True, max_length=MAX_LENGTH, per_device_train_batch_size=1,
                      gradient_accumulation_steps=2, max_steps=1, optim="sgd", learning_rate=1.0, weight_decay=0.0,
