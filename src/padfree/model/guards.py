@@ -30,9 +30,10 @@ from typing import Any
 
 import torch
 
-from padfree.errors import UnsupportedModelError
+from padfree.errors import PackingDisabledError, UnsupportedModelError
 
-__all__ = ["bind", "find_cache", "find_dense_mask", "installed", "is_cache", "parameters", "proven_module"]
+__all__ = ["bind", "find_cache", "find_dense_mask", "installed", "is_cache", "parameters", "proven_module",
+           "refuse_a_cache"]
 
 # parameter names that announce a cache (``cache``, ``past_key_values``, ``cache_params``, ``layer_past``,
 # ``past_key_value``, ``mems``, ``state`` in recurrent models ...); ``use_cache`` and ``cache_position`` are not caches
@@ -125,6 +126,15 @@ def find_cache(named: dict[str, Any], forward: Callable | None = None) -> str | 
         if is_cache(value) or _cache_parameter(forward, name):
             return f"{name}={type(value).__name__}"
     return None
+
+
+def refuse_a_cache(who: str, named: dict[str, Any], forward: Callable | None = None) -> None:
+    """:class:`~padfree.errors.PackingDisabledError` naming ``who`` when an argument of ``named`` carries a cache
+    (:func:`find_cache`): packed training never uses one."""
+    cache = find_cache(named, forward)
+    if cache is not None:
+        raise PackingDisabledError(f"{who} got {cache} with a packed batch; packed training never uses a cache (pass "
+                                   f"use_cache=False)")
 
 
 def _dense(value: Any, shape: tuple[int, int]) -> str | None:

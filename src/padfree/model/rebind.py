@@ -234,11 +234,9 @@ def _refuse_a_cache(module: torch.nn.Module, args: tuple, kwargs: dict[str, Any]
     """Raise :class:`~padfree.errors.PackingDisabledError` when a cache is among the arguments of ``module``'s call."""
     named = guards.bind(type(module).forward, (module, *args), kwargs) or {}
     # an int (Inkling2's cache_offset) is never a cache, whatever its parameter is called
-    cache = guards.find_cache({k: v for k, v in named.items() if v is not module and not isinstance(v, int)},
-                              type(module).forward)
-    if cache is not None:
-        raise PackingDisabledError(f"{type(module).__name__} got {cache} with a packed batch; packed training never "
-                                   f"uses a cache (pass use_cache=False)")
+    guards.refuse_a_cache(type(module).__name__,
+                          {k: v for k, v in named.items() if v is not module and not isinstance(v, int)},
+                          type(module).forward)
 
 
 def install_mixer(module: torch.nn.Module, state: Any, *, kind: str, packed: Callable, description: str,

@@ -201,10 +201,7 @@ def _replay(module: torch.nn.Module, plan: Plan, lay: PackedLayout, args: tuple,
         forward(module, *args, **kwargs)
         raise TypeError(f"{who}.forward does not accept this call")
     named.pop(next(iter(guards.parameters(forward))), None)
-    cache = guards.find_cache(named, forward)
-    if cache is not None:
-        raise PackingDisabledError(f"{who} got {cache} with a packed batch; packed training never uses a cache "
-                                   f"(pass use_cache=False)")
+    guards.refuse_a_cache(who, named, forward)
     rope = _rope_limit(module)
     if rope is not None and lay.shape[1] > rope[1]:
         raise PackingDisabledError(
