@@ -45,6 +45,13 @@ def test_default_tokenizer_is_cached_atomically_and_reloaded(tmp_path, monkeypat
     texts = ["def f(x):\n    return x", "Natalia sold clips to 48 of her friends in April.", ""]
     assert len(first) == len(second) == 32000
     assert token_lengths(texts, first).tolist() == token_lengths(texts, second).tolist()
+    # loaded as the fast tokenizer of the cached tokenizer.json: the ids of the LlamaTokenizer that converted it
+    import transformers
+
+    converting = transformers.LlamaTokenizer.from_pretrained(str(target))
+    assert first(texts)["input_ids"] == converting(texts)["input_ids"]
+    assert (first.bos_token_id, first.eos_token_id, first.unk_token_id) == (
+        converting.bos_token_id, converting.eos_token_id, converting.unk_token_id)
 
     # a corrupt cache is converted again and replaced, not trusted
     (target / "tokenizer.json").write_text("{not json")

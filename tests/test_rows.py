@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -162,6 +163,15 @@ def test_real_text_round_trip():
     model = Path(mistral_common.__file__).parent / "data" / "tokenizer.model.v1"
     tok = _tokenizer(model)
     ids = tok(texts, add_special_tokens=False)["input_ids"]
+    # the other tests' tokenizer (zoo.mistral_tokenizer: the same model, loaded from its converted tokenizer.json)
+    # gives the same ids and special tokens
+    from zoo import mistral_tokenizer
+
+    fast = mistral_tokenizer(tempfile.mkdtemp())
+    assert fast(texts, add_special_tokens=False)["input_ids"] == ids
+    assert fast(texts[:3])["input_ids"] == tok(texts[:3])["input_ids"]
+    assert (fast.bos_token_id, fast.eos_token_id, fast.unk_token_id, len(fast)) == (
+        tok.bos_token_id, tok.eos_token_id, tok.unk_token_id, len(tok))
     plan = pack_sequences([len(x) for x in ids], 512)
     rows = packed_rows(plan, ids)
     assert plan.efficiency > 0.95

@@ -34,6 +34,7 @@ from padfree.errors import InvalidArgumentError  # noqa: E402
 from padfree.integrations.dpo import DPOConfig, DPOTrainer, pack_pairs  # noqa: E402
 from padfree.integrations.unpadded import Unpadded  # noqa: E402
 from realdata import gsm8k_records  # noqa: E402
+from zoo import mistral_tokenizer_from  # noqa: E402
 
 datasets.disable_progress_bars()
 
@@ -406,7 +407,7 @@ def test_automatic_mode_and_its_opt_outs(tok, tmp_path, monkeypatch):
 
 def _ddp_worker(rank: int, world: int, tmp: str, port: int, vocab_dir: str, kw: dict) -> None:
     as_launched_rank(rank, world, port)
-    tok = transformers.LlamaTokenizer.from_pretrained(vocab_dir)
+    tok = mistral_tokenizer_from(vocab_dir)
     policy, ref = _models("llama", len(tok))
     trainer = DPOTrainer(model=policy, ref_model=ref, args=_args(DPOConfig, Path(tmp) / f"out{rank}", **kw),
                          train_dataset=_pairs(8), processing_class=tok)
@@ -421,7 +422,7 @@ def test_two_gloo_ranks_equal_the_padded_step_over_the_same_pairs(mode, tok, tmp
     """2 ranks x 2 micro-batches cover the 8 pairs in one step; TRL's padded step over all 8 in one micro-batch is the
     reference (with packing, each rank's micro-batches hold different numbers of pairs, dealt by the balanced
     sampler)."""
-    vocab_dir = str(Path(tok.vocab_file).parent)
+    vocab_dir = tok.name_or_path
     kw = {"padding_free": True, "gradient_accumulation_steps": 2, "max_steps": 1}
     if mode == "packing":
         probe, _ = pack_pairs(_tokenized(_pairs(8), tok, tmp_path), capacity=350, max_length=160)
