@@ -93,3 +93,32 @@ def test_unit_size_does_not_change_the_result(monkeypatch):
         out = scans.segment_gated_delta_rule(*inputs, lay, use_qk_l2norm_in_kernel=True, formulation="per-segment")
         results.append(_with_grads(out, inputs, weight))
     assert _worst(results[0], results[1]) <= 1e-5 and _worst(results[2], results[1]) <= 1e-5
+
+
+def _graph_ops(out):
+    """The names of every autograd node between ``out`` and its leaves."""
+    seen, stack, names = set(), [out.grad_fn], set()
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        names.add(type(node).__name__)
+        stack += [n for n, _ in node.next_functions]
+    return names
+
+
+def test_per_segment_moves_the_row_once_each_way_in_token_order():
+    """The row goes into the units' padded order by one write (``index_copy``, whose backward is a gather) and comes
+    back by one gather (``index_select``): no advanced indexing, whose backward scatters into a zero tensor of the
+    whole row. Still exact: every segment's output and gradients equal it alone; the leaking control is caught."""
+    lay, inputs, weight = _inputs()
+    out = scans.segment_gated_delta_rule(*inputs, lay, use_qk_l2norm_in_kernel=True, formulation="per-segment")
+    ops = _graph_ops(out)
+    assert {"IndexCopyBackward0", "IndexSelectBackward0"} <= ops
+    assert "IndexBackward0" not in ops
+    segments = list(_segments(lay))
+    got = _with_grads(out, inputs, weight)
+    assert _worst(got, _with_grads(_alone(inputs, segments), inputs, weight)) <= 1e-5
+    leaky = _alone(inputs, [(b, 0, lay.shape[1]) for b in range(lay.shape[0])])
+    assert _worst(got, _with_grads(leaky, inputs, weight)) > 1e-2

@@ -248,27 +248,30 @@ def _gdr_plan(lay: PackedLayout, chunk: int) -> tuple[torch.Tensor, torch.Tensor
 
 def _gdr_per_segment(q, k, v, beta, g, lay: PackedLayout, chunk: int) -> torch.Tensor:
     """Every segment as its own row (segments of equal padded length batched, in units of at most
-    :data:`GDR_UNIT_TOKENS` tokens): ``(B, H, T, D)`` in and out.
+    :data:`GDR_UNIT_TOKENS` tokens): ``(B, T, H, D)`` in (``beta``, ``g``: ``(B, T, H)``), ``(B, T, H, Dv)`` out.
 
-    Each input is gathered into the padded order once and the output gathered back once (one index each, whose
-    backward is one scatter): gathering per group instead scattered every group's gradient into a zero tensor of the
-    whole row, a cost per token that grew with the row's number of groups."""
-    batch, heads, seq_len, _ = q.shape
+    Each input is written into the padded order once (``index_copy`` into zeros: the slots past a segment's end stay
+    zero; its backward is one gather) and the output gathered back once (one ``index_select``): gathering per group
+    instead scattered every group's gradient into a zero tensor of the whole row, a cost per token that grew with the
+    row's number of groups. The inputs stay in the token-major layout the mixer hands over, so no whole-row
+    transpose, zero-row concatenation or scatter of a gradient into a zero row-sized tensor runs around the units:
+    each of those is a pass over the row that leaves the caches once the row outgrows them (8k tokens x 32 heads x
+    128 floats = 128 MiB), so it cost a long packed row more per token than a short one."""
+    batch, seq_len, heads = q.shape[:3]
     total = batch * seq_len
     order, inverse, units = _gdr_plan(lay, chunk)
     sizes = [rows * length for rows, length, _ in units]
 
-    def padded(x):  # (B, H, T, ...) -> the units' (r, H, L, ...) rows; the slots past a segment's end read a zero row
-        x = x.movedim(2, 1).reshape(total, heads, *x.shape[3:])
-        x = torch.cat([x, x.new_zeros(1, *x.shape[1:])])[order]
+    def padded(x):  # (B, T, H, ...) -> the units' (r, H, L, ...) rows
+        flat = x.reshape(total, heads, *x.shape[3:])
+        x = flat.new_zeros(order.shape[0], *flat.shape[1:]).index_copy(0, inverse, flat)
         return [part.view(rows, length, *part.shape[1:]).movedim(2, 1)
                 for part, (rows, length, _) in zip(x.split(sizes), units, strict=True)]
 
     ins = [padded(x) for x in (q, k, v, beta, g)]
     outs = [_gdr_chunked(*unit, None, unit_chunk).movedim(1, 2).reshape(-1, heads, v.shape[-1])
             for *unit, (_, _, unit_chunk) in zip(*ins, units, strict=True)]
-    result = torch.cat(outs)[inverse]
-    return result.view(batch, seq_len, heads, -1).movedim(2, 1)
+    return torch.cat(outs).index_select(0, inverse).view(batch, seq_len, heads, -1)
 
 
 def gdr_formulation(lay: PackedLayout, chunk: int) -> str:
@@ -305,19 +308,20 @@ def segment_gated_delta_rule(
     if hk != hv:
         query = query.repeat_interleave(hv // hk, dim=2)
         key = key.repeat_interleave(hv // hk, dim=2)
-    q, k, v, b, gg = (x.transpose(1, 2).to(torch.float32, memory_format=torch.contiguous_format)
-                      for x in (query, key, value, beta, g))
+    if formulation == "auto":
+        formulation = gdr_formulation(lay, chunk_size)
+    if formulation not in ("masked", "per-segment"):
+        raise ValueError(f"formulation must be 'auto', 'masked' or 'per-segment', got {formulation!r}")
+    # per-segment: token-major (B, T, H, D), as the mixer hands them; masked: head-major (B, H, T, D) rows
+    major = (lambda x: x.to(torch.float32)) if formulation == "per-segment" else (
+        lambda x: x.transpose(1, 2).to(torch.float32, memory_format=torch.contiguous_format))
+    q, k, v, b, gg = (major(x) for x in (query, key, value, beta, g))
     if use_qk_l2norm_in_kernel:
         q, k = _l2norm(q), _l2norm(k)
     q = q * q.shape[-1] ** -0.5
-    if formulation == "auto":
-        formulation = gdr_formulation(lay, chunk_size)
     if formulation == "per-segment":
-        out = _gdr_per_segment(q, k, v, b, gg, lay, chunk_size)
-    elif formulation == "masked":
-        out = _gdr_chunked(q, k, v, b, gg, lay.seq_idx.to(torch.int64), chunk_size)
-    else:
-        raise ValueError(f"formulation must be 'auto', 'masked' or 'per-segment', got {formulation!r}")
+        return _gdr_per_segment(q, k, v, b, gg, lay, chunk_size).to(dtype)
+    out = _gdr_chunked(q, k, v, b, gg, lay.seq_idx.to(torch.int64), chunk_size)
     return out.transpose(1, 2).to(dtype, memory_format=torch.contiguous_format)
 
 
