@@ -100,7 +100,9 @@ def segment_causal_conv1d(
     width = weight.shape[-1]
     gather, where = _conv_spread(lay, width)
     flat = x.to(weight.dtype).transpose(0, 1).reshape(channels, batch * seq_len)
-    flat = torch.cat([flat, flat.new_zeros(channels, 1)], dim=1).index_select(1, gather)
+    # the tokens written into a zeroed spread stream (backward: one gather), not a zero column concatenated to the
+    # row and gathered (a copy of the whole row more, and a backward that adds into a zero tensor of the row)
+    flat = flat.new_zeros(channels, gather.shape[0]).index_copy(1, where + (width - 1), flat)
     out = F.conv1d(flat.unsqueeze(0), weight.unsqueeze(1), bias, groups=channels)[0].index_select(1, where)
     out = out.view(channels, batch, seq_len).transpose(0, 1)
     if activation is not None:
