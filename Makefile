@@ -14,7 +14,7 @@ demo: setup
 # that runs out of tests takes the other's (worksteal), so a long test near the end does not leave a core idle
 test: setup
 	.venv/bin/python -m ruff check .
-	.venv/bin/python -m pytest -q -n 2 --dist worksteal
+	.venv/bin/python -m pytest -q -n 2 --dist worksteal --durations=15
 
 # the exactness matrix and the trainers (transformers, TRL, accelerate), the data layer (datasets, pyarrow), the
 # CLI (tokenizers, matplotlib), the packing kernels (numpy, numba) and sequence parallelism (accelerate's loaders,

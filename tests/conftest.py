@@ -15,9 +15,21 @@ import pytest
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
+# The modules whose single tests run longest (a compiled model's recompiles per family, the GPU script's dry run, the
+# sequence-parallel sweep over every proven type, the bf16 trainer steps) run first: `make test`'s two workers share
+# the suite by worksteal, and a minute-long test that starts last leaves the other core idle until it ends.
+LONGEST_FIRST = ("tests/model/test_model_compile.py", "tests/test_gpu_check.py", "tests/model/test_model_sharded.py",
+                 "tests/integrations/test_integrations_bf16.py")
+
+
 def pytest_configure(config):
     if "torch" in sys.modules:  # imported before this file by a plugin: the variable came too late for it
         sys.modules["torch"].set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+
+
+def pytest_collection_modifyitems(config, items):
+    first = {path: rank for rank, path in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: first.get(item.nodeid.split("::")[0], len(first)))  # stable: the rest keep their order
 
 
 @pytest.fixture(autouse=True, scope="module")
