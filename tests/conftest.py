@@ -13,6 +13,12 @@ import pytest
 # machine: a second thread per worker only contends with the other worker (OpenMP barriers spin), and the tiny models
 # gain nothing from it — the model configure and packed tests take a third less CPU time on one thread.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# glibc gives every block above 32 MiB its own mmap and unmaps it when freed, so a trainer test's 32k-vocabulary
+# logits (hundreds of MiB per step) are faulted in and zeroed by the kernel on every forward: freed memory kept in the
+# worker's heap and reused instead takes a tenth of those tests' system time (set here, before the xdist workers
+# and subprocesses start; the model sweep's small tensors are unaffected).
+os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", str(1 << 32))
+os.environ.setdefault("MALLOC_TRIM_THRESHOLD_", str(1 << 34))
 
 
 # The modules whose single tests run longest (a compiled model's recompiles per family, the GPU script's dry run, the
