@@ -275,3 +275,18 @@ def scan_segments(lay) -> list[tuple[int, int, int]]:
         out.append((flat // SCAN_WIDTH, flat % SCAN_WIDTH, n))
         flat += n
     return out
+
+
+def graph_nodes(tensor: torch.Tensor) -> list[str]:
+    """The class names of every autograd node behind ``tensor`` (each node once, a name once per node that has it):
+    what a structural test reads, e.g. that a path moves the row by ``IndexCopyBackward0`` and never
+    ``IndexBackward0``, or how many ``SelectBackward0`` it holds."""
+    seen, names, todo = set(), [], [tensor.grad_fn]
+    while todo:
+        node = todo.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        names.append(type(node).__name__)
+        todo.extend(next_node for next_node, _ in node.next_functions)
+    return names

@@ -14,20 +14,9 @@ import torch.nn.functional as F  # noqa: E402
 
 from padfree.model import scans  # noqa: E402
 from padfree.model.packed import PackedLayout  # noqa: E402
+from zoo import graph_nodes  # noqa: E402
 
 LENGTHS = [5, 1, 9, 3]
-
-
-def _ops(out):
-    seen, stack, names = set(), [out.grad_fn], set()
-    while stack:
-        node = stack.pop()
-        if node is None or node in seen:
-            continue
-        seen.add(node)
-        names.add(type(node).__name__)
-        stack += [n for n, _ in node.next_functions]
-    return names
 
 
 def _reference(x, weight, bias, spans):
@@ -46,7 +35,7 @@ def test_conv_spread_is_one_index_copy_and_exact_per_segment():
     bias = torch.randn(6, generator=g, requires_grad=True)
     upstream = torch.randn(1, 6, pos.shape[1], generator=g)
     out = scans.segment_causal_conv1d(x, weight, bias, "silu", lay)
-    ops = _ops(out)
+    ops = graph_nodes(out)
     assert "IndexCopyBackward0" in ops and "CatBackward0" not in ops
 
     def grads(y):

@@ -15,7 +15,7 @@ pytest.importorskip("transformers")
 
 from padfree.model import scans  # noqa: E402
 from padfree.model.packed import PackedLayout  # noqa: E402
-from zoo import packed_rows  # noqa: E402
+from zoo import graph_nodes, packed_rows  # noqa: E402
 
 # two rows: four 40-token segments (one padded-length group of 48), segments longer than a chunk, a 3-token one and
 # the second row's trailing filler run (a segment of its own)
@@ -95,26 +95,13 @@ def test_unit_size_does_not_change_the_result(monkeypatch):
     assert _worst(results[0], results[1]) <= 1e-5 and _worst(results[2], results[1]) <= 1e-5
 
 
-def _graph_ops(out):
-    """The names of every autograd node between ``out`` and its leaves."""
-    seen, stack, names = set(), [out.grad_fn], set()
-    while stack:
-        node = stack.pop()
-        if node is None or node in seen:
-            continue
-        seen.add(node)
-        names.add(type(node).__name__)
-        stack += [n for n, _ in node.next_functions]
-    return names
-
-
 def test_per_segment_moves_the_row_once_each_way_in_token_order():
     """The row goes into the units' padded order by one write (``index_copy``, whose backward is a gather) and comes
     back by one gather (``index_select``): no advanced indexing, whose backward scatters into a zero tensor of the
     whole row. Still exact: every segment's output and gradients equal it alone; the leaking control is caught."""
     lay, inputs, weight = _inputs()
     out = scans.segment_gated_delta_rule(*inputs, lay, use_qk_l2norm_in_kernel=True, formulation="per-segment")
-    ops = _graph_ops(out)
+    ops = set(graph_nodes(out))
     assert {"IndexCopyBackward0", "IndexSelectBackward0"} <= ops
     assert "IndexBackward0" not in ops
     segments = list(_segments(lay))

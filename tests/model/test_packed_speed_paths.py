@@ -10,19 +10,7 @@ import torch
 
 from padfree.model import scans
 from padfree.model.packed import PackedLayout
-
-
-def _graph_names(tensor: torch.Tensor) -> list[str]:
-    """The names of every autograd node behind ``tensor`` (each node once)."""
-    seen, names, todo = set(), [], [tensor.grad_fn]
-    while todo:
-        node = todo.pop()
-        if node is None or node in seen:
-            continue
-        seen.add(node)
-        names.append(type(node).__name__)
-        todo.extend(next_node for next_node, _ in node.next_functions)
-    return names
+from zoo import graph_nodes
 
 
 def _row(lengths: list[int], heads: int = 2, dim: int = 8, seed: int = 0):
@@ -45,7 +33,7 @@ def test_gated_delta_rule_backward_never_selects_one_chunk_of_the_row(formulatio
         lay, q, k, v, decay, beta = _row(lengths)
         out = scans.segment_gated_delta_rule(q, k, v, decay, beta, lay, use_qk_l2norm_in_kernel=True,
                                              formulation=formulation)
-        names = _graph_names(out)
+        names = graph_nodes(out)
         assert "UnbindBackward0" in names
         counts.append(names.count("SelectBackward0"))
     assert max(counts) <= 4  # one per reference call (a chunk's last decay), none per chunk (72 before)
