@@ -39,7 +39,7 @@ from typing import Any
 import torch
 
 from padfree.errors import PackingDisabledError, UnsupportedModelError
-from padfree.model import guards
+from padfree.model import guards, row_blocks
 from padfree.model.packed import PackedLayout
 from padfree.model.state import current_layout, hooks_live, patch, unpatch
 
@@ -149,6 +149,9 @@ class Primitives:
     required: tuple[str, ...]
     conv_kernel: str | None = None
     scan_kernel: str | None = None
+    #: the forward is per token outside the primitives and reads no other per-token input than its hidden states
+    #: (and an attention mask), so it may run over blocks of whole segments (:mod:`padfree.model.row_blocks`)
+    row_blocks: bool = False
 
 
 @dataclasses.dataclass(eq=False)
@@ -165,6 +168,7 @@ class Mixer:
     description: str
     on_cuda: bool
     owner: str = "a mixer"
+    block_tokens: int = 0  # tokens per block of a long packed row on the CPU (0: the row runs whole)
 
 
 @dataclasses.dataclass
@@ -217,9 +221,25 @@ def mixer_forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
 def run_packed(module: torch.nn.Module, lay: Any, *args: Any, **kwargs: Any) -> Any:
     """Run installed ``module``'s packed forward on ``args`` / ``kwargs`` with ``lay`` (a
     :class:`~padfree.model.packed.PackedLayout` of the batch, or this rank's sharded one) in flight: what
-    :func:`mixer_forward` does once it has found the forward's layout. A cache among the arguments is refused."""
+    :func:`mixer_forward` does once it has found the forward's layout. A cache among the arguments is refused. A
+    family whose forward may run over blocks of whole segments does so for a long row on the CPU
+    (:mod:`padfree.model.row_blocks`)."""
     _refuse_a_cache(module, args, kwargs)
     info: Mixer = module._padfree_mixer
+    if info.block_tokens and type(lay) is PackedLayout and row_blocks.blockable_call(args, kwargs):
+        if args:
+            def block(sub: PackedLayout, x: torch.Tensor) -> Any:
+                return _run(module, info, sub, x, *args[1:], **kwargs)
+        else:
+            def block(sub: PackedLayout, x: torch.Tensor) -> Any:
+                return _run(module, info, sub, **{**kwargs, "hidden_states": x})
+        out = row_blocks.run_in_blocks(block, args[0] if args else kwargs["hidden_states"], lay, info.block_tokens)
+        if out is not None:
+            return out
+    return _run(module, info, lay, *args, **kwargs)
+
+
+def _run(module: torch.nn.Module, info: Mixer, lay: Any, *args: Any, **kwargs: Any) -> Any:
     token = _CALL.set(_Call(lay, info))
     try:
         return info.packed(module, *args, **kwargs)
@@ -248,7 +268,9 @@ def install_mixer(module: torch.nn.Module, state: Any, *, kind: str, packed: Cal
     patch(module, "_padfree_mixer", Mixer(
         state=state, packed=packed, kind=kind, family=family, use_conv_kernel=conv_kernel, use_scan_kernel=scan_kernel,
         formulation=formulation, description=description, on_cuda=any(p.is_cuda for p in module.parameters()),
-        owner=type(module).__name__), mixer_forward)
+        owner=type(module).__name__,
+        block_tokens=row_blocks.block_tokens(module) if family is not None and family.row_blocks else 0),
+        mixer_forward)
     return description
 
 

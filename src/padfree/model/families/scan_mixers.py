@@ -156,7 +156,7 @@ PRIMITIVES = {
         {"causal_conv1d_fn": _CONV, "torch_chunk_gated_delta_rule": (
             "query", "key", "value", "g", "beta", "chunk_size", "initial_state", "output_final_state",
             "use_qk_l2norm_in_kernel")},
-        ("causal_conv1d_fn", "torch_chunk_gated_delta_rule"), "causal_conv1d", "fla"),
+        ("causal_conv1d_fn", "torch_chunk_gated_delta_rule"), "causal_conv1d", "fla", row_blocks=True),
     "mamba2": Primitives(
         "Mamba-2 (SSD)",
         {**_CONV_REPLACE, "mamba2_chunk_scan": _packed_ssd, "mamba2_selective_state_update": no_decode,

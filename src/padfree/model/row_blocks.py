@@ -1,0 +1,83 @@
+"""A packed mixer forward run over blocks of whole segments: the same numbers, a long row's working set kept small.
+
+A sequence mixer computes every segment of a packed row on its own (the state restarts at every boundary), so running
+its forward on consecutive blocks of whole segments, each with its own layout, and concatenating the outputs along
+the tokens computes exactly what one forward over the row computes. On the CPU that is much faster for long rows:
+a GatedDeltaNet's per-token tensors are wide (Qwen3.5: its ``in_proj_qkv`` writes 8,192 floats per token, 256 MiB
+for a row of 8k tokens), and glibc maps every allocation above 32 MiB afresh from the kernel and unmaps it when it is
+freed, so a long row faults each of its tensors in again at every layer, forward and backward. Blocks whose widest
+tensor stays under :data:`BLOCK_BYTES` are served from the heap and stay in the caches, so a long packed row costs per
+token what a short one does. On CUDA (a caching allocator, kernels that take ``cu_seqlens``) a row runs whole.
+
+>>> import torch
+>>> from padfree.model.packed import PackedLayout
+>>> lay = PackedLayout.from_position_ids(torch.tensor([[0, 1, 2, 0, 1, 0, 1, 2, 3]]))
+>>> [(start, stop, block.lengths.tolist()) for start, stop, block in segment_blocks(lay, 4)]
+[(0, 5, [3, 2]), (5, 9, [4])]
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+
+from padfree.model.packed import PackedLayout
+
+__all__ = ["BLOCK_BYTES", "block_tokens", "run_in_blocks", "segment_blocks"]
+
+#: the widest per-token tensor of a mixer's forward on one block stays under this many bytes: below glibc's largest
+#: mmap threshold (32 MiB), so a block's tensors come from the heap instead of fresh pages from the kernel
+BLOCK_BYTES = 12 * 2**20
+
+
+def block_tokens(module: torch.nn.Module) -> int:
+    """Tokens per block for ``module``: :data:`BLOCK_BYTES` over its widest linear projection's fp32 output per
+    token (the widest per-token tensor of a mixer's forward)."""
+    widest = max((m.out_features for m in module.modules() if isinstance(m, torch.nn.Linear)), default=1)
+    return max(1, BLOCK_BYTES // (4 * widest))
+
+
+def segment_blocks(lay: PackedLayout, tokens: int) -> list[tuple[int, int, PackedLayout]]:
+    """The flattened ``B·T`` stream of ``lay`` cut into blocks of whole segments: ``(start, stop, layout of the
+    block as a (1, stop - start) row)``. A segment belongs to the block of ``tokens`` tokens its first token falls
+    in, so a block holds about ``tokens`` tokens (fewer at the end, more by the rest of its last segment; a segment
+    longer than ``tokens`` is a block of its own or ends one). Built once per layout and ``tokens``."""
+    def build() -> list[tuple[int, int, PackedLayout]]:
+        lengths = lay.lengths
+        ends = np.cumsum(lengths)
+        starts = ends - lengths
+        first = np.flatnonzero(np.diff(starts // tokens, prepend=-1))  # the first segment of every block
+        last = np.append(first[1:], lengths.size)
+        seg, pos = lay.segment_ids.reshape(1, -1), lay.position_ids.reshape(1, -1)
+        out = []
+        for i, j in zip(first.tolist(), last.tolist(), strict=True):  # one step per block, not per token
+            a, b = int(starts[i]), int(ends[j - 1])
+            out.append((a, b, PackedLayout(seg[:, a:b], pos[:, a:b], lengths[i:j].copy(), lay.source)))
+        return out
+    return lay.memo(("padfree.row_blocks", tokens), build)
+
+
+def run_in_blocks(forward: Callable[[PackedLayout, torch.Tensor], torch.Tensor], hidden: torch.Tensor,
+                  lay: PackedLayout, tokens: int) -> torch.Tensor | None:
+    """``forward(block layout, block of hidden)`` over the blocks of :func:`segment_blocks`, outputs concatenated:
+    ``(B, T, ...)`` in, ``(B, T, ...)`` out. None (the caller runs the row whole) when the row is one block or is not
+    on the CPU, or under ``torch.compile`` (whose graphs would recompile for every new cut)."""
+    if hidden.device.type != "cpu" or torch.compiler.is_compiling():
+        return None
+    blocks = segment_blocks(lay, tokens)
+    if len(blocks) < 2:
+        return None
+    batch, seq_len = hidden.shape[:2]
+    flat = hidden.reshape(1, batch * seq_len, *hidden.shape[2:])
+    outs = [forward(block, flat[:, a:b]) for a, b, block in blocks]
+    return torch.cat(outs, dim=1).view(batch, seq_len, *outs[0].shape[2:])
+
+
+def blockable_call(args: tuple, kwargs: dict[str, Any]) -> bool:
+    """Whether a mixer call may run in blocks: its only per-token input is its hidden states (an attention mask,
+    which a row's padding would need cut with it, keeps the row whole)."""
+    mask = kwargs.get("attention_mask", args[2] if len(args) > 2 else None)
+    return not isinstance(mask, torch.Tensor)
