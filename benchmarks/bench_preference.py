@@ -478,6 +478,15 @@ def render(args: argparse.Namespace, info: dict[str, str], before: str, after: s
         "- The hybrid's GatedDeltaNet runs transformers' pure-PyTorch chunked fallback in the padded modes and "
         "padfree's boundary-resetting PyTorch implementation in the padfree modes, so its ratios include that "
         "difference, not only padding.",
+        "- Memory on this machine: glibc maps every allocation above 32 MiB afresh and unmaps it when it is freed, "
+        "and this virtual machine faults fresh pages in slowly (over 100,000 faults a second during a packed step, "
+        "about half of the step's CPU time in the kernel). A packed micro-batch holds about four times the tokens "
+        "of a padding-free one, so more of its tensors cross that size: TRL's CPU LM head scores tiles of up to "
+        "4,096 tokens against the whole vocabulary (500 MiB per temporary at 32k), `padding_free`'s one tile of "
+        "its ~1,900 tokens. padfree runs a long row's GatedDeltaNet in blocks of whole segments whose tensors stay "
+        "under 12 MiB (`padfree.model.row_blocks`); TRL's tile size is TRL's. The conditions' allocator line says "
+        "which setting a run used: `MALLOC_MMAP_THRESHOLD_` / `MALLOC_TRIM_THRESHOLD_` (or jemalloc / tcmalloc, "
+        "as CPU training guides recommend) keep freed memory in the process.",
         END,
     ]
     return "\n".join(lines)

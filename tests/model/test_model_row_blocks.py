@@ -1,6 +1,7 @@
-"""A packed GatedDeltaNet forward over blocks of whole segments (padfree.model.row_blocks): the same numbers as every
-sequence alone, on the routes a long row takes (plain, gradient checkpointing in both modes, a segment mask), with a
-leaking control the same comparison catches; the cut itself loses, duplicates and splits nothing (hypothesis).
+"""A packed mixer forward (GatedDeltaNet, Mamba-2, Mamba-1, short convolutions) over blocks of whole segments
+(padfree.model.row_blocks): the same numbers as every sequence alone, on the routes a long row takes (plain, gradient
+checkpointing in both modes, a segment mask), with a leaking control the same comparison catches; the cut itself
+loses, duplicates and splits nothing (hypothesis).
 
 The blocks are made small here (a few tokens of budget) so that the tiny rows of the tests cut into several blocks;
 a real row cuts at :data:`padfree.model.row_blocks.BLOCK_BYTES` of its widest tensor (hundreds of tokens).
@@ -19,7 +20,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from padfree import configure_packing  # noqa: E402
-from padfree.model import row_blocks  # noqa: E402
+from padfree.model import rebind, row_blocks  # noqa: E402
 from padfree.model.packed import PackedLayout  # noqa: E402
 from zoo import MIXER_ROWS, grad_diff, max_diff, packed_rows, run_packed, run_separately, tiny_model  # noqa: E402
 
@@ -64,16 +65,23 @@ def _compare(model, **kwargs):
     return max_diff(out, alone), grad_diff(grads, alone_grads)
 
 
-def test_blocks_of_whole_segments_equal_every_sequence_alone(small_blocks):
-    logits, grads = _compare(tiny_model("qwen3_5_text"))
+# one model of every mixer family that runs in blocks: GatedDeltaNet, Mamba-2 (SSD), Mamba-1 in a hybrid and alone,
+# short convolutions
+BLOCKED = ["qwen3_5_text", "granitemoehybrid", "jamba", "mamba", "lfm2"]
+
+
+@pytest.mark.parametrize("model_type", BLOCKED)
+def test_blocks_of_whole_segments_equal_every_sequence_alone(small_blocks, model_type):
+    logits, grads = _compare(tiny_model(model_type))
     assert small_blocks and all(len(cut) >= 4 for cut in small_blocks), small_blocks  # the rows were cut
     assert logits <= 1e-5 and grads <= 1e-5, (logits, grads)
 
 
-def test_a_cut_inside_the_sequences_is_caught(small_blocks, monkeypatch):
+@pytest.mark.parametrize("model_type", BLOCKED)
+def test_a_cut_inside_the_sequences_is_caught(small_blocks, monkeypatch, model_type):
     """The leaking control: the same comparison, blocks cut every 40 tokens whatever the boundaries."""
     monkeypatch.setattr(row_blocks, "segment_blocks", _cut_inside_segments)
-    logits, grads = _compare(tiny_model("qwen3_5_text"))
+    logits, grads = _compare(tiny_model(model_type))
     assert logits > 1e-3 and grads > 1e-5, (logits, grads)
 
 
@@ -109,17 +117,17 @@ def test_a_segment_mask_runs_in_blocks_too(small_blocks):
 
 
 def test_a_row_runs_whole_where_blocks_do_not_apply(monkeypatch):
-    """One block, a mixer call carrying an attention mask, or a family without blocks: the row runs whole."""
+    """One block, a mixer call carrying a per-token argument, or a family without blocks: the row runs whole."""
     lay = PackedLayout.from_position_ids(torch.tensor([[0, 1, 2, 0, 1]]))
     ran = []
     assert row_blocks.run_in_blocks(lambda sub, x: ran.append(x) or x, torch.ones(1, 5, 2), lay, 8) is None
     assert ran == []
-    assert not row_blocks.blockable_call((torch.ones(1, 5, 2),), {"attention_mask": torch.ones(1, 5)})
-    assert row_blocks.blockable_call((torch.ones(1, 5, 2),), {"attention_mask": None})
-    model = tiny_model("granitemoehybrid")  # Mamba-2: its forward takes per-token arguments; no blocks
-    configure_packing(model)
-    mixers = [m for m in model.modules() if hasattr(m, "_padfree_mixer")]
-    assert mixers and all(m._padfree_mixer.block_tokens == 0 for m in mixers)
+    hidden = torch.ones(2, 5, 3)
+    assert not row_blocks.blockable_call(hidden, (hidden,), {"attention_mask": torch.ones(2, 5)})
+    assert not row_blocks.blockable_call(hidden, (hidden, None, torch.ones(2, 5)), {})
+    assert not row_blocks.blockable_call(hidden, (), {"hidden_states": hidden, "seq_idx": torch.zeros(1, 10)})
+    assert row_blocks.blockable_call(hidden, (hidden,), {"attention_mask": None, "cu_seq_lens_q": torch.zeros(4)})
+    assert not rebind.Primitives("a mixer", {}, {}, ()).row_blocks  # a family runs in blocks only when declared
     qwen = tiny_model("qwen3_5_text")
     configure_packing(qwen)
     assert qwen.model.layers[0].linear_attn._padfree_mixer.block_tokens == row_blocks.block_tokens(

@@ -149,8 +149,8 @@ class Primitives:
     required: tuple[str, ...]
     conv_kernel: str | None = None
     scan_kernel: str | None = None
-    #: the forward is per token outside the primitives and reads no other per-token input than its hidden states
-    #: (and an attention mask), so it may run over blocks of whole segments (:mod:`padfree.model.row_blocks`)
+    #: the forward is per token outside the primitives and hands its other arguments only to them, so it may run
+    #: over blocks of whole segments (:mod:`padfree.model.row_blocks`)
     row_blocks: bool = False
 
 
@@ -226,14 +226,17 @@ def run_packed(module: torch.nn.Module, lay: Any, *args: Any, **kwargs: Any) -> 
     (:mod:`padfree.model.row_blocks`)."""
     _refuse_a_cache(module, args, kwargs)
     info: Mixer = module._padfree_mixer
-    if info.block_tokens and type(lay) is PackedLayout and row_blocks.blockable_call(args, kwargs):
+    hidden = args[0] if args else kwargs.get("hidden_states")
+    # never under torch.compile: checked first, so that the graph guards on none of what the blocks would read
+    if (info.block_tokens and not torch.compiler.is_compiling() and type(lay) is PackedLayout
+            and isinstance(hidden, torch.Tensor) and row_blocks.blockable_call(hidden, args, kwargs)):
         if args:
             def block(sub: PackedLayout, x: torch.Tensor) -> Any:
                 return _run(module, info, sub, x, *args[1:], **kwargs)
         else:
             def block(sub: PackedLayout, x: torch.Tensor) -> Any:
                 return _run(module, info, sub, **{**kwargs, "hidden_states": x})
-        out = row_blocks.run_in_blocks(block, args[0] if args else kwargs["hidden_states"], lay, info.block_tokens)
+        out = row_blocks.run_in_blocks(block, hidden, lay, info.block_tokens)
         if out is not None:
             return out
     return _run(module, info, lay, *args, **kwargs)

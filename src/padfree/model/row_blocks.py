@@ -64,7 +64,8 @@ def run_in_blocks(forward: Callable[[PackedLayout, torch.Tensor], torch.Tensor],
                   lay: PackedLayout, tokens: int) -> torch.Tensor | None:
     """``forward(block layout, block of hidden)`` over the blocks of :func:`segment_blocks`, outputs concatenated:
     ``(B, T, ...)`` in, ``(B, T, ...)`` out. None (the caller runs the row whole) when the row is one block or is not
-    on the CPU, or under ``torch.compile`` (whose graphs would recompile for every new cut)."""
+    on the CPU, or under ``torch.compile`` (whose graphs would recompile for every new cut), or when ``forward``
+    returns anything but a ``(1, block tokens, ...)`` tensor."""
     if hidden.device.type != "cpu" or torch.compiler.is_compiling():
         return None
     blocks = segment_blocks(lay, tokens)
@@ -72,12 +73,21 @@ def run_in_blocks(forward: Callable[[PackedLayout, torch.Tensor], torch.Tensor],
         return None
     batch, seq_len = hidden.shape[:2]
     flat = hidden.reshape(1, batch * seq_len, *hidden.shape[2:])
-    outs = [forward(block, flat[:, a:b]) for a, b, block in blocks]
+    outs = []
+    for a, b, block in blocks:
+        out = forward(block, flat[:, a:b])
+        if not (isinstance(out, torch.Tensor) and out.shape[:2] == (1, b - a)):
+            return None  # a forward that does not return its tokens' outputs (a tuple, a cache): the row runs whole
+        outs.append(out)
     return torch.cat(outs, dim=1).view(batch, seq_len, *outs[0].shape[2:])
 
 
-def blockable_call(args: tuple, kwargs: dict[str, Any]) -> bool:
-    """Whether a mixer call may run in blocks: its only per-token input is its hidden states (an attention mask,
-    which a row's padding would need cut with it, keeps the row whole)."""
-    mask = kwargs.get("attention_mask", args[2] if len(args) > 2 else None)
-    return not isinstance(mask, torch.Tensor)
+def blockable_call(hidden: torch.Tensor, args: tuple, kwargs: dict[str, Any]) -> bool:
+    """Whether a mixer call may run in blocks: no argument but its hidden states is a tensor with a dimension of
+    the row's tokens (an attention mask, ``seq_idx``, a ``cache_position`` would have to be cut with the row; the
+    row then runs whole). Whole-row boundary arguments of another size (``cu_seq_lens_q``) only reach the replaced
+    primitives, which read the block's own layout instead."""
+    batch, seq_len = hidden.shape[:2]
+    tokens = {seq_len, batch * seq_len}
+    return not any(isinstance(x, torch.Tensor) and x is not hidden and tokens & set(x.shape)
+                   for x in (*args, *kwargs.values()))

@@ -164,17 +164,17 @@ PRIMITIVES = {
         {"causal_conv1d_fn": _CONV, "mamba2_chunk_scan": (
             "hidden_states", "dt", "A", "B", "C", "chunk_size", "D", "dt_bias", "initial_states", "dt_softplus",
             "dt_limit", "return_final_states")},
-        ("causal_conv1d_fn", "mamba2_chunk_scan"), "causal_conv1d", "mamba_ssm"),
+        ("causal_conv1d_fn", "mamba2_chunk_scan"), "causal_conv1d", "mamba_ssm", row_blocks=True),
     "mamba": Primitives(
         "Mamba-1 (selective scan)",
         {**_CONV_REPLACE, "mamba_selective_scan": _packed_selective_scan, "mamba_selective_state_update": no_decode,
          "mamba_inner_fn": no_fused_path},
         {"causal_conv1d_fn": _CONV, "mamba_selective_scan": (
             "hidden_states", "dt", "A", "B", "C", "D", "z", "delta_bias", "delta_softplus", "return_last_state")},
-        ("causal_conv1d_fn", "mamba_selective_scan"), "causal_conv1d", None),
+        ("causal_conv1d_fn", "mamba_selective_scan"), "causal_conv1d", None, row_blocks=True),
     "short-conv": Primitives(
         "short convolution", dict(_CONV_REPLACE), {"causal_conv1d_fn": _CONV}, ("causal_conv1d_fn",),
-        "causal_conv1d", None),
+        "causal_conv1d", None, row_blocks=True),
 }
 
 MIXER_CLASSES: dict[str, str] = {
