@@ -26,7 +26,7 @@ import torch
 
 from padfree.model.packed import PackedLayout
 
-__all__ = ["BLOCK_BYTES", "block_tokens", "run_in_blocks", "segment_blocks"]
+__all__ = ["block_tokens", "blockable_call", "run_in_blocks"]
 
 #: the widest per-token tensor of a mixer's forward on one block stays under this many bytes: below glibc's largest
 #: mmap threshold (32 MiB), so a block's tensors come from the heap instead of fresh pages from the kernel
