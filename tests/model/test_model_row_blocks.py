@@ -22,6 +22,7 @@ transformers = pytest.importorskip("transformers")
 from padfree import configure_packing  # noqa: E402
 from padfree.model import rebind, row_blocks  # noqa: E402
 from padfree.model.packed import PackedLayout  # noqa: E402
+from padfree.proof.compare import prove  # noqa: E402
 from zoo import MIXER_ROWS, grad_diff, max_diff, packed_rows, run_packed, run_separately, tiny_model  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -85,6 +86,17 @@ def test_a_cut_inside_the_sequences_is_caught(small_blocks, monkeypatch, model_t
     assert logits > 1e-3 and grads > 1e-5, (logits, grads)
 
 
+@pytest.mark.parametrize("model_type", ["qwen3_5_text", "granitemoehybrid"])
+def test_blocks_under_bf16_autocast_are_proven_like_a_whole_row(small_blocks, model_type):
+    """padfree's own proof (packed vs every sequence alone: logits, loss, gradients; fp32 and bf16 autocast, each
+    with its leaking control) passes with the rows cut into blocks."""
+    proof = prove(tiny_model(model_type), precisions=["fp32", "autocast_bf16"])
+    assert small_blocks and all(len(cut) >= 3 for cut in small_blocks), small_blocks
+    assert [c.precision for c in proof.checks] == ["fp32", "autocast_bf16"]
+    assert all(c.ok for c in proof.checks), [str(c) for c in proof.checks]
+    assert any(c.sees_leaks for c in proof.checks), [str(c) for c in proof.checks]
+
+
 @pytest.mark.parametrize("reentrant", [False, True])
 def test_gradient_checkpointing_recomputes_the_same_blocks(small_blocks, reentrant):
     model = tiny_model("qwen3_5_text")
@@ -123,6 +135,7 @@ def test_a_row_runs_whole_where_blocks_do_not_apply(monkeypatch):
     assert row_blocks.run_in_blocks(lambda sub, x: ran.append(x) or x, torch.ones(1, 5, 2), lay, 8) is None
     assert ran == []
     hidden = torch.ones(2, 5, 3)
+    assert not row_blocks.blockable_call(None, (), {})
     assert not row_blocks.blockable_call(hidden, (hidden,), {"attention_mask": torch.ones(2, 5)})
     assert not row_blocks.blockable_call(hidden, (hidden, None, torch.ones(2, 5)), {})
     assert not row_blocks.blockable_call(hidden, (), {"hidden_states": hidden, "seq_idx": torch.zeros(1, 10)})

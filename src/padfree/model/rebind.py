@@ -227,9 +227,7 @@ def run_packed(module: torch.nn.Module, lay: Any, *args: Any, **kwargs: Any) -> 
     _refuse_a_cache(module, args, kwargs)
     info: Mixer = module._padfree_mixer
     hidden = args[0] if args else kwargs.get("hidden_states")
-    # never under torch.compile: checked first, so that the graph guards on none of what the blocks would read
-    if (info.block_tokens and not torch.compiler.is_compiling() and type(lay) is PackedLayout
-            and isinstance(hidden, torch.Tensor) and row_blocks.blockable_call(hidden, args, kwargs)):
+    if info.block_tokens and type(lay) is PackedLayout and row_blocks.blockable_call(hidden, args, kwargs):
         if args:
             def block(sub: PackedLayout, x: torch.Tensor) -> Any:
                 return _run(module, info, sub, x, *args[1:], **kwargs)

@@ -63,11 +63,9 @@ def segment_blocks(lay: PackedLayout, tokens: int) -> list[tuple[int, int, Packe
 def run_in_blocks(forward: Callable[[PackedLayout, torch.Tensor], torch.Tensor], hidden: torch.Tensor,
                   lay: PackedLayout, tokens: int) -> torch.Tensor | None:
     """``forward(block layout, block of hidden)`` over the blocks of :func:`segment_blocks`, outputs concatenated:
-    ``(B, T, ...)`` in, ``(B, T, ...)`` out. None (the caller runs the row whole) when the row is one block or is not
-    on the CPU, or under ``torch.compile`` (whose graphs would recompile for every new cut), or when ``forward``
-    returns anything but a ``(1, block tokens, ...)`` tensor."""
-    if hidden.device.type != "cpu" or torch.compiler.is_compiling():
-        return None
+    ``(B, T, ...)`` in, ``(B, T, ...)`` out, for a call :func:`blockable_call` accepts. None (the caller runs the row
+    whole) when the row is one block, or when ``forward`` returns anything but a ``(1, block tokens, ...)``
+    tensor."""
     blocks = segment_blocks(lay, tokens)
     if len(blocks) < 2:
         return None
@@ -82,11 +80,14 @@ def run_in_blocks(forward: Callable[[PackedLayout, torch.Tensor], torch.Tensor],
     return torch.cat(outs, dim=1).view(batch, seq_len, *outs[0].shape[2:])
 
 
-def blockable_call(hidden: torch.Tensor, args: tuple, kwargs: dict[str, Any]) -> bool:
-    """Whether a mixer call may run in blocks: no argument but its hidden states is a tensor with a dimension of
-    the row's tokens (an attention mask, ``seq_idx``, a ``cache_position`` would have to be cut with the row; the
-    row then runs whole). Whole-row boundary arguments of another size (``cu_seq_lens_q``) only reach the replaced
-    primitives, which read the block's own layout instead."""
+def blockable_call(hidden: Any, args: tuple, kwargs: dict[str, Any]) -> bool:
+    """Whether a mixer call may run in blocks: not under ``torch.compile`` (checked first, so that a graph guards
+    on nothing the blocks read, and never recompiles for a new cut), hidden states on the CPU, and no other argument
+    a tensor with a dimension of the row's tokens (an attention mask, ``seq_idx``, a ``cache_position`` would have to
+    be cut with the row; the row then runs whole). Whole-row boundary arguments of another size (``cu_seq_lens_q``)
+    only reach the replaced primitives, which read the block's own layout instead."""
+    if torch.compiler.is_compiling() or not isinstance(hidden, torch.Tensor) or hidden.device.type != "cpu":
+        return False
     batch, seq_len = hidden.shape[:2]
     tokens = {seq_len, batch * seq_len}
     return not any(isinstance(x, torch.Tensor) and x is not hidden and tokens & set(x.shape)
