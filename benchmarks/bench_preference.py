@@ -11,7 +11,12 @@ Four trainers per model, side by side in one process, each with its own copy of 
 - ``packing`` — ``packing=True``: the train set's pairs packed (best fit decreasing) into micro-batches of at most
   ``packing_length`` tokens (default ``2 · max_length · B``, the positions bound of a padded micro-batch, so the
   peak memory bound is the same), each one packed row. A packed micro-batch holds a different number of pairs than
-  a padded one, so the modes are compared per pair (pairs/s) and per real token.
+  a padded one, so the modes are compared per pair (pairs/s) and per real token;
+- ``padding_free_same`` — ``padding_free=True`` over exactly the pairs ``packing`` times (its timed bins' pairs in
+  their packing order, B pairs per micro-batch): the like-for-like per-token anchor of ``packing``. Best fit
+  decreasing groups pairs by length, so the few bins a run times hold longer or shorter pairs than the random
+  micro-batches of ``padding_free``, and the cost per token grows with a sequence's length (attention is
+  quadratic, GatedDeltaNet's chunks are 64 tokens) — only the same pairs compare the two ways to run them.
 
 Data: real-length pairs from ``../shared/data/`` (``gsm8k_train.json`` and ``gpteacher_toolformer.json``): prompt =
 instruction (+ input), chosen = the record's output, rejected = another record's output cut to a random fraction
@@ -29,7 +34,9 @@ step is the wall time between consecutive ``on_step_end`` callbacks (data loadin
 forward, the policy forward + backward, the optimizer step, logging), the first ``--warmup`` steps of every call
 dropped. The modes alternate, one ``train()`` call each per repetition (``--repetitions``), so a change of load on the
 shared machine hits every mode alike; medians over the repetitions. Each call starts from the same data order (the
-same seed), so ``trl``, ``padded`` and ``padding_free`` time exactly the same micro-batches.
+same seed), so ``trl``, ``padded`` and ``padding_free`` time exactly the same micro-batches, and ``packing`` the
+same bins in every call; ``padding_free_same`` (which runs after ``packing`` in the first repetition, whose bins it
+takes) times those bins' pairs.
 
 Run it (from the repository root, in the project's virtual environment)::
 
@@ -59,7 +66,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import REPO, allocator, conditions, emit, generated, load_snapshot, machine, table
 
 START, END = "<!-- bench_preference:start -->", "<!-- bench_preference:end -->"
-MODES = ("trl", "padded", "padding_free", "packing")
+MODES = ("trl", "padded", "padding_free", "packing", "padding_free_same")
 ANCHOR = "trl"
 TARGET = 1.8
 FILES = ("gsm8k_train.json", "gpteacher_toolformer.json")
@@ -145,10 +152,15 @@ class Meter:
 
     def __init__(self) -> None:
         self.calls: list[dict[str, list]] = []
+        self.active = False  # only micro-batches of a train() call count (not the profile's after the runs)
 
     def begin(self) -> None:
         self.calls.append({"wall": [], "cpu": [], "pairs": [], "real": [], "positions": [], "loss": []})
+        self.active = True
         self._mark = (time.perf_counter(), time.process_time())
+
+    def end(self) -> None:
+        self.active = False
 
     def step_end(self) -> None:
         now = (time.perf_counter(), time.process_time())
@@ -157,6 +169,8 @@ class Meter:
         self._mark = now
 
     def batch(self, inputs: dict[str, Any], padfree_row: bool) -> None:
+        if not self.active:
+            return
         ids, mask = inputs["input_ids"], inputs["attention_mask"]
         real = int(mask.sum())
         call = self.calls[-1]
@@ -244,11 +258,16 @@ def callback(meter: Meter) -> Any:
         def on_step_end(self, args, state, control, **kwargs):
             meter.step_end()
 
+        def on_train_end(self, args, state, control, **kwargs):
+            meter.end()
+
     return Clock()
 
 
 def trainers(policy: Any, ref: Any, tok: Any, train: Any, args: argparse.Namespace, out: Path,
-             meters: dict[str, Meter], steps: int) -> dict[str, Any]:
+             meters: dict[str, Meter], steps: int, bins: list[list[dict[str, Any]]]) -> dict[str, Any]:
+    """The trainers of every mode, each with its own copies of the models; ``bins`` collects every packed bin that
+    ``packing``'s collator is given, in order."""
     import trl
 
     from padfree import DPOConfig, DPOTrainer
@@ -262,12 +281,22 @@ def trainers(policy: Any, ref: Any, tok: Any, train: Any, args: argparse.Namespa
         if mode == "trl":
             cfg, cls = trl.DPOConfig(str(out / mode), **base), trl.DPOTrainer
         else:
+            same = {"padding_free": True, "train_sampling_strategy": "sequential", "dataloader_drop_last": False}
             extra = {"padded": {"padding_free": False}, "padding_free": {"padding_free": True},
-                     "packing": {"packing": True, "packing_length": args.packing_length}}[mode]
-            cfg, cls = DPOConfig(str(out / mode), **base, **extra), DPOTrainer
+                     "packing": {"packing": True, "packing_length": args.packing_length},
+                     "padding_free_same": same}[mode]
+            cfg, cls = DPOConfig(str(out / mode), **{**base, **extra}), DPOTrainer
         trainer = cls(model=copy.deepcopy(policy), ref_model=copy.deepcopy(ref), args=cfg, train_dataset=train,
                       processing_class=tok, callbacks=[callback(meters[mode])])
-        padfree_row = mode in ("padding_free", "packing")
+        if mode == "packing":
+            collate = trainer.data_collator
+
+            def recording(features, _inner=collate):
+                bins.append([dict(f) for f in features])
+                return _inner(features)
+
+            trainer.data_collator = recording
+        padfree_row = mode not in ("trl", "padded")
         inner = trainer.compute_loss
 
         def compute_loss(model, inputs, *a, _inner=inner, _meter=meters[mode], _row=padfree_row, **k):
@@ -278,6 +307,27 @@ def trainers(policy: Any, ref: Any, tok: Any, train: Any, args: argparse.Namespa
         trainer.compute_loss = compute_loss
         built[mode] = trainer
     return built
+
+
+def unbin(packed: dict[str, list]) -> list[dict[str, Any]]:
+    """The pairs of one packed bin (a dict of per-pair lists), in their packing order."""
+    return [{name: values[i] for name, values in packed.items()} for i in range(len(packed["prompt_ids"]))]
+
+
+def same_pairs(trainer: Any, bins: list[list[dict[str, Any]]], args: argparse.Namespace, steps: int) -> int:
+    """Point ``padding_free_same``'s trainer at the pairs of the bins ``packing``'s first call timed: first B pairs
+    of its warm-up bins for each warm-up step, then every pair of the timed bins, B per micro-batch in their packing
+    order (sequential sampler, the last micro-batch kept whole); returns the pairs timed."""
+    import datasets
+
+    calls = [features for features in bins[: args.warmup + steps]]  # one micro-batch = one bin
+    warm = [pair for features in calls[: args.warmup] for b in features for pair in unbin(b)]
+    timed = [pair for features in calls[args.warmup:] for b in features for pair in unbin(b)]
+    need = args.warmup * args.batch_size
+    warm = (warm * (need // max(1, len(warm)) + 1))[:need]  # a warm-up bin with fewer than B pairs repeats them
+    trainer.train_dataset = datasets.Dataset.from_list(warm + timed)
+    trainer.args.max_steps = args.warmup + -(-len(timed) // args.batch_size)
+    return len(timed)
 
 
 def seq_lengths(train: Any, max_length: int) -> dict[str, np.ndarray]:
@@ -326,10 +376,11 @@ def run_model(kind: str, tok: Any, train_pairs: Any, args: argparse.Namespace) -
     ref = build_model(kind, len(tok), args.quick)
     policy = copy.deepcopy(ref)
     meters = {m: Meter() for m in MODES}
+    bins: list[list[dict[str, Any]]] = []
     with tempfile.TemporaryDirectory() as out:
-        log(f"{kind}: building the four trainers (TRL tokenizes the pairs; padfree packs them)")
+        log(f"{kind}: building the trainers (TRL tokenizes the pairs; padfree packs them)")
         steps = args.hybrid_steps if kind == "qwen3_5_text" else args.steps
-        built = trainers(policy, ref, tok, train_pairs, args, Path(out), meters, steps)
+        built = trainers(policy, ref, tok, train_pairs, args, Path(out), meters, steps, bins)
         status = padfree.packing_status(built["packing"])
         for m in ("padded", "padding_free"):
             log(f"{kind}: {m}: {padfree.packing_status(built[m])}")
@@ -337,6 +388,9 @@ def run_model(kind: str, tok: Any, train_pairs: Any, args: argparse.Namespace) -
         logps: dict[str, float] = {}
         for rep in range(args.repetitions):
             for mode in (MODES if rep % 2 == 0 else MODES[::-1]):
+                if mode == "padding_free_same" and rep == 0:  # packing's first call has run: its bins are known
+                    timed = same_pairs(built[mode], bins, args, steps)
+                    log(f"{kind}: padding_free_same: the {timed} pairs of packing's {steps} timed bin(s)")
                 built[mode].train()
                 if rep == 0:
                     logps[mode] = next(h["logps/chosen"] for h in built[mode].state.log_history
@@ -345,14 +399,25 @@ def run_model(kind: str, tok: Any, train_pairs: Any, args: argparse.Namespace) -
                 log(f"{kind}: rep {rep + 1}/{args.repetitions} {mode}: "
                     f"{sum(last['pairs'][args.warmup:]) / sum(last['wall'][args.warmup:]):.2f} pairs/s "
                     f"(steps {' '.join(f'{w:.1f}' for w in last['wall'])} s)")
+        # where the time of one packed micro-batch (packing's first timed bin) goes, per component, and of the same
+        # pairs run padding-free in micro-batches of B pairs
+        features = bins[args.warmup]
+        pairs_ = [pair for b in features for pair in unbin(b)]
+        runs = {"packing": [built["packing"].data_collator(features)],
+                "padding_free_same": [built["padding_free_same"].data_collator(pairs_[i:i + args.batch_size])
+                                      for i in range(0, len(pairs_), args.batch_size)]}
         profiles = {}
-        for mode in ("padding_free", "packing"):  # where one micro-batch's time goes, per component
+        for mode, batches in runs.items():
             trainer = built[mode]
-            batch = next(iter(trainer.get_train_dataloader()))
             trainer.model.train()
-            parts = Components([trainer.model, trainer.ref_model]).run(trainer, batch)
-            profiles[mode] = {"real": int(batch["attention_mask"].sum()), "sequences": int(batch["input_ids"].shape[0]),
-                              "parts": parts}
+            parts: dict[str, tuple[float, float]] = {}
+            for batch in batches:
+                for name, (f, b) in Components([trainer.model, trainer.ref_model]).run(trainer, batch).items():
+                    f0, b0 = parts.get(name, (0.0, 0.0))
+                    parts[name] = (f0 + f, b0 + b)
+            profiles[mode] = {"real": sum(int(b["attention_mask"].sum()) for b in batches),
+                              "sequences": sum(int(b["input_ids"].shape[0]) for b in batches),
+                              "batches": len(batches), "parts": parts}
             log(f"{kind}: profile {mode}: {profiles[mode]['real']} real tokens, "
                 + ", ".join(f"{k} {f:.2f}+{b:.2f} s" for k, (f, b) in parts.items()))
         tokenized = built["trl"].train_dataset
@@ -374,7 +439,7 @@ def render(args: argparse.Namespace, info: dict[str, str], before: str, after: s
         "",
         *conditions(info, before, after, versions=[f"torch threads {info['threads']}", allocator()]),
         "- **A shared machine**: other processes ran on the same cores, so absolute rates drift (±20% between "
-        "minutes). The four modes alternate (one `train()` call of each per repetition, the order reversed every "
+        "minutes). The five modes alternate (one `train()` call of each per repetition, the order reversed every "
         f"other repetition); medians over {args.repetitions} repetitions; the CPU-time ratio (process CPU "
         "seconds, both threads) is given beside the wall-time ratio.",
         f"- Data: {what}; tokenized by TRL with mistral-common's `tokenizer.model.v1` (32k SentencePiece, Mistral "
@@ -392,7 +457,10 @@ def render(args: argparse.Namespace, info: dict[str, str], before: str, after: s
         "reference forward, policy forward + backward, optimizer step, logging). Pairs/s = pairs of the timed "
         "micro-batches / their wall time; real tokens/s = their non-padding tokens (prompt + completion, chosen "
         "and rejected) / wall time. `trl`, `padded` and `padding_free` time the same micro-batches (same seed); "
-        "`packing` times its own packed micro-batches, which hold more pairs each — hence per pair.",
+        "`packing` times its own packed micro-batches, which hold more pairs each — hence per pair; "
+        "`padding_free_same` times exactly the pairs of `packing`'s timed micro-batches, padding-free in "
+        f"micro-batches of {args.batch_size} pairs (their packing order, the last one short): the like-for-like "
+        "anchor of `packing` per real token.",
         "",
     ]
     for kind, res in results.items():
@@ -450,7 +518,8 @@ def render(args: argparse.Namespace, info: dict[str, str], before: str, after: s
             f"- Same computation: the first step's `logps/chosen` (policy log-probs of the same first micro-batch, "
             f"before any update): `padded` {lp['padded']:.4f} vs `trl` {lp['trl']:.4f} — "
             f"{'equal' if same else '**different**'}; `padding_free` {lp['padding_free']:.4f} — "
-            f"{'equal to fp32 rounding' if close else '**different**'}; `packing` scores other pairs.",
+            f"{'equal to fp32 rounding' if close else '**different**'}; `packing` and `padding_free_same` score "
+            "other pairs.",
             f"- Target (≥ {TARGET}× the padded DPO step per pair): best padfree mode `{best}` measures "
             f"**{got:.2f}× — {'met' if got >= TARGET else 'not met'}** at the same pair length (`padding_free` "
             f"{norm('padding_free') / norm(ANCHOR):.2f}×, `packing` {norm('packing') / norm(ANCHOR):.2f}×; "
@@ -496,16 +565,19 @@ PACKING_TARGET = 1.0
 
 
 def packing_vs_padding_free(r: dict[str, Any], profiles: dict[str, Any]) -> list[str]:
-    """The per-model verdict on ``packing`` against ``padding_free`` per real token, and the per-component profile
-    of one micro-batch of each (ms per 1,000 real tokens) that explains it."""
-    ratio = r["packing"]["tokens_s"] / r["padding_free"]["tokens_s"]
+    """The per-model verdict on ``packing`` against padding-free per real token on the same pairs
+    (``padding_free_same``), and the per-component profile of one packed micro-batch and of its pairs run
+    padding-free (ms per 1,000 real tokens) that explains it."""
+    same, pk_r = r["padding_free_same"], r["packing"]
+    ratio = pk_r["tokens_s"] / same["tokens_s"]
     met = ratio >= PACKING_TARGET
-    pf, pk = profiles["padding_free"], profiles["packing"]
+    pf, pk = profiles["padding_free_same"], profiles["packing"]
 
     def per_k(p: dict[str, Any], name: str, i: int) -> float:
         return 1e6 * p["parts"][name][i] / p["real"]
 
     names = [n for n in pf["parts"] if n != "total"] + ["total"]
+
     def cell(p: dict[str, Any], n: str, i: int) -> str:
         return "(in the backbone row)" if i == 1 and n in dict(COMPONENTS) else f"{per_k(p, n, i):,.0f}"
 
@@ -515,33 +587,38 @@ def packing_vs_padding_free(r: dict[str, Any], profiles: dict[str, Any]) -> list
     compute = (per_k(pf, "total", 0) + per_k(pf, "total", 1), per_k(pk, "total", 0) + per_k(pk, "total", 1))
     excess = sorted(((per_k(pk, n, 0) + per_k(pk, n, 1)) - (per_k(pf, n, 0) + per_k(pf, n, 1)), n)
                     for n in names if n != "total")
+    same_tokens = "the same" if same["real"] == pk_r["real"] else f"**not the same** ({same['real']:,})"
     lines = [
-        f"- **`packing` vs `padding_free` per real token: {ratio:.2f}× "
-        f"({r['packing']['tokens_s']:,.0f} vs {r['padding_free']['tokens_s']:,.0f} real tokens/s) — target "
-        f"≥ {PACKING_TARGET:.1f}×: {'met' if met else 'not met'}.**",
+        f"- **`packing` vs padding-free per real token on the same pairs (`padding_free_same`): {ratio:.2f}× "
+        f"({pk_r['tokens_s']:,.0f} vs {same['tokens_s']:,.0f} real tokens/s, {pk_r['real']:,} real tokens timed per "
+        f"call, {same_tokens} in both) — target ≥ {PACKING_TARGET:.1f}×: {'met' if met else 'not met'}.** Against "
+        f"`padding_free`'s own micro-batches (other pairs, {r['padding_free']['real'] / r['padding_free']['pairs']:.0f}"
+        f" real tokens per pair against {pk_r['real'] / pk_r['pairs']:.0f} in the timed bins): "
+        f"{pk_r['tokens_s'] / r['padding_free']['tokens_s']:.2f}×.",
         "",
-        f"Where one micro-batch's time goes (after the timed runs; one `compute_loss` — the reference forward and "
-        f"the policy forward — and its backward, timed per module by hooks, see `Components`; ms per 1,000 "
-        f"real tokens; the backward of the decoder layers is in the backbone's row): "
-        f"`padding_free` {pf['sequences']} sequences, {pf['real']:,} real tokens; `packing` {pk['sequences']} "
-        f"sequences, {pk['real']:,} real tokens in one row.",
+        f"Where one packed micro-batch's time goes (after the timed runs; `packing`'s first timed bin, "
+        f"{pk['sequences']} sequences, {pk['real']:,} real tokens in one row, against the same pairs padding-free "
+        f"in {pf['batches']} "
+        f"micro-batches; one `compute_loss` — the reference forward and the policy forward — and its backward per "
+        f"micro-batch, timed per module by hooks, see `Components`; ms per 1,000 real tokens; the backward of the "
+        f"decoder layers is in the backbone's row):",
         "",
-        table(["component", "`padding_free` forward", "`padding_free` backward", "`packing` forward",
-               "`packing` backward", "`packing` / `padding_free`"], rows, "lrrrrr"),
+        table(["component", "padding-free forward", "padding-free backward", "`packing` forward",
+               "`packing` backward", "`packing` / padding-free"], rows, "lrrrrr"),
         "",
     ]
-    step_pf = 1e3 / r["padding_free"]["tokens_s"] * 1e3  # ms per 1,000 real tokens of a whole optimizer step
-    step_pk = 1e3 / r["packing"]["tokens_s"] * 1e3
+    step_pf = 1e3 / same["tokens_s"] * 1e3  # ms per 1,000 real tokens of a whole optimizer step
+    step_pk = 1e3 / pk_r["tokens_s"] * 1e3
     if met:
-        lines.append(f"- Per 1,000 real tokens, a `packing` step takes {step_pk:,.0f} ms and a `padding_free` step "
-                     f"{step_pf:,.0f} ms; the forward + backward profiled above {compute[1]:,.0f} vs "
+        lines.append(f"- Per 1,000 real tokens, a `packing` step takes {step_pk:,.0f} ms and a padding-free step over "
+                     f"the same pairs {step_pf:,.0f} ms; the forward + backward profiled above {compute[1]:,.0f} vs "
                      f"{compute[0]:,.0f} ms.")
     else:
         worst, name = excess[-1]
         lines.append(
             f"- Why not met: per 1,000 real tokens a `packing` step takes {step_pk:,.0f} ms against "
-            f"{step_pf:,.0f} ms; the profiled forward + backward {compute[1]:,.0f} vs {compute[0]:,.0f} ms "
-            f"({compute[1] / max(1e-9, compute[0]):.2f}×). The largest excess is `{name}`: "
+            f"{step_pf:,.0f} ms padding-free over the same pairs; the profiled forward + backward {compute[1]:,.0f} "
+            f"vs {compute[0]:,.0f} ms ({compute[1] / max(1e-9, compute[0]):.2f}×). The largest excess is `{name}`: "
             f"{per_k(pk, name, 0) + per_k(pk, name, 1):,.0f} vs {per_k(pf, name, 0) + per_k(pf, name, 1):,.0f} ms "
             f"(+{worst:,.0f} ms)"
             + (f"; next `{excess[-2][1]}` ({excess[-2][0]:+,.0f} ms)" if len(excess) > 1 else "") + ".")
