@@ -542,20 +542,22 @@ def render(args: argparse.Namespace, info: dict[str, str], before: str, after: s
         "prompts.",
         "- `packing` computes the same real tokens per pair as `padding_free` and fills its micro-batches "
         "(~99%), but each of its micro-batches is one row of up to packing_length tokens holding a few dozen "
-        "pairs; its rate per real token against `padding_free`'s (the `real tokens/s` column) shows whether "
-        "those larger rows cost more per token than the padded micro-batch's one row of 2·B sequences.",
+        "pairs. Whether those larger rows cost more per token than rows of 2·B sequences is read on the same "
+        "pairs: `packing` against `padding_free_same`. Against `padding_free`'s own micro-batches the ratio also "
+        "carries the pairs' lengths (best fit decreasing bins hold pairs of similar length, and a few timed bins "
+        "are not the train set's mix), which move the cost per token on their own.",
         "- The hybrid's GatedDeltaNet runs transformers' pure-PyTorch chunked fallback in the padded modes and "
         "padfree's boundary-resetting PyTorch implementation in the padfree modes, so its ratios include that "
         "difference, not only padding.",
         "- Memory on this machine: glibc maps every allocation above 32 MiB afresh and unmaps it when it is freed, "
-        "and this virtual machine faults fresh pages in slowly (over 100,000 faults a second during a packed step, "
-        "about half of the step's CPU time in the kernel). A packed micro-batch holds about four times the tokens "
-        "of a padding-free one, so more of its tensors cross that size: TRL's CPU LM head scores tiles of up to "
-        "4,096 tokens against the whole vocabulary (500 MiB per temporary at 32k), `padding_free`'s one tile of "
-        "its ~1,900 tokens. padfree runs a long row's GatedDeltaNet in blocks of whole segments whose tensors stay "
-        "under 12 MiB (`padfree.model.row_blocks`); TRL's tile size is TRL's. The conditions' allocator line says "
-        "which setting a run used: `MALLOC_MMAP_THRESHOLD_` / `MALLOC_TRIM_THRESHOLD_` (or jemalloc / tcmalloc, "
-        "as CPU training guides recommend) keep freed memory in the process.",
+        "and this virtual machine faults fresh pages in slowly (sys time near user time under glibc defaults). In a "
+        "padfree DPO step every allocation that large is TRL's CPU LM head: it scores tiles of up to 4,096 tokens "
+        "against the whole vocabulary, each temporary `[tile, 32000]` fp32 (500 MiB in a packed row, ~250-330 MiB "
+        "for a padding-free micro-batch's one tile), about 2.7 MB mapped per real token in either mode. padfree's own "
+        "tensors stay below it: a long row's GatedDeltaNet runs in blocks of whole segments under 12 MiB "
+        "(`padfree.model.row_blocks`); TRL's tile size is TRL's. The conditions' allocator line says which setting "
+        "a run used: `MALLOC_MMAP_THRESHOLD_` / `MALLOC_TRIM_THRESHOLD_` (or jemalloc / tcmalloc, as CPU training "
+        "guides recommend) keep freed memory in the process.",
         END,
     ]
     return "\n".join(lines)
