@@ -20,6 +20,7 @@ import math
 import pickle
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -30,9 +31,11 @@ pytest.importorskip("mistral_common")
 
 import padfree  # noqa: E402
 from multiproc import as_launched_rank, free_port, run_ranks  # noqa: E402
-from padfree.errors import InvalidArgumentError  # noqa: E402
+from padfree.errors import InvalidArgumentError, PackingDisabledError  # noqa: E402
 from padfree.integrations.dpo import DPOConfig, DPOTrainer, pack_pairs  # noqa: E402
 from padfree.integrations.unpadded import Unpadded  # noqa: E402
+from padfree.model import row_blocks  # noqa: E402
+from padfree.model.packed import PackedLayout  # noqa: E402
 from realdata import gsm8k_records  # noqa: E402
 from zoo import mistral_tokenizer_from  # noqa: E402
 
@@ -361,6 +364,45 @@ def test_packed_pairs_one_step_equals_trl_padded_step_over_the_same_pairs(tok, t
     logged = ours.state.log_history[0]  # the telemetry measured the packed rows: no padding, 16 sequences in 5 rows
     assert logged["padfree/real_token_fraction"] == 1.0 and logged["padfree/sequences_per_row"] == 16 / rows
     assert "padfree/real_token_fraction" not in padded.state.log_history[0]
+
+
+@pytest.mark.parametrize("cut", ["whole_segments", "inside_segments"])
+def test_packed_pairs_with_the_gated_delta_net_in_blocks_step_as_trl_padded(cut, tok, tmp_path, monkeypatch):
+    """qwen3_5_text, pairs packed across the dataset, every packed row's GatedDeltaNet run in blocks of whole
+    segments (:mod:`padfree.model.row_blocks`, its budget made ~24 tokens so that these short rows cut; a real row
+    cuts at hundreds): one optimizer step equals TRL's padded step over the same pairs. The leaking control cuts
+    the rows every 24 tokens whatever the boundaries: the in-run proof stops the run before its optimizer step,
+    naming the GatedDeltaNet, and with the proof off the same comparison sees it."""
+    monkeypatch.setattr(row_blocks, "block_tokens", lambda module: 24)
+    cuts: list[int] = []
+    if cut == "inside_segments":
+        def segment_blocks(lay, tokens):
+            total, seg, pos = int(lay.lengths.sum()), lay.segment_ids.reshape(1, -1), lay.position_ids.reshape(1, -1)
+            return [(a, min(a + tokens, total), PackedLayout(seg[:, a:a + tokens], pos[:, a:a + tokens],
+                                                             np.array([min(tokens, total - a)]), lay.source))
+                    for a in range(0, total, tokens)]
+        monkeypatch.setattr(row_blocks, "segment_blocks", segment_blocks)
+    blocks = row_blocks.segment_blocks
+    monkeypatch.setattr(row_blocks, "segment_blocks", lambda lay, tokens: cuts.append(tokens) or blocks(lay, tokens))
+    train = _pairs(8)
+    rows = len(pack_pairs(_tokenized(train, tok, tmp_path), capacity=250, max_length=160)[0])
+    pf_kw = {"packing": True, "packing_length": 250, "gradient_accumulation_steps": rows, "max_steps": 1}
+    padded, ours = _trainers("qwen3_5_text", tok, tmp_path, train=train,
+                             trl_kw={"per_device_train_batch_size": 8, "max_steps": 1},
+                             pf_kw=pf_kw)  # one optimizer step over every packed row
+    assert padfree.packing_status(ours).rows == rows > 2
+    want = _step(padded)
+    if cut == "whole_segments":
+        update = _same_update(want, _step(ours))
+        assert cuts, "the packed rows ran their GatedDeltaNet in blocks"
+        assert update <= STEP_TOL["qwen3_5_text"], update
+        return
+    before = [p.detach().clone() for p in ours.model.parameters()]
+    with pytest.raises(PackingDisabledError, match=r"first diverging module: model\.layers\.0\.linear_attn"):
+        ours.train()
+    assert cuts and all(torch.equal(p, b) for p, b in zip(ours.model.parameters(), before, strict=True))
+    _, unchecked = _trainers("qwen3_5_text", tok, tmp_path, train=train, pf_kw={**pf_kw, "padfree_verify": False})
+    assert _same_update(want, _step(unchecked)) > 1e-3
 
 
 def _tokenized(train, tok, tmp_path):

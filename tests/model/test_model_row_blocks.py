@@ -111,6 +111,35 @@ def test_gradient_checkpointing_recomputes_the_same_blocks(small_blocks, reentra
     assert logits <= 1e-5 and grads <= 1e-5, (logits, grads)
 
 
+@pytest.mark.parametrize("adapter", ["lora", "modules_to_save"])
+@pytest.mark.parametrize("leak", [False, True], ids=["blocks", "cut_inside_segments"])
+def test_a_peft_wrapped_gated_delta_net_runs_its_adapters_per_block(small_blocks, monkeypatch, adapter, leak):
+    """A LoRA on every projection of the GatedDeltaNet (``in_proj_qkv``, ``in_proj_z``, ``out_proj``, ...), or
+    ``modules_to_save``'s trained copy of the whole mixer: a block runs the wrapped module's own forward, so the
+    adapters apply per block exactly as on the whole row — and the leaking cut is caught through the wrapper too."""
+    peft = pytest.importorskip("peft")
+    if leak:
+        monkeypatch.setattr(row_blocks, "segment_blocks", _cut_inside_segments)
+    config = (peft.LoraConfig(r=4, target_modules="all-linear", init_lora_weights=False) if adapter == "lora" else
+              peft.LoraConfig(r=4, target_modules=["gate_proj"], modules_to_save=["linear_attn"],
+                              init_lora_weights=False))
+    wrapped = peft.get_peft_model(tiny_model("qwen3_5_text"), config)
+    ids, pos, seqs = packed_rows(MIXER_ROWS)
+    alone, alone_grads = run_separately(wrapped, seqs)
+    configure_packing(wrapped)
+    out, grads = run_packed(wrapped, ids, pos, seqs)
+    assert small_blocks and all(len(cut) >= 4 for cut in small_blocks), small_blocks
+    trained = [n for n in grads if "lora_" in n or "modules_to_save" in n]
+    assert trained and set(grads) == set(alone_grads)
+    if adapter == "lora":
+        assert any("linear_attn.in_proj_qkv.lora_" in n for n in trained)
+    logits, grad = max_diff(out, alone), grad_diff(grads, alone_grads)
+    if leak:
+        assert logits > 1e-3 and grad > 1e-5, (logits, grad)
+    else:
+        assert logits <= 1e-5 and grad <= 1e-5, (logits, grad)
+
+
 def test_a_segment_mask_runs_in_blocks_too(small_blocks):
     """A LLaMA-Factory mask (with a trailing padding run) is consumed by padfree's hook: the mixer sees no mask."""
     model = tiny_model("qwen3_5_text")
