@@ -40,7 +40,7 @@ takes) times those bins' pairs.
 
 Run it (from the repository root, in the project's virtual environment)::
 
-    python benchmarks/bench_preference.py            # ~12-15 min on 2 busy cores
+    python benchmarks/bench_preference.py            # ~25-45 min on 2 cores (five modes, two models)
     python benchmarks/bench_preference.py --quick    # a smoke run (~1 min): llama only, small sizes
 
 Only the section between ``<!-- bench_preference:start -->`` and ``<!-- bench_preference:end -->`` is replaced.
