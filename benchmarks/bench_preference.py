@@ -320,7 +320,7 @@ def same_pairs(trainer: Any, bins: list[list[dict[str, Any]]], args: argparse.Na
     order (sequential sampler, the last micro-batch kept whole); returns the pairs timed."""
     import datasets
 
-    calls = [features for features in bins[: args.warmup + steps]]  # one micro-batch = one bin
+    calls = bins[: args.warmup + steps]  # one micro-batch = one bin
     warm = [pair for features in calls[: args.warmup] for b in features for pair in unbin(b)]
     timed = [pair for features in calls[args.warmup:] for b in features for pair in unbin(b)]
     need = args.warmup * args.batch_size

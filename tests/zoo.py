@@ -254,6 +254,21 @@ SCAN_ROWS = ((1, 3, 70, 9), (2, 40, 30))
 SCAN_WIDTH = 83
 
 
+def cut_inside_segments(lay, tokens):
+    """A leaking stand-in for :func:`padfree.model.row_blocks.segment_blocks`: blocks every ``tokens`` tokens,
+    wherever a sequence is, each then one sequence — a block's recurrent state runs across the boundaries inside
+    it, and a sequence cut in two restarts mid-way."""
+    import numpy as np
+
+    from padfree.model.packed import PackedLayout
+
+    total = int(lay.lengths.sum())
+    seg, pos = lay.segment_ids.reshape(1, -1), lay.position_ids.reshape(1, -1)
+    return [(a, min(a + tokens, total), PackedLayout(seg[:, a:a + tokens], pos[:, a:a + tokens],
+                                                     np.array([min(tokens, total - a)]), lay.source))
+            for a in range(0, total, tokens)]
+
+
 def scan_layout():
     """The :class:`~padfree.model.packed.PackedLayout` of :data:`SCAN_ROWS`: positions restarting at every segment
     and at each row's padding run."""

@@ -20,7 +20,6 @@ import math
 import pickle
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -35,9 +34,8 @@ from padfree.errors import InvalidArgumentError, PackingDisabledError  # noqa: E
 from padfree.integrations.dpo import DPOConfig, DPOTrainer, pack_pairs  # noqa: E402
 from padfree.integrations.unpadded import Unpadded  # noqa: E402
 from padfree.model import row_blocks  # noqa: E402
-from padfree.model.packed import PackedLayout  # noqa: E402
 from realdata import gsm8k_records  # noqa: E402
-from zoo import mistral_tokenizer_from  # noqa: E402
+from zoo import cut_inside_segments, mistral_tokenizer_from  # noqa: E402
 
 datasets.disable_progress_bars()
 
@@ -375,14 +373,7 @@ def test_packed_pairs_with_the_gated_delta_net_in_blocks_step_as_trl_padded(cut,
     naming the GatedDeltaNet, and with the proof off the same comparison sees it."""
     monkeypatch.setattr(row_blocks, "block_tokens", lambda module: 24)
     cuts: list[int] = []
-    if cut == "inside_segments":
-        def segment_blocks(lay, tokens):
-            total, seg, pos = int(lay.lengths.sum()), lay.segment_ids.reshape(1, -1), lay.position_ids.reshape(1, -1)
-            return [(a, min(a + tokens, total), PackedLayout(seg[:, a:a + tokens], pos[:, a:a + tokens],
-                                                             np.array([min(tokens, total - a)]), lay.source))
-                    for a in range(0, total, tokens)]
-        monkeypatch.setattr(row_blocks, "segment_blocks", segment_blocks)
-    blocks = row_blocks.segment_blocks
+    blocks = cut_inside_segments if cut == "inside_segments" else row_blocks.segment_blocks
     monkeypatch.setattr(row_blocks, "segment_blocks", lambda lay, tokens: cuts.append(tokens) or blocks(lay, tokens))
     train = _pairs(8)
     rows = len(pack_pairs(_tokenized(train, tok, tmp_path), capacity=250, max_length=160)[0])

@@ -23,7 +23,16 @@ from padfree import configure_packing  # noqa: E402
 from padfree.model import rebind, row_blocks  # noqa: E402
 from padfree.model.packed import PackedLayout  # noqa: E402
 from padfree.proof.compare import prove  # noqa: E402
-from zoo import MIXER_ROWS, grad_diff, max_diff, packed_rows, run_packed, run_separately, tiny_model  # noqa: E402
+from zoo import (  # noqa: E402
+    MIXER_ROWS,
+    cut_inside_segments,
+    grad_diff,
+    max_diff,
+    packed_rows,
+    run_packed,
+    run_separately,
+    tiny_model,
+)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -46,16 +55,6 @@ def small_blocks(monkeypatch):
 
     monkeypatch.setattr(row_blocks, "run_in_blocks", counting)
     return calls
-
-
-def _cut_inside_segments(lay, tokens):
-    """The leaking control's cut: every ``tokens`` tokens, wherever a sequence is, each block then one sequence — a
-    block's recurrent state runs across the boundaries inside it, and a sequence cut in two restarts mid-way."""
-    total = int(lay.lengths.sum())
-    seg, pos = lay.segment_ids.reshape(1, -1), lay.position_ids.reshape(1, -1)
-    return [(a, min(a + tokens, total), PackedLayout(seg[:, a:a + tokens], pos[:, a:a + tokens],
-                                                     np.array([min(tokens, total - a)]), lay.source))
-            for a in range(0, total, tokens)]
 
 
 def _compare(model, **kwargs):
@@ -81,7 +80,7 @@ def test_blocks_of_whole_segments_equal_every_sequence_alone(small_blocks, model
 @pytest.mark.parametrize("model_type", BLOCKED)
 def test_a_cut_inside_the_sequences_is_caught(small_blocks, monkeypatch, model_type):
     """The leaking control: the same comparison, blocks cut every 40 tokens whatever the boundaries."""
-    monkeypatch.setattr(row_blocks, "segment_blocks", _cut_inside_segments)
+    monkeypatch.setattr(row_blocks, "segment_blocks", cut_inside_segments)
     logits, grads = _compare(tiny_model(model_type))
     assert logits > 1e-3 and grads > 1e-5, (logits, grads)
 
@@ -119,7 +118,7 @@ def test_a_peft_wrapped_gated_delta_net_runs_its_adapters_per_block(small_blocks
     adapters apply per block exactly as on the whole row — and the leaking cut is caught through the wrapper too."""
     peft = pytest.importorskip("peft")
     if leak:
-        monkeypatch.setattr(row_blocks, "segment_blocks", _cut_inside_segments)
+        monkeypatch.setattr(row_blocks, "segment_blocks", cut_inside_segments)
     config = (peft.LoraConfig(r=4, target_modules="all-linear", init_lora_weights=False) if adapter == "lora" else
               peft.LoraConfig(r=4, target_modules=["gate_proj"], modules_to_save=["linear_attn"],
                               init_lora_weights=False))
