@@ -533,13 +533,15 @@ def render(args: argparse.Namespace, info: dict[str, str], before: str, after: s
         "### What sets the ratios here",
         "",
         "- A DPO step runs the reference forward and the policy forward + backward over every position of the "
-        "micro-batch. On the CPU TRL's fused LM head has no Triton kernel and scores *every* position it is given "
-        "against the 32k vocabulary (it compacts to the completion tokens only on Triton devices): in `trl` and "
-        "`padded` every position of the padded batch, padding and prompts included; in the padfree modes every "
-        "real token of the packed row (prompts included, no padding). On these small models the head is a large "
-        "share of the step, so `padding_free`'s gain per pair is about the ratio of positions (1 / filled of the "
-        "padded micro-batches), less padfree's per-batch layout work; it would grow with a head that skips the "
-        "prompts.",
+        "micro-batch, then scores the completion tokens against the 32k vocabulary. On the CPU TRL's fused LM head "
+        "has no Triton kernel and scores *every* position it is given (it compacts to the completion tokens only "
+        "on Triton devices): in `trl` and `padded` every position of the padded batch, padding and prompts "
+        "included. In the padfree modes padfree answers that head on the packed row (`DPOConfig."
+        "padfree_fused_head`, `padfree.integrations.fused_head`): the same per-token log-probs, entropies, mean "
+        "logits and top-1 hits, computed for the completion tokens only, ~1,000 positions at a time in two reused "
+        "buffers. On these small models the head is a large share of the step, so `padding_free`'s gain per pair "
+        "is the positions padding wastes times the prompt positions the head skips, less padfree's per-batch "
+        "layout work; `bench_lm_head` below times the two heads alone.",
         "- `packing` computes the same real tokens per pair as `padding_free` and fills its micro-batches "
         "(~99%), but each of its micro-batches is one row of up to packing_length tokens holding a few dozen "
         "pairs. Whether those larger rows cost more per token than rows of 2·B sequences is read on the same "
@@ -550,14 +552,14 @@ def render(args: argparse.Namespace, info: dict[str, str], before: str, after: s
         "padfree's boundary-resetting PyTorch implementation in the padfree modes, so its ratios include that "
         "difference, not only padding.",
         "- Memory on this machine: glibc maps every allocation above 32 MiB afresh and unmaps it when it is freed, "
-        "and this virtual machine faults fresh pages in slowly (sys time near user time under glibc defaults). In a "
-        "padfree DPO step every allocation that large is TRL's CPU LM head: it scores tiles of up to 4,096 tokens "
-        "against the whole vocabulary, each temporary `[tile, 32000]` fp32 (500 MiB in a packed row, ~250-330 MiB "
-        "for a padding-free micro-batch's one tile), about 2.7 MB mapped per real token in either mode. padfree's own "
-        "tensors stay below it: a long row's GatedDeltaNet runs in blocks of whole segments under 12 MiB "
-        "(`padfree.model.row_blocks`); TRL's tile size is TRL's. The conditions' allocator line says which setting "
-        "a run used: `MALLOC_MMAP_THRESHOLD_` / `MALLOC_TRIM_THRESHOLD_` (or jemalloc / tcmalloc, as CPU training "
-        "guides recommend) keep freed memory in the process.",
+        "and this virtual machine faults fresh pages in slowly (sys time near user time under glibc defaults). "
+        "TRL's CPU LM head (`trl`, `padded`) scores tiles of up to 4,096 tokens against the whole vocabulary, each "
+        "temporary `[tile, 32000]` fp32 (up to 500 MiB), made afresh for every tile; padfree's head works in two "
+        "`[1048, 32000]` fp32 buffers (128 MiB each) made once per call whatever the row's length, and a long row's "
+        "GatedDeltaNet runs in blocks of whole segments under 12 MiB (`padfree.model.row_blocks`), so a packed "
+        "row's cost per token does not grow with its length through memory. The conditions' allocator line says "
+        "which setting a run used: `MALLOC_MMAP_THRESHOLD_` / `MALLOC_TRIM_THRESHOLD_` (or jemalloc / tcmalloc, as "
+        "CPU training guides recommend) keep freed memory in the process.",
         END,
     ]
     return "\n".join(lines)

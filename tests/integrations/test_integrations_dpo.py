@@ -16,6 +16,7 @@ caught by the same comparisons.
 from __future__ import annotations
 
 import copy
+import logging
 import math
 import pickle
 from pathlib import Path
@@ -302,6 +303,26 @@ def test_one_step_with_gradient_accumulation_equals_trl_padded(model_type, tok, 
     kw = {"gradient_accumulation_steps": 2, "max_steps": 1}
     padded, ours = _trainers(model_type, tok, tmp_path, trl_kw=kw, pf_kw=kw)
     assert _same_update(_step(padded), _step(ours)) <= STEP_TOL[model_type]
+
+
+@pytest.mark.parametrize("model_type", MODEL_TYPES)
+def test_on_the_cpu_padfree_scores_the_rows_and_trls_head_gives_the_same_step(model_type, tok, tmp_path, caplog):
+    """In a padfree mode on the CPU the packed rows' log-probs come from padfree's per-token head (completion tokens
+    only, in chunks; ``padfree_fused_head``), not TRL's; with ``padfree_fused_head=False`` TRL's head scores them.
+    One optimizer step equals TRL's padded step either way."""
+    kw = {"max_steps": 1}
+    padded, ours = _trainers(model_type, tok, tmp_path, trl_kw=kw, pf_kw=kw)
+    _, theirs = _trainers(model_type, tok, tmp_path / "trl_head", trl_kw=kw, pf_kw={**kw, "padfree_fused_head": False})
+    with caplog.at_level(logging.INFO, logger="padfree"):
+        got = _step(ours)
+    assert caplog.text.count("answered by padfree's per-token head") == 2  # the policy and the reference model
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="padfree"):
+        other = _step(theirs)
+    assert "per-token head" not in caplog.text
+    want = _step(padded)
+    assert _same_update(want, got) <= STEP_TOL[model_type] and _same_update(want, other) <= STEP_TOL[model_type]
+    assert _same_update(other, got) <= STEP_TOL[model_type]
 
 
 def _grads(trainer, batch) -> list[torch.Tensor]:

@@ -52,7 +52,7 @@ before training.
     trainer.train()
 
 >>> cfg = DPOConfig("out", report_to="none", use_cpu=True)
->>> cfg.padding_free, cfg.packing, cfg.packing_length, cfg.auto_padding_free, cfg.padfree_telemetry
+>>> cfg.padding_free, cfg.packing, cfg.packing_length, cfg.auto_padding_free, cfg.padfree_fused_head
 (None, False, None, True, True)
 """
 
@@ -83,6 +83,7 @@ from padfree.integrations.decide import (
     refuse_unsafe,
     skip_reason,
 )
+from padfree.integrations.fused_head import LogProbHead
 from padfree.integrations.loaders import SamplerEpoch, balance_note, balanced_sampler, batch_sampler_dataloader
 from padfree.integrations.preference_data import (
     DPO_DATA,
@@ -141,6 +142,10 @@ class DPOConfig(TrainerOptions, trl.DPOConfig):
         padfree_balance: with ``packing=True`` under data parallelism, deal the packed micro-batches to the ranks in
             steps balanced in tokens and Σ len² (:class:`~padfree.DistributedPackedBatchSampler`) instead of
             sharding them by count; no effect in one process.
+        padfree_fused_head: in a padfree mode, on the CPU, answer TRL's fused LM head with padfree's
+            (:class:`~padfree.integrations.fused_head.LogProbHead`): the same per-token fields, scored for the
+            completion tokens only in chunks of fixed size, where TRL's scores every position of the row in tiles of
+            up to 4,096 positions. False: TRL's head everywhere. No effect on a GPU (TRL's head runs there).
 
     Every other argument is ``trl.DPOConfig``'s.
     """
@@ -152,6 +157,9 @@ class DPOConfig(TrainerOptions, trl.DPOConfig):
     padfree_balance: bool = dataclasses.field(
         default=True, metadata={"help": "Data-parallel packing: deal the packed micro-batches to the ranks in steps "
                                         "balanced in tokens and sum of len^2."})
+    padfree_fused_head: bool = dataclasses.field(
+        default=True, metadata={"help": "On the CPU, score the packed rows' completion tokens with padfree's "
+                                        "per-token head instead of TRL's fused head (same values, in chunks)."})
 
 
 # --------------------------------------------------------------------------------------------------
@@ -343,6 +351,7 @@ class DPOMixin(TrainerProtocol):
     _padfree_step_pairs: torch.Tensor | None = None
     _padfree_sampler: Any = None
     _padfree_checked: tuple[int, ...] = ()
+    _padfree_head_map: dict[Any, LogProbHead] | None = None
     _padfree_hidden = ("padding_free",)  # TRL warns and falls back for True; padfree runs the forwards instead
 
     def __init__(self, model: Any, ref_model: Any = None, args: Any = None, data_collator: Any = None,
@@ -459,10 +468,22 @@ class DPOMixin(TrainerProtocol):
 
     # ---- the forwards ----------------------------------------------------------------------------------
 
+    def _padfree_heads(self) -> dict[Any, LogProbHead]:
+        """padfree's answers to TRL's fused LM head on the packed rows (``padfree_fused_head``), by model: for the
+        policy the fields TRL's DPO trainer asks its head for (the metrics' entropy, mean logits and top-1 hits, and
+        ``log Σ p²`` for WPO's weights), for the reference model the log-probs alone."""
+        if not as_flag(getattr(self.args, "padfree_fused_head", True), "padfree_fused_head"):
+            return {}
+        if self._padfree_head_map is None:
+            policy = ("log_probs", "entropy", "mean_logits", "is_top1")
+            policy += ("log_sum_sq_probs",) if self.use_weighting else ()
+            self._padfree_head_map = {self.model: LogProbHead(policy), self.ref_model: LogProbHead()}
+        return self._padfree_head_map
+
     def compute_ref_log_probs(self, model: Any, inputs: dict[str, Any]) -> Any:
         if not self._padfree_on:
             return super().compute_ref_log_probs(model, inputs)
-        with unpadded_forwards(model, self.model):
+        with unpadded_forwards(model, self.model, heads=self._padfree_heads()):
             return super().compute_ref_log_probs(model, inputs)
 
     def compute_loss(self, model: Any, inputs: dict[str, Any], return_outputs: bool = False,
@@ -472,7 +493,8 @@ class DPOMixin(TrainerProtocol):
                                         num_items_in_batch=num_items_in_batch)
         packed = self._padfree_decision.mode == PACKING
         uneven = packed and self.accelerator.num_processes > 1
-        with unpadded_forwards(model, self.ref_model), _uneven_gathers(self.accelerator, uneven):
+        with unpadded_forwards(model, self.ref_model, heads=self._padfree_heads()), \
+                _uneven_gathers(self.accelerator, uneven):
             out = super().compute_loss(model, inputs, return_outputs=return_outputs,
                                        num_items_in_batch=num_items_in_batch)
         pairs = int(inputs["input_ids"].shape[0]) // 2

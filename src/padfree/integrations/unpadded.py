@@ -29,7 +29,7 @@ import contextlib
 import dataclasses
 import functools
 import types
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from padfree.data.carry import PER_TOKEN
@@ -139,6 +139,8 @@ class Unpadded:
 
 
 _ACTIVE: list[bool] = [False]
+# the stand-ins for a fused LM head on a packed row, by the model they score (id of the unwrapped model)
+_HEADS: dict[int, Callable[[Any, dict[str, Any]], Any]] = {}
 
 
 def _unpack_output(output: Any, layout: Unpadded) -> Any:
@@ -193,14 +195,16 @@ def _install(model: Any) -> None:
         # through the module's call again, not straight to ``original``: the hooks configure_packing put on the model
         # itself (a multimodal model's, which lay out each sample's images) must see the packed row, not the padded
         # batch; the call comes back here with position_ids and goes on to ``original``
-        return _unpack_output(self(**kwargs), layout)
+        head = _HEADS.get(id(self)) if kwargs.get("fused_lm_head") else None
+        return _unpack_output(self(**kwargs) if head is None else head(self, kwargs), layout)
 
     forward.__padfree_unpadded__ = True  # type: ignore[attr-defined]
     inner.forward = types.MethodType(forward, inner)
 
 
 @contextlib.contextmanager
-def unpadded_forwards(*models: Any) -> Iterator[None]:
+def unpadded_forwards(*models: Any, heads: Mapping[Any, Callable[[Any, dict[str, Any]], Any]] | None = None
+                      ) -> Iterator[None]:
     """Inside the block, a call ``model(input_ids=..., attention_mask=...)`` with a ``(N, L)`` 0/1 padding mask runs
     as one packed row (:class:`Unpadded`) and returns its per-token outputs padded again.
 
@@ -213,13 +217,26 @@ def unpadded_forwards(*models: Any) -> Iterator[None]:
     like ``input_ids``) packed like the tokens, images and their grids as given. The packed call goes through the
     model's call again, so the hooks of ``configure_packing`` on the model itself (a multimodal model's, which lays
     out each sample's images) see the packed row.
+
+    ``heads`` maps some of the models to a stand-in for TRL's fused LM head: a packed call that asks for it
+    (``fused_lm_head=True``) is answered by ``head(model, kwargs)`` — the unwrapped model and the packed row's keyword
+    arguments — instead of the model's forward, and its per-token outputs are padded again like the forward's
+    (padfree's DPO trainer scores its rows with :mod:`padfree.integrations.fused_head` there).
     """
+    installed = {}
     for model in models:
         if model is not None:
             _install(model)
-    previous = _ACTIVE[0]
+    for model, head in (heads or {}).items():
+        if model is not None and head is not None:
+            _install(model)
+            installed[id(unwrap_model(model))] = head
+    previous, saved = _ACTIVE[0], dict(_HEADS)
     _ACTIVE[0] = True
+    _HEADS.update(installed)
     try:
         yield
     finally:
         _ACTIVE[0] = previous
+        _HEADS.clear()
+        _HEADS.update(saved)

@@ -41,7 +41,8 @@ from padfree.model.wrappers import unwrap_model
 from padfree.packing.inputs import as_int
 from padfree.step_loss import LossRule
 
-__all__ = ["causal_lm_loss", "linear_cross_entropy"]
+__all__ = ["causal_lm_loss", "check_head_arguments", "default_chunk_size", "head_inputs", "linear_cross_entropy",
+           "materialised_head", "verified_head_transform"]
 
 _INT64_MAX = 2**63 - 1
 _CHUNK_BYTES = 1 << 27  # one chunk of float32 logits: 128 MiB (1,024 positions of a 32k vocabulary)
@@ -202,18 +203,16 @@ def linear_cross_entropy(
                                  weights=weights, checked=False)
 
 
-def _linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *,
-                          bias: torch.Tensor | None, scale: float, softcap: float | None, ignore_index: int,
-                          chunk_size: int | None, with_stats: bool, weights: torch.Tensor | None,
-                          checked: bool) -> tuple[torch.Tensor, ...]:
-    """:func:`linear_cross_entropy`; ``checked``: the targets' range was already checked by the caller (in the one
-    host read it makes anyway), so it is not read back again here."""
+def check_head_arguments(hidden: Any, weight: Any, targets: Any, bias: Any, scale: Any, softcap: Any,
+                         chunk_size: Any) -> None:
+    """Refuse what a fused head cannot score: ``hidden`` ``(..., H)``, ``weight`` ``(V, H)``, integer ``targets`` of
+    ``hidden``'s leading shape, ``bias`` None or a tensor, a finite ``scale``, ``softcap`` None or > 0, ``chunk_size``
+    None or a positive int — one :class:`~padfree.errors.InvalidArgumentError` naming the argument and the value."""
     for name, value in (("hidden", hidden), ("weight", weight), ("targets", targets)):
         if not isinstance(value, torch.Tensor):
             raise InvalidArgumentError(f"{name} must be a torch tensor, got {describe(value)}")
-    for name, value in (("bias", bias), ("weights", weights)):
-        if value is not None and not isinstance(value, torch.Tensor):
-            raise InvalidArgumentError(f"{name} must be None or a torch tensor, got {describe(value)}")
+    if bias is not None and not isinstance(bias, torch.Tensor):
+        raise InvalidArgumentError(f"bias must be None or a torch tensor, got {describe(bias)}")
     if not math.isfinite(_number(scale, "scale", "a finite number")):
         raise InvalidArgumentError(f"scale must be a finite number, got {describe(scale)}")
     if softcap is not None:
@@ -229,6 +228,17 @@ def _linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: t
         raise InvalidArgumentError(f"targets must be integer class ids, got dtype {targets.dtype}")
     if softcap is not None and not softcap > 0:
         raise InvalidArgumentError(f"softcap must be None or > 0, got {describe(softcap)}")
+
+
+def _linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *,
+                          bias: torch.Tensor | None, scale: float, softcap: float | None, ignore_index: int,
+                          chunk_size: int | None, with_stats: bool, weights: torch.Tensor | None,
+                          checked: bool) -> tuple[torch.Tensor, ...]:
+    """:func:`linear_cross_entropy`; ``checked``: the targets' range was already checked by the caller (in the one
+    host read it makes anyway), so it is not read back again here."""
+    check_head_arguments(hidden, weight, targets, bias, scale, softcap, chunk_size)
+    if weights is not None and not isinstance(weights, torch.Tensor):
+        raise InvalidArgumentError(f"weights must be None or a torch tensor, got {describe(weights)}")
     chunk = default_chunk_size(weight.shape[0]) if chunk_size is None else int(chunk_size)
     flat_t = targets.reshape(-1)
     keep = (flat_t != ignore_index).nonzero().squeeze(1)
@@ -351,13 +361,13 @@ def head_transform(model: Any) -> tuple[float, float | None]:
 
 
 @contextlib.contextmanager
-def _head_inputs(model: Any) -> Iterator[list[torch.Tensor]]:
+def head_inputs(model: Any) -> Iterator[list[torch.Tensor]]:
     """Within the block, the model's output head records its input and returns empty logits ``(..., 0)``
     instead of computing them (the rest of the forward runs unchanged)."""
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     if not isinstance(head, torch.nn.Linear):
         raise UnsupportedModelError(
-            f"causal_lm_loss needs a model whose output head is an nn.Linear (get_output_embeddings()), got "
+            f"padfree's fused LM head needs a model whose output head is an nn.Linear (get_output_embeddings()), got "
             f"{type(head).__name__} in {type(model).__name__}")
     seen: list[torch.Tensor] = []
 
@@ -375,7 +385,7 @@ def _head_inputs(model: Any) -> Iterator[list[torch.Tensor]]:
         del head.forward
 
 
-def _materialised_head(model: Any, hidden: torch.Tensor) -> torch.nn.Linear:
+def materialised_head(model: Any, hidden: torch.Tensor) -> torch.nn.Linear:
     """The output head, refused when its weight is not there outside its own forward (DeepSpeed ZeRO-3 gathers a
     module's parameters only inside it, and the fused loss uses them after)."""
     head = model.get_output_embeddings()
@@ -387,7 +397,7 @@ def _materialised_head(model: Any, hidden: torch.Tensor) -> torch.nn.Linear:
     return head
 
 
-def _check_head(model: Any) -> tuple[float, float | None]:
+def verified_head_transform(model: Any) -> tuple[float, float | None]:
     """The model's :func:`head_transform`, once verified on a few tokens (cached on the model)."""
     cached = getattr(model, "_padfree_head_transform", None)
     if cached is not None:
@@ -402,12 +412,12 @@ def _check_head(model: Any) -> tuple[float, float | None]:
     try:
         with torch.no_grad():
             logits = model(input_ids=ids[None], use_cache=False).logits.float()
-            with _head_inputs(model) as seen:
+            with head_inputs(model) as seen:
                 model(input_ids=ids[None], use_cache=False)
             if len(seen) != 1:
                 raise UnsupportedModelError(f"{type(model).__name__} calls its output head {len(seen)} times per "
-                                            f"forward; causal_lm_loss cannot stand in for it")
-            head = _materialised_head(model, seen[0])
+                                            f"forward; padfree's fused LM head cannot stand in for it")
+            head = materialised_head(model, seen[0])
             mine = F.linear(seen[0], head.weight, head.bias).float() * scale
             if softcap is not None:
                 mine = torch.tanh(mine / softcap) * softcap
@@ -417,7 +427,7 @@ def _check_head(model: Any) -> tuple[float, float | None]:
     err = float((mine - logits).abs().max()) / max(float(logits.abs().max()), 1.0)
     if mine.shape != logits.shape or not err <= tol:
         raise UnsupportedModelError(
-            f"causal_lm_loss cannot reproduce the logits of {type(model).__name__} (model_type "
+            f"padfree's fused LM head cannot reproduce the logits of {type(model).__name__} (model_type "
             f"{getattr(model.config, 'model_type', '?')!r}) from its head (scale={scale}, softcap={softcap}): "
             f"relative difference {err:.3g}; use the model's own loss (model(**inputs).loss)")
     model._padfree_head_transform = (scale, softcap)
@@ -473,11 +483,11 @@ def causal_lm_loss(
         raise InvalidArgumentError("inputs must hold exactly one of labels (aligned with input_ids) or shift_labels "
                                    f"(pre-shifted), got keys {sorted(inputs)}")
     base = unwrap_model(model)
-    scale, softcap = _check_head(base)
+    scale, softcap = verified_head_transform(base)
     _check_ids_and_labels(base, inputs, "shift_labels" if has_shifted else "labels")
     kwargs = {k: v for k, v in inputs.items() if k not in ("labels", "shift_labels")}
     kwargs.setdefault("use_cache", False)
-    with _head_inputs(base) as seen:
+    with head_inputs(base) as seen:
         out = model(**kwargs)
     if len(seen) != 1:
         raise UnsupportedModelError(f"{type(base).__name__} called its output head {len(seen)} times")
@@ -495,7 +505,7 @@ def causal_lm_loss(
     if tuple(targets.shape) != tuple(hidden.shape[:-1]):
         raise InvalidArgumentError(f"the labels' shape {tuple(targets.shape)} does not match the model's positions "
                                    f"{tuple(hidden.shape[:-1])}")
-    head = _materialised_head(base, hidden)
+    head = materialised_head(base, hidden)
     loss, count, *stats = _linear_cross_entropy(hidden, head.weight, targets.to(hidden.device), bias=head.bias,
                                                 scale=scale, softcap=softcap, ignore_index=IGNORE_INDEX,
                                                 chunk_size=chunk_size, with_stats=with_stats,
