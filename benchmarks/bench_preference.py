@@ -69,6 +69,7 @@ START, END = "<!-- bench_preference:start -->", "<!-- bench_preference:end -->"
 MODES = ("trl", "padded", "padding_free", "packing", "padding_free_same")
 ANCHOR = "trl"
 TARGET = 1.8
+PROFILE_ROUNDS = 2  # timed rounds of the per-component profile, after an untimed one
 FILES = ("gsm8k_train.json", "gpteacher_toolformer.json")
 SIZES = {
     "llama": dict(hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=4,
@@ -406,15 +407,24 @@ def run_model(kind: str, tok: Any, train_pairs: Any, args: argparse.Namespace) -
         runs = {"packing": [built["packing"].data_collator(features)],
                 "padding_free_same": [built["padding_free_same"].data_collator(pairs_[i:i + args.batch_size])
                                       for i in range(0, len(pairs_), args.batch_size)]}
+        # one untimed round first (a row's first run grows the heap, and this VM faults fresh memory in slowly), then
+        # PROFILE_ROUNDS timed rounds alternating the two modes; the median of each component over the timed rounds
+        samples: dict[str, list[dict[str, tuple[float, float]]]] = {mode: [] for mode in runs}
+        for rnd in range(PROFILE_ROUNDS + 1):
+            for mode in (list(runs) if rnd % 2 == 0 else list(runs)[::-1]):
+                trainer = built[mode]
+                trainer.model.train()
+                parts: dict[str, tuple[float, float]] = {}
+                for batch in runs[mode]:
+                    for name, (f, b) in Components([trainer.model, trainer.ref_model]).run(trainer, batch).items():
+                        f0, b0 = parts.get(name, (0.0, 0.0))
+                        parts[name] = (f0 + f, b0 + b)
+                if rnd:
+                    samples[mode].append(parts)
         profiles = {}
         for mode, batches in runs.items():
-            trainer = built[mode]
-            trainer.model.train()
-            parts: dict[str, tuple[float, float]] = {}
-            for batch in batches:
-                for name, (f, b) in Components([trainer.model, trainer.ref_model]).run(trainer, batch).items():
-                    f0, b0 = parts.get(name, (0.0, 0.0))
-                    parts[name] = (f0 + f, b0 + b)
+            parts = {name: (statistics.median(p[name][0] for p in samples[mode]),
+                            statistics.median(p[name][1] for p in samples[mode])) for name in samples[mode][0]}
             profiles[mode] = {"real": sum(int(b["attention_mask"].sum()) for b in batches),
                               "sequences": sum(int(b["input_ids"].shape[0]) for b in batches),
                               "batches": len(batches), "parts": parts}
@@ -604,8 +614,9 @@ def packing_vs_padding_free(r: dict[str, Any], profiles: dict[str, Any]) -> list
         f"{pk['sequences']} sequences, {pk['real']:,} real tokens in one row, against the same pairs padding-free "
         f"in {pf['batches']} "
         f"micro-batches; one `compute_loss` — the reference forward and the policy forward — and its backward per "
-        f"micro-batch, timed per module by hooks, see `Components`; ms per 1,000 real tokens; the backward of the "
-        f"decoder layers is in the backbone's row):",
+        f"micro-batch, timed per module by hooks, see `Components`, medians of {PROFILE_ROUNDS} rounds alternating "
+        f"the two after an untimed one; ms per 1,000 real tokens; the backward of the decoder layers is in the "
+        f"backbone's row):",
         "",
         table(["component", "padding-free forward", "padding-free backward", "`packing` forward",
                "`packing` backward", "`packing` / padding-free"], rows, "lrrrrr"),

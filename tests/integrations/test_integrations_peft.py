@@ -206,8 +206,15 @@ def test_dpo_with_a_lora_policy_and_no_reference_model_equals_trl_padded(model_t
     assert abs(want_loss - math.log(2)) > 1e-3 and abs(want_metrics["rewards/margins"]) > 1e-3
     assert _close(want_loss, got_loss), (want_loss, got_loss)
     assert set(want_metrics) == set(got_metrics)
+    # a reward is β·(policy - reference log-prob sum), a difference of two sums of several hundred nats each rounded to
+    # ~1e-6 of itself in fp32: TRL's head and padfree's add the same terms in other orders, which moves a reward near
+    # zero (a LoRA barely off its reference) by up to β · 2e-6 · |logps|, far beyond 1e-5 of the reward itself
+    logps = max(abs(want_metrics["logps/chosen"]), abs(want_metrics["logps/rejected"]))
     for key, value in want_metrics.items():
-        assert _close(value, got_metrics[key]), (key, value, got_metrics[key])
+        if key.startswith("rewards/") and key != "rewards/accuracies":
+            assert abs(value - got_metrics[key]) <= ours.beta * 2e-6 * logps, (key, value, got_metrics[key])
+        else:
+            assert _close(value, got_metrics[key]), (key, value, got_metrics[key])
     assert want_grads and all(".default." in n for n in want_grads)  # only the adapter (and its copies) trains
     assert _relative(want_grads, got_grads) <= GRAD_TOL[model_type], _relative(want_grads, got_grads)
 

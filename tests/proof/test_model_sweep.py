@@ -45,8 +45,21 @@ def _comparable(entry: dict | None) -> dict | None:
     if entry is None:
         return None
     keep = ("verdict", "class", "base_class", "backends", "variants", "mixers", "stock", "reason", "module", "failed",
-            "blind", "images")
-    return {k: entry.get(k) for k in keep}
+            "blind")
+    return {**{k: entry.get(k) for k in keep}, "images": _images_comparable(entry.get("images"))}
+
+
+def _images_comparable(images: dict | None) -> dict | None:
+    """The images' proof without what the CPU's bf16 kernels decide: the route, the verdict and fp32 exactly, and
+    which reduced precisions were tried — not whether each met its rounding bound, nor the measured numbers. With
+    images a bf16 autocast run lands within a hair of its bound on some types (a loss 9.4e-05 against 9.3e-05), and
+    CPUs with native bf16 instructions (avx512_bf16) round differently from those that emulate them, so the same code
+    proves it on one machine and misses by a hair on another."""
+    if not isinstance(images, dict):
+        return images
+    precisions, unproven = images.get("precisions", []), images.get("unproven", {})
+    out = {k: v for k, v in images.items() if k not in ("precisions", "unproven")}
+    return {**out, "fp32": "fp32" in precisions, "tried": sorted(set(precisions) | set(unproven))}
 
 
 @pytest.mark.parametrize("model_type", TYPES)
