@@ -18,11 +18,12 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 trl = pytest.importorskip("trl")
 
+from trl.trainer.utils import add_fused_lm_head  # noqa: E402
+
 import padfree  # noqa: E402
 from padfree.integrations.fused_head import LogProbHead  # noqa: E402
 from padfree.integrations.unpadded import unpadded_forwards  # noqa: E402
 from padfree.model.log_probs import OUTPUTS  # noqa: E402
-from trl.trainer.utils import add_fused_lm_head  # noqa: E402
 from zoo import tiny_model  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
