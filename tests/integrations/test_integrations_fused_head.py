@@ -101,6 +101,38 @@ def test_the_packed_row_scored_by_padfree_equals_trls_head_on_the_padded_batch(m
     _assert_same(trl_head, got, trl_grads, got_grads)
 
 
+def _worst(want, got, want_grads, got_grads) -> tuple[float, float]:
+    """(max |Δ log-prob|, max |Δ gradient| / max |gradient|) of ``got`` against ``want``."""
+    scale = max(float(g.abs().max()) for g in want_grads.values())
+    return (float((got.log_probs - want.log_probs).abs().max()),
+            max(float((want_grads[n] - got_grads[n]).abs().max()) for n in want_grads) / scale)
+
+
+def test_grpos_temperature_and_head_precision_equal_trls():
+    """GRPO patches TRL's head with the sampling temperature and, optionally, a float32 head outside autocast
+    (``cast_lm_head_to_fp32``). Under bf16 autocast: with the float32 head padfree's equals TRL's to fp32 rounding;
+    with the head in bf16, both land as far from the float32 head's numbers as bf16 rounding takes them, padfree's
+    no farther than TRL's."""
+    runs = {}
+    for fp32_head in (True, False):
+        model = tiny_model("gemma2").float()  # a soft-capped head: temperature divides after the cap
+        padfree.configure_packing(model)
+        add_fused_lm_head(model, temperature=0.7, cast_lm_head_to_fp32=fp32_head, outputs=OUTPUTS)
+        batch = _batch(model.config.vocab_size)
+        head = LogProbHead(OUTPUTS, temperature=0.7, fp32_head=fp32_head)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            runs["padfree", fp32_head] = _run(model, batch, unpadded_forwards(model, heads={model: head}))
+            runs["trl", fp32_head] = _run(model, batch, unpadded_forwards(model))
+        assert head.calls == 1
+    _assert_same(*runs["trl", True][:1], *runs["padfree", True][:1], runs["trl", True][1], runs["padfree", True][1])
+    truth = runs["trl", True]
+    trl_error = _worst(truth[0], runs["trl", False][0], truth[1], runs["trl", False][1])
+    our_error = _worst(truth[0], runs["padfree", False][0], truth[1], runs["padfree", False][1])
+    print("bf16 head against the float32 head: trl", trl_error, "padfree", our_error)
+    assert trl_error[0] > 1e-4  # bf16 rounding is there to see
+    assert our_error[0] <= 1.5 * trl_error[0] and our_error[1] <= 1.5 * trl_error[1], (our_error, trl_error)
+
+
 def test_a_leaking_row_is_caught_by_the_same_comparison():
     """The negative control: the hybrid left unconfigured carries GatedDeltaNet state from one sequence into the
     next inside the packed row, and the per-token log-probs padfree's head returns are then far from TRL's."""

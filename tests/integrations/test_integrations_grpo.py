@@ -112,6 +112,9 @@ def test_padding_free_logps_equal_padded_and_alone(model_type, tok, records, tmp
     ids, mask, width_c, prompt, completion = scoring_batch(tok, records)
     real = mask[:, -width_c:].bool()
 
+    with torch.no_grad():  # padfree's log-prob head verifies, on its first use, that it reproduces the model's logits
+        trainer._get_per_token_logps_and_entropies(trainer.model, ids[:1], mask[:1], width_c, batch_size=1)
+    trainer.padfree_forwards = {"rows": 0, "tokens": 0, "padded_positions": 0}
     rows = []
     hook = trainer.model.model.register_forward_pre_hook(
         lambda m, a, kw: rows.append((tuple(kw["input_ids"].shape), kw.get("attention_mask"))), with_kwargs=True)

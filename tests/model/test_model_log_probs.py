@@ -18,11 +18,12 @@ from padfree.model.log_probs import OUTPUTS, token_log_probs  # noqa: E402
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-def _reference(hidden, weight, targets, bias=None, scale=1.0, softcap=None):
+def _reference(hidden, weight, targets, bias=None, scale=1.0, softcap=None, temperature=1.0):
     """Every field from the full logits, in float64; 0 (False) where there is no target."""
     logits = F.linear(hidden.double(), weight.double(), None if bias is None else bias.double()) * scale
     if softcap is not None:
         logits = torch.tanh(logits / softcap) * softcap
+    logits = logits / temperature
     lp = torch.log_softmax(logits, dim=-1)
     safe = targets.clamp(min=0)
     fields = {"log_probs": lp.gather(-1, safe[..., None])[..., 0], "entropy": -(lp.exp() * lp).sum(-1),
@@ -45,16 +46,18 @@ def _objective(fields, g_lp, g_ent):
 @settings(max_examples=40, deadline=None)
 @given(n=st.integers(1, 40), vocab=st.integers(2, 50), chunk=st.integers(1, 50), bias=st.booleans(),
        scale=st.sampled_from([1.0, 0.25, 3.0]), softcap=st.sampled_from([None, 2.0, 30.0]),
-       ignored=st.floats(0.0, 1.0), seed=st.integers(0, 99))
-def test_every_field_and_gradient_equals_the_full_logits(n, vocab, chunk, bias, scale, softcap, ignored, seed):
+       temperature=st.sampled_from([1.0, 0.7, 1.5]), ignored=st.floats(0.0, 1.0), seed=st.integers(0, 99))
+def test_every_field_and_gradient_equals_the_full_logits(n, vocab, chunk, bias, scale, softcap, temperature, ignored,
+                                                         seed):
     g = torch.Generator().manual_seed(seed)
     h = torch.randn(2, n, 8, generator=g, requires_grad=True)
     w = torch.randn(vocab, 8, generator=g, requires_grad=True)
     b = torch.randn(vocab, generator=g, requires_grad=True) if bias else None
     t = torch.randint(0, vocab, (2, n), generator=g)
     t[torch.rand(2, n, generator=g) < ignored] = -100
-    mine = token_log_probs(h, w, t, bias=b, scale=scale, softcap=softcap, chunk_size=chunk, outputs=OUTPUTS)
-    ref = _reference(h, w, t, b, scale, softcap)
+    mine = token_log_probs(h, w, t, bias=b, scale=scale, softcap=softcap, temperature=temperature, chunk_size=chunk,
+                           outputs=OUTPUTS)
+    ref = _reference(h, w, t, b, scale, softcap, temperature)
     assert set(mine) == set(OUTPUTS)
     for name in OUTPUTS:
         assert mine[name].shape == t.shape
@@ -114,8 +117,9 @@ def test_equals_trls_cpu_fused_head_it_stands_in_for():
     w = torch.randn(1000, 16, requires_grad=True)
     t = torch.randint(0, 1000, (40,))
     fields = ("log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_top1")
-    theirs = chunked.ChunkedLogProbFunction.apply(h, w, None, t, 1.0, 256, 2.0, 0.5, fields)
-    mine = token_log_probs(h, w, t, scale=0.5, softcap=2.0, outputs=fields, chunk_size=9)
+    # TRL's arguments: temperature 0.8, vocabulary chunks of 256, soft-cap 2.0, logit scale 0.5
+    theirs = chunked.ChunkedLogProbFunction.apply(h, w, None, t, 0.8, 256, 2.0, 0.5, fields)
+    mine = token_log_probs(h, w, t, scale=0.5, softcap=2.0, temperature=0.8, outputs=fields, chunk_size=9)
     for name, value in zip(fields, theirs, strict=True):
         if name == "is_top1":
             assert mine[name].tolist() == value.tolist()
@@ -135,6 +139,7 @@ def test_equals_trls_cpu_fused_head_it_stands_in_for():
     ({"targets": torch.tensor([1.0, 2.0, 3.0])}, r"targets must be integer class ids"),
     ({"targets": torch.tensor([1, 2])}, r"targets must have the leading shape of hidden \(3,\)"),
     ({"softcap": 0.0}, r"softcap must be None or > 0"),
+    ({"temperature": 0.0}, r"temperature must be a finite number > 0, got 0.0"),
     ({"chunk_size": 0}, r"chunk_size"),
     ({"weight": torch.randn(9, 5)}, r"hidden must be \(\.\.\., H\) and weight \(V, H\)"),
 ])

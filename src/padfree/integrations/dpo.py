@@ -83,7 +83,7 @@ from padfree.integrations.decide import (
     refuse_unsafe,
     skip_reason,
 )
-from padfree.integrations.fused_head import LogProbHead
+from padfree.integrations.fused_head import FusedHeadOptions, LogProbHead
 from padfree.integrations.loaders import SamplerEpoch, balance_note, balanced_sampler, batch_sampler_dataloader
 from padfree.integrations.preference_data import (
     DPO_DATA,
@@ -127,7 +127,7 @@ _PAIRS = LossRule("pair")  # packed micro-batches: the step's loss is the mean o
 
 
 @dataclasses.dataclass
-class DPOConfig(TrainerOptions, trl.DPOConfig):
+class DPOConfig(TrainerOptions, FusedHeadOptions, trl.DPOConfig):
     """``trl.DPOConfig`` whose ``padding_free`` can say "decide for me", plus padfree's packing of pairs.
 
     Args:
@@ -143,9 +143,7 @@ class DPOConfig(TrainerOptions, trl.DPOConfig):
             steps balanced in tokens and Σ len² (:class:`~padfree.DistributedPackedBatchSampler`) instead of
             sharding them by count; no effect in one process.
         padfree_fused_head: in a padfree mode, on the CPU, answer TRL's fused LM head with padfree's
-            (:class:`~padfree.integrations.fused_head.LogProbHead`): the same per-token fields, scored for the
-            completion tokens only in chunks of fixed size, where TRL's scores every position of the row in tiles of
-            up to 4,096 positions. False: TRL's head everywhere. No effect on a GPU (TRL's head runs there).
+            (:class:`~padfree.integrations.fused_head.FusedHeadOptions`).
 
     Every other argument is ``trl.DPOConfig``'s.
     """
@@ -157,9 +155,6 @@ class DPOConfig(TrainerOptions, trl.DPOConfig):
     padfree_balance: bool = dataclasses.field(
         default=True, metadata={"help": "Data-parallel packing: deal the packed micro-batches to the ranks in steps "
                                         "balanced in tokens and sum of len^2."})
-    padfree_fused_head: bool = dataclasses.field(
-        default=True, metadata={"help": "On the CPU, score the packed rows' completion tokens with padfree's "
-                                        "per-token head instead of TRL's fused head (same values, in chunks)."})
 
 
 # --------------------------------------------------------------------------------------------------

@@ -14,8 +14,9 @@ gradients.
 It stands in only where it computes exactly what TRL's head computes: the head's weight on the CPU, an ``nn.Linear``
 output head whose logits padfree reproduces from its input (verified once per model on a few tokens,
 :func:`~padfree.model.loss.verified_head_transform`: Cohere's scale, Granite's scaling, Gemma's soft-cap), no MoE
-router loss to add, and a head patched at temperature 1 (DPO's). Anywhere else — a GPU, where TRL compacts with its
-Triton kernels; a LoRA on the head; a MoE model — TRL's own head runs, and the reason is logged once.
+router loss to add; at the temperature and the head precision TRL's head was patched with (GRPO's ``temperature`` and
+``cast_lm_head_to_fp32``). Anywhere else — a GPU, where TRL compacts with its Triton kernels; a LoRA on the head; a
+MoE model — TRL's own head runs, and the reason is logged once.
 
 >>> head = LogProbHead(("log_probs", "entropy"))
 >>> head.outputs, head.calls
@@ -24,6 +25,7 @@ Triton kernels; a LoRA on the head; a MoE model — TRL's own head runs, and the
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Any
 
@@ -38,9 +40,26 @@ try:
 except ImportError as exc:  # pragma: no cover - trl is installed wherever this module is used
     raise BackendUnavailableError("padfree.integrations.fused_head needs trl; pip install 'padfree[trl]'") from exc
 
-__all__ = ["LogProbHead"]
+__all__ = ["FusedHeadOptions", "LogProbHead"]
 
 logger = logging.getLogger("padfree")
+
+
+@dataclasses.dataclass
+class FusedHeadOptions:
+    """The option of the trainers whose TRL counterparts score with a fused LM head (DPO, GRPO): a base of their
+    configs, before TRL's class.
+
+    Args:
+        padfree_fused_head: in a padfree mode, on the CPU, answer TRL's fused LM head with padfree's
+            (:class:`LogProbHead`): the same per-token fields, scored for the labelled (completion) tokens only in
+            chunks of fixed size, where TRL's scores every position of the row in tiles of up to 4,096 positions.
+            False: TRL's head everywhere. No effect on a GPU (TRL's head runs there).
+    """
+
+    padfree_fused_head: bool = dataclasses.field(
+        default=True, metadata={"help": "On the CPU, score the packed rows' completion tokens with padfree's "
+                                        "per-token head instead of TRL's fused head (same values, in chunks)."})
 
 
 class LogProbHead:
@@ -55,16 +74,21 @@ class LogProbHead:
     Args:
         outputs: the per-token fields to compute besides ``log_probs``, among
             :data:`padfree.model.log_probs.OUTPUTS` — those TRL's trainer asked its head for (the others stay None).
+        temperature: the logits divided by it, as TRL's head was patched (``add_fused_lm_head(temperature=...)``).
+        fp32_head: the head's product in float32 outside autocast (``cast_lm_head_to_fp32=True``).
 
     Attributes:
         calls: how many calls it answered itself (those it handed to TRL's head are not counted).
     """
 
-    def __init__(self, outputs: tuple[str, ...] = ("log_probs",)) -> None:
+    def __init__(self, outputs: tuple[str, ...] = ("log_probs",), temperature: float = 1.0,
+                 fp32_head: bool = False) -> None:
         if not isinstance(outputs, tuple) or any(o not in OUTPUTS for o in outputs):
             raise InvalidArgumentError(f"outputs must be a tuple of names among {list(OUTPUTS)}, got "
                                        f"{describe(outputs)}")
         self.outputs = outputs
+        self.temperature = temperature
+        self.fp32_head = bool(fp32_head)
         self.calls = 0
         self._refusals: dict[int, str | None] = {}
 
@@ -98,7 +122,7 @@ class LogProbHead:
         return None
 
     def __call__(self, model: Any, kwargs: dict[str, Any]) -> Any:
-        if self.refusal(model) is not None:
+        if self.refusal(model) is not None or kwargs.get("output_router_logits"):  # GRPO asks for a MoE's per call
             return model(**kwargs)  # back through the model's call: TRL's fused forward scores the packed row
         kwargs = dict(kwargs)
         kwargs.pop("fused_lm_head")
@@ -115,12 +139,16 @@ class LogProbHead:
         head = materialised_head(model, hidden)
         scale, softcap = verified_head_transform(model)
         targets = targets.to(head.weight.device)
-        # the product in the precision TRL's head computes it in: autocast's when it is on, else the hidden states'
-        dtype = torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else hidden.dtype
+        # the product in the precision TRL's head computes it in: float32 when cast to it, else autocast's when it is
+        # on, else the hidden states'
+        if self.fp32_head:
+            dtype = torch.float32
+        else:
+            dtype = torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else hidden.dtype
         with torch.autocast("cpu", enabled=False):
             fields = token_log_probs(hidden.to(head.weight.device, dtype), head.weight.to(dtype), targets,
                                      bias=None if head.bias is None else head.bias.to(dtype), scale=scale,
-                                     softcap=softcap, outputs=self.outputs)
+                                     softcap=softcap, temperature=self.temperature, outputs=self.outputs)
         self.calls += 1
         mask = targets != IGNORE_INDEX
         log_probs = fields["log_probs"]

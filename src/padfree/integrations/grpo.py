@@ -55,9 +55,12 @@ from padfree.integrations.decide import (
     refuse_unsafe,
     skip_reason,
 )
+from padfree.integrations.fused_head import FusedHeadOptions, LogProbHead
 from padfree.integrations.preference_data import GRPO_DATA, check_datasets
 from padfree.integrations.status import PADDING_FREE, STANDARD
 from padfree.integrations.unpadded import unpadded_forwards
+from padfree.model.wrappers import unwrap_model
+from padfree.packing.inputs import as_flag
 
 try:
     import torch
@@ -78,7 +81,7 @@ _MULTIMODAL = ("pixel_values", "image_grid_thw", "pixel_attention_mask", "spatia
 
 
 @dataclasses.dataclass
-class GRPOConfig(TrainerOptions, trl.GRPOConfig):
+class GRPOConfig(TrainerOptions, FusedHeadOptions, trl.GRPOConfig):
     """``trl.GRPOConfig`` plus padfree's padding-free switch.
 
     Args:
@@ -87,6 +90,9 @@ class GRPOConfig(TrainerOptions, trl.GRPOConfig):
         auto_padding_free: False turns the automatic choice off (as ``PADFREE_DISABLE_AUTO_PADDING_FREE=1`` does).
         padfree_telemetry: add :class:`~padfree.PackingTelemetryCallback`'s ``padfree/*`` metrics to the training
             logs when padding-free is on, measured on the packed rows the model ran.
+        padfree_fused_head: padding-free, on the CPU, answer TRL's fused LM head with padfree's
+            (:class:`~padfree.integrations.fused_head.FusedHeadOptions`), at the run's ``temperature`` and
+            ``cast_lm_head_to_fp32``.
 
     Every other argument is ``trl.GRPOConfig``'s.
 
@@ -130,6 +136,7 @@ class GRPOMixin(TrainerProtocol):
 
     padding_free = False
     _padfree_fallback = "GRPO scores completions with TRL's padded forward"
+    _padfree_head_map: dict[str, LogProbHead] | None = None
 
     def __init__(self, model: Any, reward_funcs: Any = None, args: Any = None, train_dataset: Any = None,
                  eval_dataset: Any = None, processing_class: Any = None, *rest: Any, **kwargs: Any) -> None:
@@ -175,9 +182,26 @@ class GRPOMixin(TrainerProtocol):
             if self._padfree_telemetry is not None:
                 for rows in attention_mask.split(batch_size or input_ids.size(0)):
                     self._padfree_telemetry.observe_unpadded(rows)
-        with unpadded_forwards(model):
+        with unpadded_forwards(model, heads={model: self._padfree_head(model)}):
             return super()._get_per_token_logps_and_entropies(model, input_ids, attention_mask, logits_to_keep,
                                                               batch_size, **kwargs)
+
+    def _padfree_head(self, model: Any) -> LogProbHead | None:
+        """padfree's answer to TRL's fused LM head for ``model`` (``padfree_fused_head``; None: TRL's head): the
+        fields TRL's GRPO trainer patched its head with — the policy's entropy too (its metric, the high-entropy
+        mask, the bonus), the reference model's log-probs alone — at the run's temperature and head precision."""
+        if not as_flag(getattr(self.args, "padfree_fused_head", True), "padfree_fused_head"):
+            return None
+        if self._padfree_head_map is None:
+            self._padfree_head_map = {}
+        heads = self._padfree_head_map
+        reference = self.ref_model is not None and unwrap_model(model) is unwrap_model(self.ref_model)
+        key = "reference" if reference else "policy"
+        if key not in heads:
+            heads[key] = LogProbHead(("log_probs",) if reference else ("log_probs", "entropy"),
+                                     temperature=self.temperature,
+                                     fp32_head=as_flag(self.args.cast_lm_head_to_fp32, "cast_lm_head_to_fp32"))
+        return heads[key]
 
     def _padfree_count(self, attention_mask: torch.Tensor, batch_size: int) -> None:
         rows = -(-attention_mask.size(0) // batch_size)

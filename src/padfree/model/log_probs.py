@@ -39,9 +39,10 @@ OUTPUTS = ("log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_top1")
 
 
 def _logits(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, scale: float, softcap: float | None,
-            z: torch.Tensor, low: torch.Tensor | None) -> torch.Tensor:
+            inv_t: float, z: torch.Tensor, low: torch.Tensor | None) -> torch.Tensor:
     """One chunk's final logits into the float32 buffer ``z``: the product in the head's precision (``low`` is its
-    buffer when that is not float32, as the model's own head would compute it), then scale and soft-cap."""
+    buffer when that is not float32, as the model's own head would compute it), then scale, soft-cap and ``1 /
+    temperature``."""
     if low is not None:
         torch.mm(h, weight.t(), out=low)
         if bias is not None:
@@ -55,6 +56,8 @@ def _logits(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, sc
         z.mul_(scale)
     if softcap is not None:
         z.div_(softcap).tanh_().mul_(softcap)
+    if inv_t != 1.0:
+        z.mul_(inv_t)
     return z
 
 
@@ -64,7 +67,7 @@ class _TokenLogProbs(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                targets: torch.Tensor, scale: float, softcap: float | None, chunk: int,
+                targets: torch.Tensor, scale: float, softcap: float | None, inv_t: float, chunk: int,
                 wanted: frozenset[str]) -> tuple[torch.Tensor | None, ...]:
         ctx.set_materialize_grads(False)  # an entropy logged, not trained on, brings no gradient to fold in
         n, vocab = hidden.shape[0], weight.shape[0]
@@ -82,7 +85,7 @@ class _TokenLogProbs(torch.autograd.Function):
         for a in range(0, n, rows):  # over chunks of positions, never over tokens
             b = min(a + rows, n)
             t, idx = targets[a:b], arange[: b - a]
-            z = _logits(hidden[a:b], weight, bias, scale, softcap, z_buf[: b - a],
+            z = _logits(hidden[a:b], weight, bias, scale, softcap, inv_t, z_buf[: b - a],
                         None if low_buf is None else low_buf[: b - a])
             if mean is not None:
                 torch.sum(z, dim=1, out=mean[a:b]).div_(vocab)
@@ -102,17 +105,17 @@ class _TokenLogProbs(torch.autograd.Function):
             if sum_sq is not None:  # log Σ p² = log Σ e² - 2 log S
                 torch.sub(torch.mul(e, e, out=z).sum(dim=1).log(), 2 * log_sums, out=sum_sq[a:b])
         ctx.save_for_backward(hidden, weight, bias, targets, log_z, entropy)
-        ctx.settings = (scale, softcap, rows)
+        ctx.settings = (scale, softcap, inv_t, rows)
         ctx.mark_non_differentiable(*(x for x in (sum_sq, mean, top1) if x is not None))
         return log_probs, entropy, sum_sq, mean, top1
 
     @staticmethod
     def backward(ctx: Any, g_lp: torch.Tensor | None, g_ent: torch.Tensor | None, *_: Any) -> tuple[Any, ...]:
         hidden, weight, bias, targets, log_z, entropy = ctx.saved_tensors
-        scale, softcap, rows = ctx.settings
+        scale, softcap, inv_t, rows = ctx.settings
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         need_b = bias is not None and ctx.needs_input_grad[2]
-        nothing = (None,) * 8
+        nothing = (None,) * 9
         if (g_lp is None and g_ent is None) or not (need_h or need_w or need_b):
             return nothing
         n, vocab = hidden.shape[0], weight.shape[0]
@@ -132,9 +135,10 @@ class _TokenLogProbs(torch.autograd.Function):
         for a in range(0, n, rows):
             b = min(a + rows, n)
             h, t, idx = hidden[a:b], targets[a:b], arange[: b - a]
-            z = _logits(h, weight, bias, scale, softcap, z_buf[: b - a], None if low_buf is None else low_buf[: b - a])
-            if softcap is not None:  # d(c·tanh(u/c))/du = 1 - tanh², read off the capped logits
-                cap = torch.div(z, softcap, out=cap_buf[: b - a])
+            z = _logits(h, weight, bias, scale, softcap, inv_t, z_buf[: b - a],
+                        None if low_buf is None else low_buf[: b - a])
+            if softcap is not None:  # d(c·tanh(u/c))/du = 1 - tanh², read off the capped logits (z = c·tanh / T)
+                cap = torch.mul(z, 1.0 / (inv_t * softcap), out=cap_buf[: b - a])
                 cap.mul_(cap).neg_().add_(1.0)
             z.sub_(log_z[a:b, None])  # log p
             p = torch.exp(z, out=p_buf[: b - a])
@@ -150,8 +154,8 @@ class _TokenLogProbs(torch.autograd.Function):
                 g[idx, t] += g_lp[a:b]
             if cap_buf is not None:
                 g.mul_(cap)
-            if scale != 1.0:
-                g.mul_(scale)
+            if scale * inv_t != 1.0:
+                g.mul_(scale * inv_t)
             if db is not None:
                 db += g.sum(dim=0)
             gl = low_buf[: b - a].copy_(g) if low else g
@@ -163,7 +167,7 @@ class _TokenLogProbs(torch.autograd.Function):
                 else:
                     dw.addmm_(gl.t(), h)
         return (dh, None if dw is None else dw.to(weight.dtype), None if db is None else db.to(bias.dtype),
-                None, None, None, None, None)
+                None, None, None, None, None, None)
 
 
 def token_log_probs(
@@ -174,11 +178,13 @@ def token_log_probs(
     bias: torch.Tensor | None = None,
     scale: float = 1.0,
     softcap: float | None = None,
+    temperature: float = 1.0,
     ignore_index: int = IGNORE_INDEX,
     chunk_size: int | None = None,
     outputs: Sequence[str] = ("log_probs",),
 ) -> dict[str, torch.Tensor]:
-    """Per position, the log-probability of its target under ``softmax(softcap(scale · (hidden @ weight.T + bias)))``
+    """Per position, the log-probability of its target under ``softmax(softcap(scale · (hidden @ weight.T + bias)) /
+    temperature)``
     and the requested statistics of that distribution, never holding more than ``chunk_size`` rows of logits.
 
     Equal (to float32 rounding) to reading them off the full logits — ``log_softmax(logits.float())`` at the target,
@@ -194,6 +200,7 @@ def token_log_probs(
         bias: ``(V,)`` or None.
         scale: multiplies the logits (Cohere's ``logit_scale``; ``1 / logits_scaling`` for Granite).
         softcap: ``softcap · tanh(logits / softcap)`` after the scale (Gemma 2 / 3's ``final_logit_softcapping``).
+        temperature: divides the logits last (a sampler's temperature, as RL trainers score with it); > 0.
         chunk_size: positions per chunk (default :func:`~padfree.model.loss.default_chunk_size`: ~128 MiB of
             float32 logits).
         outputs: which of :data:`OUTPUTS` to compute (``log_probs`` always is): ``entropy`` (differentiable),
@@ -211,6 +218,8 @@ def token_log_probs(
     if isinstance(outputs, str) or not isinstance(outputs, Sequence) or any(o not in OUTPUTS for o in outputs):
         raise InvalidArgumentError(f"outputs must be a sequence of names among {list(OUTPUTS)}, got "
                                    f"{describe(outputs)}")
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not 0 < temperature < float("inf"):
+        raise InvalidArgumentError(f"temperature must be a finite number > 0, got {describe(temperature)}")
     wanted = frozenset(outputs) | {"log_probs"}
     chunk = default_chunk_size(weight.shape[0]) if chunk_size is None else int(chunk_size)
     shape = targets.shape
@@ -226,7 +235,7 @@ def token_log_probs(
                                        f"be in [0, {weight.shape[0]}) or ignore_index={ignore_index}")
     h = hidden.reshape(-1, hidden.shape[-1]).index_select(0, keep)  # positions without a target never reach the head
     fields = _TokenLogProbs.apply(h, weight, bias, t, float(scale), None if softcap is None else float(softcap),
-                                  chunk, wanted)
+                                  1.0 / float(temperature), chunk, wanted)
     out = {}
     for name, value in zip(OUTPUTS, fields, strict=True):
         if name not in wanted:
