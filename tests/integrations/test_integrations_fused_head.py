@@ -186,3 +186,16 @@ def test_a_moe_router_loss_keeps_trls_head(caplog):
         got, _ = _run(model, batch, unpadded_forwards(model, heads={model: head}))
     assert head.calls == 0 and "router" in caplog.text
     assert got.aux_loss is not None
+
+
+def test_a_call_without_labels_is_trls_to_answer():
+    """TRL's fused head needs labels; a call without them is handed to it untouched (and fails as it fails there)."""
+    _, model = _pair("llama")
+    batch = {k: v for k, v in _batch(model.config.vocab_size).items() if k != "labels"}
+    head = LogProbHead()
+    errors = []
+    for heads in ({}, {model: head}):
+        with unpadded_forwards(model, heads=heads), pytest.raises(TypeError, match="subscriptable") as info:
+            model(**batch, fused_lm_head=True)
+        errors.append((type(info.value), str(info.value)))
+    assert errors[0] == errors[1] and head.calls == 0

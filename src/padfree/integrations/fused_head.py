@@ -122,7 +122,8 @@ class LogProbHead:
         return None
 
     def __call__(self, model: Any, kwargs: dict[str, Any]) -> Any:
-        if self.refusal(model) is not None or kwargs.get("output_router_logits"):  # GRPO asks for a MoE's per call
+        if (self.refusal(model) is not None or kwargs.get("output_router_logits")  # GRPO asks for a MoE's per call
+                or (kwargs.get("labels") is None and kwargs.get("shift_labels") is None)):
             return model(**kwargs)  # back through the model's call: TRL's fused forward scores the packed row
         kwargs = dict(kwargs)
         kwargs.pop("fused_lm_head")
