@@ -83,7 +83,7 @@ from padfree.integrations.decide import (
     refuse_unsafe,
     skip_reason,
 )
-from padfree.integrations.fused_head import FusedHeadOptions, LogProbHead
+from padfree.integrations.fused_head import FusedHeadOptions, LogProbHead, fused_head_on
 from padfree.integrations.loaders import SamplerEpoch, balance_note, balanced_sampler, batch_sampler_dataloader
 from padfree.integrations.preference_data import (
     DPO_DATA,
@@ -467,7 +467,7 @@ class DPOMixin(TrainerProtocol):
         """padfree's answers to TRL's fused LM head on the packed rows (``padfree_fused_head``), by model: for the
         policy the fields TRL's DPO trainer asks its head for (the metrics' entropy, mean logits and top-1 hits, and
         ``log Σ p²`` for WPO's weights), for the reference model the log-probs alone."""
-        if not as_flag(getattr(self.args, "padfree_fused_head", True), "padfree_fused_head"):
+        if not fused_head_on(self.args):
             return {}
         if self._padfree_head_map is None:
             policy = ("log_probs", "entropy", "mean_logits", "is_top1")

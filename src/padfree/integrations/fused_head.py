@@ -33,6 +33,7 @@ from padfree.errors import BackendUnavailableError, InvalidArgumentError, Padfre
 from padfree.layout import IGNORE_INDEX
 from padfree.model.log_probs import OUTPUTS, token_log_probs
 from padfree.model.loss import head_inputs, materialised_head, verified_head_transform
+from padfree.packing.inputs import as_flag
 
 try:
     import torch
@@ -40,7 +41,7 @@ try:
 except ImportError as exc:  # pragma: no cover - trl is installed wherever this module is used
     raise BackendUnavailableError("padfree.integrations.fused_head needs trl; pip install 'padfree[trl]'") from exc
 
-__all__ = ["FusedHeadOptions", "LogProbHead"]
+__all__ = ["FusedHeadOptions", "LogProbHead", "fused_head_on"]
 
 logger = logging.getLogger("padfree")
 
@@ -60,6 +61,11 @@ class FusedHeadOptions:
     padfree_fused_head: bool = dataclasses.field(
         default=True, metadata={"help": "On the CPU, score the packed rows' completion tokens with padfree's "
                                         "per-token head instead of TRL's fused head (same values, in chunks)."})
+
+
+def fused_head_on(args: Any) -> bool:
+    """A trainer config's ``padfree_fused_head`` (True where the config has none), checked to be a bool."""
+    return as_flag(getattr(args, "padfree_fused_head", True), "padfree_fused_head")
 
 
 class LogProbHead:

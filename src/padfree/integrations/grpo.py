@@ -55,7 +55,7 @@ from padfree.integrations.decide import (
     refuse_unsafe,
     skip_reason,
 )
-from padfree.integrations.fused_head import FusedHeadOptions, LogProbHead
+from padfree.integrations.fused_head import FusedHeadOptions, LogProbHead, fused_head_on
 from padfree.integrations.preference_data import GRPO_DATA, check_datasets
 from padfree.integrations.status import PADDING_FREE, STANDARD
 from padfree.integrations.unpadded import unpadded_forwards
@@ -190,7 +190,7 @@ class GRPOMixin(TrainerProtocol):
         """padfree's answer to TRL's fused LM head for ``model`` (``padfree_fused_head``; None: TRL's head): the
         fields TRL's GRPO trainer patched its head with — the policy's entropy too (its metric, the high-entropy
         mask, the bonus), the reference model's log-probs alone — at the run's temperature and head precision."""
-        if not as_flag(getattr(self.args, "padfree_fused_head", True), "padfree_fused_head"):
+        if not fused_head_on(self.args):
             return None
         if self._padfree_head_map is None:
             self._padfree_head_map = {}

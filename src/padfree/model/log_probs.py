@@ -30,7 +30,7 @@ import torch
 
 from padfree.errors import InvalidArgumentError, describe
 from padfree.layout import IGNORE_INDEX
-from padfree.model.loss import check_head_arguments, default_chunk_size
+from padfree.model.loss import check_head_arguments, chunk_logits, default_chunk_size
 
 __all__ = ["OUTPUTS", "token_log_probs"]
 
@@ -40,20 +40,9 @@ OUTPUTS = ("log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_top1")
 
 def _logits(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, scale: float, softcap: float | None,
             inv_t: float, z: torch.Tensor, low: torch.Tensor | None) -> torch.Tensor:
-    """One chunk's final logits into the float32 buffer ``z``: the product in the head's precision (``low`` is its
-    buffer when that is not float32, as the model's own head would compute it), then scale, soft-cap and ``1 /
-    temperature``."""
-    if low is not None:
-        torch.mm(h, weight.t(), out=low)
-        if bias is not None:
-            low.add_(bias)
-        z.copy_(low)
-    else:
-        torch.mm(h, weight.t(), out=z)
-        if bias is not None:
-            z.add_(bias)
-    if scale != 1.0:
-        z.mul_(scale)
+    """One chunk's final logits into the float32 buffer ``z``: :func:`~padfree.model.loss.chunk_logits` (the product
+    in the head's precision, ``low`` its buffer, and the scale), then soft-cap and ``1 / temperature``."""
+    chunk_logits(h, weight, bias, scale, z, low)
     if softcap is not None:
         z.div_(softcap).tanh_().mul_(softcap)
     if inv_t != 1.0:

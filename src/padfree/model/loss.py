@@ -41,8 +41,8 @@ from padfree.model.wrappers import unwrap_model
 from padfree.packing.inputs import as_int
 from padfree.step_loss import LossRule
 
-__all__ = ["causal_lm_loss", "check_head_arguments", "default_chunk_size", "head_inputs", "linear_cross_entropy",
-           "materialised_head", "verified_head_transform"]
+__all__ = ["causal_lm_loss", "check_head_arguments", "chunk_logits", "default_chunk_size", "head_inputs",
+           "linear_cross_entropy", "materialised_head", "verified_head_transform"]
 
 _INT64_MAX = 2**63 - 1
 _CHUNK_BYTES = 1 << 27  # one chunk of float32 logits: 128 MiB (1,024 positions of a 32k vocabulary)
@@ -55,6 +55,25 @@ def default_chunk_size(vocab_size: int) -> int:
     (1048, 216)
     """
     return max(128, _CHUNK_BYTES // (4 * max(int(vocab_size), 1)) // 8 * 8)
+
+
+def chunk_logits(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, scale: float, z: torch.Tensor,
+                 low: torch.Tensor | None) -> torch.Tensor:
+    """One chunk's scaled logits ``scale · (h @ weight.T + bias)`` into the float32 buffer ``z`` ``(rows, V)``; the
+    product runs in the head's precision when that is not float32 (``low``, its buffer of ``z``'s shape), as the
+    model's own head computes it, and is upcast. The fused heads' soft-cap and the rest follow on ``z``."""
+    if low is not None:
+        torch.mm(h, weight.t(), out=low)
+        if bias is not None:
+            low.add_(bias)
+        z.copy_(low)
+    else:
+        torch.mm(h, weight.t(), out=z)
+        if bias is not None:
+            z.add_(bias)
+    if scale != 1.0:
+        z.mul_(scale)
+    return z
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
@@ -88,18 +107,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
             b = min(a + rows, n)
             h, t, z, idx = hidden[a:b], targets[a:b], z_buf[: b - a], arange[: b - a]
             w = None if weights is None else weights[a:b]
-            if low:  # what the stock head + loss do: logits in the model's precision, upcast for the loss
-                head = low_buf[: b - a]
-                torch.mm(h, weight.t(), out=head)
-                if bias is not None:
-                    head.add_(bias)
-                z.copy_(head)
-            else:
-                torch.mm(h, weight.t(), out=z)
-                if bias is not None:
-                    z.add_(bias)
-            if scale != 1.0:
-                z.mul_(scale)
+            chunk_logits(h, weight, bias, scale, z, low_buf[: b - a] if low else None)
             if softcap is not None:
                 z.div_(softcap).tanh_()
                 torch.mul(z, z, out=cap_buf[: b - a]).neg_().add_(1.0)  # d tanh = 1 - tanh^2, for the backward
